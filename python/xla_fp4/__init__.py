@@ -1,0 +1,1 @@
+"""xla-fp4: NVFP4 training for unmodified JAX programs."""

@@ -1,0 +1,102 @@
+"""The NVFP4 number formats: E2M1 elements, E4M3 block scales, FP32 tensor scales.
+
+Constants and the element-wise rounding rules of the recipe (DESIGN.md §2, arXiv 2509.25149 §2). Everything is computed
+in float32 with operations whose results are exact or correctly rounded, so the C++ kernels
+(`xla_fp4/nvfp4_format.h`) reproduce them bit for bit.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# s_dec = amax / (E2M1_MAX * E4M3_MAX): the largest block scale then lands exactly on E4M3's largest value.
+GLOBAL_SCALE_DIVISOR = E2M1_MAX * E4M3_MAX
+BLOCK = 16
+
+# All non-negative E2M1 values, for tests and documentation.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def _e2m1_step(a):
+  """Spacing of the E2M1 grid at magnitude a (0.5 below 2, 1 below 4, else 2)."""
+  return jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0)).astype(jnp.float32)
+
+
+def _saturate(a):
+  # `where` instead of `minimum` so that NaN stays NaN (as in the C++ kernels).
+  return jnp.where(a > E2M1_MAX, jnp.float32(E2M1_MAX), a)
+
+
+def round_e2m1_nearest(v):
+  """Round float32 `v` to the E2M1 grid, nearest-even, saturating at ±6. NaN stays NaN; the sign of zero is kept."""
+  a = _saturate(jnp.abs(v))
+  step = _e2m1_step(a)
+  return jnp.copysign(jnp.round(a / step) * step, v)  # jnp.round is round-half-to-even; a/step is exact.
+
+
+def round_e2m1_stochastic(v, u):
+  """Round float32 `v` up to its upper E2M1 neighbour with probability equal to its distance from the lower one.
+
+  `u` holds uniform numbers in [0, 1). Unbiased: E[result] = v for |v| <= 6 (recipe: gradients, dgrad and wgrad).
+  """
+  a = _saturate(jnp.abs(v))
+  step = _e2m1_step(a)
+  lo = jnp.floor(a / step) * step
+  frac = (a - lo) / step  # exact: lo <= a < lo + step <= 2 lo (Sterbenz), step a power of two
+  return jnp.copysign(jnp.where(u < frac, lo + step, lo), v)
+
+
+def round_e4m3(v):
+  """Float32 -> E4M3 (round to nearest even), saturating at 448 (NaN stays NaN). Returns float8_e4m3fn."""
+  v = jnp.where(v > E4M3_MAX, jnp.float32(E4M3_MAX), v)
+  return v.astype(jnp.float8_e4m3fn)
+
+
+# ---- counter-based random bits (same function in xla_fp4/nvfp4_format.h) ----
+
+def mix32(x, xp=jnp):
+  """A 32-bit integer finalizer with good avalanche (Wellons' lowbias32); `xp` is jax.numpy or numpy."""
+  x = xp.asarray(x, xp.uint32)
+  x = x ^ (x >> xp.uint32(16))
+  x = x * xp.uint32(0x7FEB352D)
+  x = x ^ (x >> xp.uint32(15))
+  x = x * xp.uint32(0x846CA68B)
+  return x ^ (x >> xp.uint32(16))
+
+
+def fold_in(key, data, xp=jnp):
+  """Derive a new uint32 key from `key` and `data` (both uint32)."""
+  return mix32(xp.asarray(key, xp.uint32) ^ mix32(data, xp), xp)
+
+
+def random_bits(key, shape):
+  """uint32 random bits for each element of `shape`: mix32(index ^ mix32(key)), index = row-major position."""
+  key = jnp.asarray(key, jnp.uint32)
+  n = int(np.prod(shape, dtype=np.int64))
+  if n > 2**32:
+    raise ValueError(f"stochastic rounding supports tensors of at most 2**32 elements, got shape {shape}")
+  index = jax.lax.iota(jnp.uint32, n).reshape(shape) if n else jnp.zeros(shape, jnp.uint32)
+  return mix32(index ^ mix32(key))
+
+
+def uniform_from_bits(bits):
+  """uint32 bits -> float32 uniform in [0, 1) with 24 bits of resolution (exact)."""
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def key_to_u32(key):
+  """Accept a jax PRNG key (typed or raw uint32[2]) or an integer scalar; return a uint32 scalar."""
+  if key is None:
+    raise ValueError("rounding='stochastic' needs a key: pass key=jax.random.key(n) or an integer seed")
+  if isinstance(key, (int, np.integer)):
+    return jnp.uint32(int(key) & 0xFFFFFFFF)
+  key = jnp.asarray(key) if not hasattr(key, "dtype") else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.bits(key, (), jnp.uint32)
+  if key.shape == (2,) and key.dtype == jnp.uint32:
+    return jax.random.bits(jax.random.wrap_key_data(key), (), jnp.uint32)
+  if key.shape == () and jnp.issubdtype(key.dtype, jnp.integer):
+    return key.astype(jnp.uint32)
+  raise TypeError(f"key must be a jax PRNG key or an integer scalar, got {key.dtype}{list(key.shape)}")

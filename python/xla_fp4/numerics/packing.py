@@ -1,0 +1,84 @@
+"""Packed NVFP4 storage as cuBLASLt reads it: two E2M1 codes per byte, E4M3 scales in 128x4 swizzled tiles.
+
+Rows are the non-contraction dim of a GEMM operand (M for A, N for B) and K is contiguous ("TN": both operands K-major).
+Element k of a row sits in byte k // 2, the even element in the low nibble. The scale of (row r, block c) sits at
+  ((r // 128) * (C' / 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+with C' = K/16 rounded up to 4 and rows padded to 128 (cuBLAS docs, "1D block scaling factors layout"); padding is zero.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xla_fp4.numerics import quantize as qz
+from xla_fp4.numerics.formats import BLOCK, E2M1_VALUES
+
+TILE_ROWS, TILE_COLS = 128, 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedNVFP4:
+  data: Any  # uint8 (rows, K / 2)
+  scales: Any  # float8_e4m3fn, flat swizzled, padded_rows * padded_cols entries
+  global_scale: Any  # float32 scalar
+  shape: tuple = dataclasses.field(metadata=dict(static=True))  # the logical shape; K is the last dim
+
+
+def padded_scale_shape(rows, k):
+  cols = k // BLOCK
+  return -(-rows // TILE_ROWS) * TILE_ROWS, -(-cols // TILE_COLS) * TILE_COLS
+
+
+def e2m1_codes(values):
+  """float4_e2m1fn -> uint8 4-bit codes (sign bit 3, magnitude index 0..7 in bits 0..2)."""
+  a = jnp.abs(values.astype(jnp.float32))
+  index = jnp.where(a < 2, a * 2, jnp.where(a < 4, a + 2, a / 2 + 4)).astype(jnp.uint8)
+  return index | (jnp.signbit(values.astype(jnp.float32)).astype(jnp.uint8) << 3)
+
+
+def e2m1_from_codes(codes):
+  magnitude = jnp.asarray(E2M1_VALUES)[(codes & 7).astype(jnp.int32)]
+  return jnp.where(codes & 8, -magnitude, magnitude).astype(jnp.float4_e2m1fn)
+
+
+def swizzle_scales(scales2d):
+  """(rows, K/16) scales -> flat cuBLASLt tile layout."""
+  rows, cols = scales2d.shape
+  rp, cp = padded_scale_shape(rows, cols * BLOCK)
+  s = jnp.zeros((rp, cp), scales2d.dtype).at[:rows, :cols].set(scales2d)
+  s = s.reshape(rp // 128, 4, 32, cp // 4, 4).transpose(0, 3, 2, 1, 4)
+  return s.reshape(-1)
+
+
+def unswizzle_scales(flat, rows, k):
+  rp, cp = padded_scale_shape(rows, k)
+  s = flat.reshape(rp // 128, cp // 4, 32, 4, 4).transpose(0, 3, 2, 1, 4).reshape(rp, cp)
+  return s[:rows, :k // BLOCK]
+
+
+def pack(t: qz.NVFP4Tensor) -> PackedNVFP4:
+  """Pack an NVFP4Tensor quantized along its last axis (leading dims are flattened into rows)."""
+  shape = t.values.shape
+  if t.axis != len(shape) - 1:
+    raise ValueError(f"pack needs K (the quantization axis) last so that K is contiguous, but axis is {t.axis} of "
+                     f"shape {shape}; quantize the transposed tensor instead")
+  k = shape[-1]
+  rows = int(np.prod(shape[:-1], dtype=np.int64))
+  codes = e2m1_codes(t.values).reshape(rows, k // 2, 2)
+  data = codes[..., 0] | (codes[..., 1] << 4)
+  return PackedNVFP4(data=data, scales=swizzle_scales(t.scales.reshape(rows, k // BLOCK)),
+                     global_scale=t.global_scale, shape=tuple(shape))
+
+
+def unpack(p: PackedNVFP4, block_2d=False) -> qz.NVFP4Tensor:
+  shape = p.shape
+  k = shape[-1]
+  rows = p.data.shape[0]
+  codes = jnp.stack([p.data & 15, p.data >> 4], axis=-1).reshape(shape)
+  return qz.NVFP4Tensor(values=e2m1_from_codes(codes),
+                        scales=unswizzle_scales(p.scales, rows, k).reshape(shape[:-1] + (k // BLOCK,)),
+                        global_scale=p.global_scale, axis=len(shape) - 1, block_2d=block_2d)

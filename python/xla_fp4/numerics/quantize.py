@@ -1,0 +1,176 @@
+"""NVFP4 quantization of one tensor along one axis: the pure-JAX reference of the recipe (DESIGN.md §2).
+
+A tensor of any rank is viewed as (outer, K, inner) around the quantization axis (no data movement). Blocks are 16
+consecutive elements along K. With `block_2d=True` a block is a 16x16 tile: 16 along K times 16 consecutive positions of
+the flattened trailing dims (inner), or of the flattened leading dims (outer) when the axis is the last one. Either way a
+weight quantized along K and its transpose quantized along N share the same tiles (arXiv 2509.25149 §4.3: 2D weight
+scaling keeps fprop and dgrad consistent). Scales are stored one per 1x16 row segment (a 2D tile repeats its scale), the
+layout cuBLASLt's VEC16_UE4M3 mode reads.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xla_fp4.numerics import formats
+from xla_fp4.numerics.formats import BLOCK
+
+ROUNDINGS = ("nearest", "stochastic")
+_INV_E2M1_MAX = np.float32(1.0 / formats.E2M1_MAX)  # 0x1.555556p-3f, the same constant in nvfp4_format.h
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+  """A quantized tensor: decoded value = values * scales (broadcast over each block) * global_scale."""
+  values: Any  # float4_e2m1fn, the shape of the original tensor
+  scales: Any  # float8_e4m3fn, the original shape with `axis` divided by 16
+  global_scale: Any  # float32 scalar decode scale amax / (6 * 448)
+  axis: int = dataclasses.field(metadata=dict(static=True))
+  block_2d: bool = dataclasses.field(metadata=dict(static=True))
+
+
+def canonical_axis(shape, axis):
+  """Normalize `axis` and check that blocks of 16 fit along it; returns (axis, outer, K, inner)."""
+  rank = len(shape)
+  if not -rank <= axis < rank:
+    raise ValueError(f"axis {axis} is out of range for a tensor of rank {rank}")
+  axis %= rank
+  k = shape[axis]
+  if k % BLOCK:
+    raise ValueError(f"NVFP4 quantizes blocks of {BLOCK} along the contraction axis, but axis {axis} of shape "
+                     f"{tuple(shape)} has size {k}; pad it to a multiple of {BLOCK} or keep this tensor in high "
+                     "precision")
+  outer = int(np.prod(shape[:axis], dtype=np.int64))
+  inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+  return axis, outer, k, inner
+
+
+def _check_rounding(rounding):
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+
+
+def _check_float(x):
+  if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    raise TypeError(f"NVFP4 quantization takes float32, bfloat16 or float16 tensors, got {x.dtype}")
+
+
+def _tile_max(a, axis):
+  """Max over groups of 16 consecutive positions along `axis` of `a`, broadcast back to every position."""
+  n = a.shape[axis]
+  a = jnp.moveaxis(a, axis, -1)
+  pad = -n % BLOCK
+  a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])  # |x| >= 0, so zero padding never raises a max
+  g = a.reshape(a.shape[:-1] + (a.shape[-1] // BLOCK, BLOCK))
+  g = jnp.broadcast_to(jnp.max(g, axis=-1, keepdims=True), g.shape)
+  return jnp.moveaxis(g.reshape(a.shape)[..., :n], -1, axis)
+
+
+def global_decode_scale(amax):
+  """s_dec = amax / (6 * 448), float32."""
+  return jnp.asarray(amax, jnp.float32) / jnp.float32(formats.GLOBAL_SCALE_DIVISOR)
+
+
+def amax(x):
+  """max |x| over the whole tensor as float32 (NaN propagates)."""
+  return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def _encode(x32, axis, block_2d, rounding, key, s_dec):
+  """Core of the recipe on a float32 tensor. Returns (q, scales) with q float32 on the E2M1 grid shaped (outer, K/16,
+  16, inner) and scales float8_e4m3fn shaped (outer, K/16, inner)."""
+  axis, outer, k, inner = canonical_axis(x32.shape, axis)
+  xb = x32.reshape(outer, k // BLOCK, BLOCK, inner)
+  block_amax = jnp.max(jnp.abs(xb), axis=2)
+  if block_2d:
+    block_amax = _tile_max(block_amax, 2 if inner > 1 else 0)
+  s_dec = jnp.asarray(s_dec, jnp.float32)
+  s_enc = jnp.where(s_dec == 0, jnp.float32(0), jnp.float32(1) / s_dec)
+  scales = formats.round_e4m3(block_amax * (s_enc * _INV_E2M1_MAX))
+  denom = scales.astype(jnp.float32) * s_dec
+  v = xb * (jnp.float32(1) / denom)[:, :, None, :]
+  if rounding == "stochastic":
+    u = formats.uniform_from_bits(formats.random_bits(key, x32.shape).reshape(xb.shape))
+    q = formats.round_e2m1_stochastic(v, u)
+  else:
+    q = formats.round_e2m1_nearest(v)
+  q = jnp.where((denom == 0)[:, :, None, :], jnp.float32(0), q)  # a zero scale encodes zeros
+  return q, scales
+
+
+def _decode(q, scales, s_dec):
+  """(q * scale) * s_dec in float32: q*scale is exact, one rounding at the end."""
+  return (q * scales.astype(jnp.float32)[:, :, None, :]) * jnp.asarray(s_dec, jnp.float32)
+
+
+def _scale_shape(shape, axis):
+  return tuple(shape[:axis]) + (shape[axis] // BLOCK,) + tuple(shape[axis + 1:])
+
+
+def _resolve(x, axis, rounding, key, global_scale):
+  x = jnp.asarray(x)
+  _check_float(x)
+  _check_rounding(rounding)
+  axis = canonical_axis(x.shape, axis)[0]
+  x32 = x.astype(jnp.float32)
+  s_dec = global_decode_scale(amax(x32)) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
+  key = formats.key_to_u32(key) if rounding == "stochastic" else None
+  return x, x32, axis, s_dec, key
+
+
+def quantize(x, *, axis=-1, block_2d=False, rounding="nearest", key=None, global_scale=None):
+  """Quantize `x` to NVFP4 along `axis` (the GEMM contraction axis).
+
+  Args:
+    x: float32 / bfloat16 / float16 array of any rank; `x.shape[axis]` must be a multiple of 16.
+    axis: the axis along which blocks of 16 share a scale.
+    block_2d: 16x16 tiles share a scale (the recipe's weight scaling) instead of 1x16 segments.
+    rounding: "nearest" (round half to even) or "stochastic" (unbiased; needs `key`).
+    key: a jax PRNG key or integer seed for stochastic rounding.
+    global_scale: the float32 decode scale to use; by default amax(x) / (6 * 448).
+  Returns:
+    An NVFP4Tensor.
+  """
+  x, x32, axis, s_dec, key = _resolve(x, axis, rounding, key, global_scale)
+  q, scales = _encode(x32, axis, block_2d, rounding, key, s_dec)
+  q = jnp.where(jnp.isnan(q), jnp.float32(0), q)  # E2M1 has no NaN: such blocks carry a NaN scale or global scale
+  return NVFP4Tensor(values=q.reshape(x.shape).astype(jnp.float4_e2m1fn),
+                     scales=scales.reshape(_scale_shape(x.shape, axis)),
+                     global_scale=s_dec, axis=axis, block_2d=block_2d)
+
+
+def dequantize(t: NVFP4Tensor, dtype=jnp.float32):
+  """Decode an NVFP4Tensor to `dtype`."""
+  shape = t.values.shape
+  _, outer, k, inner = canonical_axis(shape, t.axis)
+  q = t.values.astype(jnp.float32).reshape(outer, k // BLOCK, BLOCK, inner)
+  scales = t.scales.reshape(outer, k // BLOCK, inner)
+  return _decode(q, scales, t.global_scale).reshape(shape).astype(dtype)
+
+
+def _qdq_value(x, axis, block_2d, rounding, key, global_scale):
+  x, x32, axis, s_dec, key = _resolve(x, axis, rounding, key, global_scale)
+  q, scales = _encode(x32, axis, block_2d, rounding, key, s_dec)
+  return _decode(q, scales, s_dec).reshape(x.shape).astype(x.dtype)
+
+
+@jax.custom_jvp
+def straight_through(x, y):
+  """Returns y; its derivative is the identity in x (the straight-through estimator for y = fake_quant(x))."""
+  return y
+
+
+@straight_through.defjvp
+def _straight_through_jvp(primals, tangents):
+  return primals[1], tangents[0]
+
+
+def qdq(x, *, axis=-1, block_2d=False, rounding="nearest", key=None, global_scale=None):
+  """Quantize then dequantize (fake quantization) in x's dtype; gradients pass straight through."""
+  y = _qdq_value(jax.lax.stop_gradient(x), axis, block_2d, rounding,
+                 None if key is None else jax.lax.stop_gradient(key), global_scale)
+  return straight_through(x, y)
