@@ -59,11 +59,12 @@ def round_e4m3(v):
 def mix32(x, xp=jnp):
   """A 32-bit integer finalizer with good avalanche (Wellons' lowbias32); `xp` is jax.numpy or numpy."""
   x = xp.asarray(x, xp.uint32)
-  x = x ^ (x >> xp.uint32(16))
-  x = x * xp.uint32(0x7FEB352D)
-  x = x ^ (x >> xp.uint32(15))
-  x = x * xp.uint32(0x846CA68B)
-  return x ^ (x >> xp.uint32(16))
+  with np.errstate(over="ignore"):  # uint32 arithmetic wraps by design
+    x = x ^ (x >> xp.uint32(16))
+    x = x * xp.uint32(0x7FEB352D)
+    x = x ^ (x >> xp.uint32(15))
+    x = x * xp.uint32(0x846CA68B)
+    return x ^ (x >> xp.uint32(16))
 
 
 def fold_in(key, data, xp=jnp):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_fp4.numerics import formats, quantize as qz
+from xla_fp4.numerics import formats, nvfp4 as qz
 from xla_fp4.numerics.rht import rht_f32
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_fp4.numerics import quantize as qz
+from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.formats import BLOCK, E2M1_VALUES
 
 TILE_ROWS, TILE_COLS = 128, 4

@@ -12,13 +12,12 @@ import numpy as np
 
 from xla_fp4.numerics import formats
 from xla_fp4.numerics.formats import BLOCK
-from xla_fp4.numerics.quantize import canonical_axis
+from xla_fp4.numerics.nvfp4 import canonical_axis
 
 
 def rht_signs(seed):
   """The ±1 float32 sign vector s for `seed`: bit 31 of mix32(j ^ mix32(seed)) for j = 0..15."""
-  with np.errstate(over="ignore"):
-    bits = formats.mix32(np.arange(BLOCK, dtype=np.uint32) ^ formats.mix32(np.array([seed], np.uint32), np), np)
+  bits = formats.mix32(np.arange(BLOCK, dtype=np.uint32) ^ formats.mix32(np.array([seed], np.uint32), np), np)
   return np.where(bits >> 31, np.float32(-1), np.float32(1)).astype(np.float32)
 
 

@@ -1,0 +1,55 @@
+"""Public Python API: enable / disable the pass, exclude code from it, explain its decisions."""
+
+import contextlib
+import functools
+
+import jax
+
+from xla_fp4 import config as config_mod
+from xla_fp4 import hook, report
+from xla_fp4.passes import pipeline
+from xla_fp4.passes.analyze import EXCLUDE_SCOPE
+
+
+def enable_config(cfg):
+  from xla_fp4 import kernels
+  kernels.register()
+  hook.install(cfg)
+
+
+def enable(**options):
+  """Turn NVFP4 on for every later compilation; options override XLA_FP4_* (see the README's option table)."""
+  enable_config(config_mod.load(**{**options, "enabled": True}))
+
+
+def disable():
+  """Turn NVFP4 off for later compilations (already compiled functions keep their executables)."""
+  hook.uninstall()
+
+
+class _Exclude(contextlib.ContextDecorator):
+  def __enter__(self):
+    self._scope = jax.named_scope(EXCLUDE_SCOPE)
+    return self._scope.__enter__()
+
+  def __exit__(self, *exc):
+    return self._scope.__exit__(*exc)
+
+
+def exclude(fn=None):
+  """Keep the GEMMs traced inside in high precision: `with xla_fp4.exclude():` or `@xla_fp4.exclude`."""
+  if fn is None:
+    return _Exclude()
+  if not callable(fn):
+    raise TypeError(f"xla_fp4.exclude decorates a function or is used as `with xla_fp4.exclude():`; got {fn!r}")
+  return functools.wraps(fn)(_Exclude()(fn))
+
+
+def explain(fn, *args, **kwargs):
+  """Lower `fn(*args, **kwargs)` (without compiling or running it); print and return the pass's decision rows."""
+  lowered = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args, **kwargs)
+  module = lowered.compiler_ir("stablehlo")
+  cfg = hook.installed_config() or config_mod.load(enabled=True)
+  rows, unmatched = pipeline.decisions(module, cfg)
+  print(report.table(rows, unmatched, title=pipeline.module_name(module)), end="")
+  return rows

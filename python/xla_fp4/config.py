@@ -1,0 +1,153 @@
+"""Every xla-fp4 option in one registry: name, environment variable, default, help.
+
+Values come from `xla_fp4.enable(**options)` when given, else from the environment, else the default. Parsing is strict:
+a bad value raises a ValueError naming the variable and the accepted values.
+"""
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable
+
+
+def _parse_bool(text):
+  value = str(text).strip().lower()
+  if value in ("1", "true"):
+    return True
+  if value in ("0", "false"):
+    return False
+  raise ValueError("accepted values are 1, 0, true, false")
+
+
+def _parse_choice(*choices):
+  def parse(text):
+    value = str(text).strip().lower()
+    if value not in choices:
+      raise ValueError(f"accepted values are {', '.join(choices)}")
+    return value
+  return parse
+
+
+def _parse_count(text):
+  value = str(text).strip().lower()
+  if value == "auto":
+    return "auto"
+  if value.isdigit():
+    return int(value)
+  raise ValueError("accepted values are 'auto' or a non-negative integer")
+
+
+def _parse_int(text):
+  try:
+    value = int(str(text).strip(), 0)
+  except ValueError:
+    raise ValueError("accepted values are integers") from None
+  if value < 0:
+    raise ValueError("accepted values are non-negative integers")
+  return value
+
+
+def _parse_regex(text):
+  text = str(text)
+  if text:
+    try:
+      re.compile(text)
+    except re.error as e:
+      raise ValueError(f"not a valid regular expression ({e})") from None
+  return text
+
+
+def _parse_str(text):
+  return str(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  name: str
+  env: str
+  default: Any
+  parse: Callable[[Any], Any]
+  help: str
+
+
+OPTIONS = (
+    Option("enabled", "XLA_FP4", False, _parse_bool,
+           "Install the pass: every jit compilation is rewritten to NVFP4 per the policy."),
+    Option("backend", "XLA_FP4_BACKEND", "auto", _parse_choice("auto", "emulate", "native"),
+           "emulate: exact NVFP4 numerics with high-precision GEMMs (any platform); native: packed FP4 operands and an "
+           "FP4 GEMM (cuBLASLt on sm_100+, a C++ reference GEMM on CPU); auto: native where an FP4 GEMM runs, else "
+           "emulate."),
+    Option("rht", "XLA_FP4_RHT", True, _parse_bool,
+           "16x16 random Hadamard transform on both wgrad operands."),
+    Option("stochastic_rounding", "XLA_FP4_STOCHASTIC_ROUNDING", True, _parse_bool,
+           "Stochastic rounding of gradients (dgrad and wgrad gradient operands)."),
+    Option("weights_2d", "XLA_FP4_2D_WEIGHTS", True, _parse_bool,
+           "16x16 block scaling of weights (else 1x16 like activations)."),
+    Option("keep_first", "XLA_FP4_KEEP_FIRST", "auto", _parse_count,
+           "Blocks at the start of the network kept in high precision; auto: 1/5 of round(16% of the blocks)."),
+    Option("keep_last", "XLA_FP4_KEEP_LAST", "auto", _parse_count,
+           "Blocks at the end of the network kept in high precision; auto: the other 4/5 of round(16% of blocks)."),
+    Option("keep_head", "XLA_FP4_KEEP_HEAD", True, _parse_bool,
+           "Keep the output head (logits) GEMMs in high precision."),
+    Option("exclude", "XLA_FP4_EXCLUDE", "", _parse_regex,
+           "Regex (re.search) on the layer path: matching layers stay in high precision."),
+    Option("min_dim", "XLA_FP4_MIN_DIM", 16, _parse_int,
+           "GEMMs with M, N or K below this stay in high precision."),
+    Option("seed", "XLA_FP4_SEED", 0, _parse_int,
+           "Seed of the RHT sign vector and of the stochastic-rounding keys."),
+    Option("dump_dir", "XLA_FP4_DUMP_DIR", "", _parse_str,
+           "Write {n:04d}_{module}.before.mlir, .after.mlir and .decisions.json/.txt for every compiled module."),
+    Option("strict", "XLA_FP4_STRICT", False, _parse_bool,
+           "Raise on an internal pass error instead of compiling the original module with a warning."),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  enabled: bool
+  backend: str
+  rht: bool
+  stochastic_rounding: bool
+  weights_2d: bool
+  keep_first: Any
+  keep_last: Any
+  keep_head: bool
+  exclude: str
+  min_dim: int
+  seed: int
+  dump_dir: str
+  strict: bool
+
+
+def _parse(option, value, source):
+  try:
+    return option.parse(value)
+  except ValueError as e:
+    raise ValueError(f"{source} = {value!r} is invalid: {e}. ({option.help})") from None
+
+
+def load(environ=None, **overrides) -> Config:
+  """Build a Config from `overrides` (Python names) over the environment over the defaults."""
+  environ = os.environ if environ is None else environ
+  unknown = set(overrides) - set(_BY_NAME)
+  if unknown:
+    raise TypeError(f"unknown xla_fp4 option(s) {sorted(unknown)}; known options: {sorted(_BY_NAME)}")
+  values = {}
+  for o in OPTIONS:
+    if o.name in overrides:
+      values[o.name] = _parse(o, overrides[o.name], f"option {o.name}")
+    elif o.env in environ:
+      values[o.name] = _parse(o, environ[o.env], f"environment variable {o.env}")
+    else:
+      values[o.name] = o.default
+  return Config(**values)
+
+
+def markdown_table():
+  """The option table rendered into the README."""
+  rows = ["| option | environment variable | default | meaning |", "|---|---|---|---|"]
+  for o in OPTIONS:
+    default = {True: "1", False: "0"}.get(o.default, o.default) if isinstance(o.default, bool) else o.default
+    rows.append(f"| `{o.name}` | `{o.env}` | `{default if default != '' else '(empty)'}` | {o.help} |")
+  return "\n".join(rows)

@@ -1,0 +1,70 @@
+"""The compile hook: the one module that touches JAX private API.
+
+`jax._src.compiler.compile_or_get_cached(backend, computation, ...)` is the funnel of jit, AOT compile, grad, pmap and
+shard_map (DESIGN.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the persistent
+cache key is computed from it, so rewritten and original programs never share cache entries).
+"""
+
+import inspect
+import logging
+import threading
+import warnings
+
+import jax
+from jax._src import compiler
+
+from xla_fp4.config import Config
+from xla_fp4.passes import pipeline
+
+logger = logging.getLogger("xla_fp4")
+_lock = threading.Lock()
+_state = {"original": None, "config": None, "warned": False}
+
+
+def _check_jax():
+  params = list(inspect.signature(compiler.compile_or_get_cached).parameters)
+  if params[:2] != ["backend", "computation"]:
+    raise RuntimeError(f"xla_fp4 supports jax versions whose compiler.compile_or_get_cached(backend, computation, ...) "
+                       f"it can wrap; jax {jax.__version__} has {params}. Upgrade xla_fp4 or pin jax 0.10.2-0.12.")
+
+
+def _compile_or_get_cached(backend, computation, *args, **kwargs):
+  config = _state["config"]
+  module = computation
+  try:
+    result = pipeline.transform(computation, config, platform=backend.platform)
+    if config.dump_dir:
+      pipeline.dump(config.dump_dir, computation, result)
+    module = result.module
+  except Exception as e:  # the user's program must keep working: compile the original module
+    if config.strict:
+      raise
+    if not _state["warned"]:
+      _state["warned"] = True
+      warnings.warn(f"xla_fp4: the NVFP4 pass failed on module {pipeline.module_name(computation)!r} "
+                    f"({type(e).__name__}: {e}); compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. "
+                    "(Warned once per process.)", RuntimeWarning, stacklevel=2)
+    logger.debug("xla_fp4 pass failure", exc_info=True)
+  return _state["original"](backend, module, *args, **kwargs)
+
+
+def install(config: Config):
+  """Route every compilation through the pass with `config` (idempotent; a second call swaps the config)."""
+  _check_jax()
+  with _lock:
+    _state["config"] = config
+    if _state["original"] is None:
+      _state["original"] = compiler.compile_or_get_cached
+      compiler.compile_or_get_cached = _compile_or_get_cached
+
+
+def uninstall():
+  with _lock:
+    if _state["original"] is not None:
+      compiler.compile_or_get_cached = _state["original"]
+      _state["original"] = None
+      _state["config"] = None
+
+
+def installed_config():
+  return _state["config"]

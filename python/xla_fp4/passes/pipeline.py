@@ -1,0 +1,140 @@
+"""The pass pipeline: clone → analyze → decide → rewrite → verify → dump. Entry point of the compile hook.
+
+`run` never mutates the module it is given (JAX keeps it for `Lowered.as_text()` and cache keys); it returns a fresh
+module, or the original when nothing was selected. Errors are the caller's business (hook.py falls back and warns).
+"""
+
+import dataclasses
+import itertools
+import json
+import os
+import threading
+
+from jax._src.lib.mlir import ir
+
+from xla_fp4 import report
+from xla_fp4.config import Config
+from xla_fp4.passes import analyze as analyze_mod
+from xla_fp4.passes import policy as policy_mod
+from xla_fp4.passes import rewrite as rewrite_mod
+
+_dump_counter = itertools.count()
+_dump_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class Result:
+  module: ir.Module
+  rows: list  # decision rows (report.py format)
+  unmatched_rules: list
+  changed: bool
+
+
+def clone_module(module: ir.Module) -> ir.Module:
+  """A fresh ModuleOp holding clones of the top-level ops (cloning the ModuleOp itself gives one XLA rejects)."""
+  with module.context, module.operation.location:
+    new = ir.Module.create()
+    attrs = module.operation.attributes
+    for i in range(len(attrs)):
+      named = attrs[i]
+      new.operation.attributes[named.name] = named.attr
+    for op in module.body.operations:
+      new.body.append(op.clone())
+  return new
+
+
+def module_name(module) -> str:
+  return ir.StringAttr(module.operation.attributes["sym_name"]).value if "sym_name" in module.operation.attributes \
+      else "module"
+
+
+def _kernels_for(platform, module):
+  from xla_fp4 import kernels
+  if kernels.has_targets(platform):
+    return rewrite_mod.FfiKernels()
+  return rewrite_mod.ReferenceKernels(module)
+
+
+def _visible(value, op):
+  """Whether `value` can be used at `op` (defined in an enclosing block, and before `op` if in the same block)."""
+  if isinstance(value.owner, ir.Block):
+    vblock, vop = value.owner, None
+  else:
+    vop = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+    vblock = vop.block
+  cur = op
+  while cur is not None:
+    if cur.block == vblock:
+      return vop is None or vop.is_before_in_block(cur)
+    cur = cur.parent
+  return False
+
+
+def decisions(module: ir.Module, config: Config):
+  """Analyze and decide only: (decision rows, unmatched rule names)."""
+  with module.context, ir.Location.unknown():
+    analysis = analyze_mod.analyze(module)
+    decided, unmatched = policy_mod.decide(analysis, config)
+    return report.rows(analysis.sites, decided), unmatched
+
+
+def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=None) -> Result:
+  """Rewrite a clone of `module`. `kernels(module) -> KernelSet` overrides the per-platform choice."""
+  new = clone_module(module)
+  with new.context, ir.Location.unknown():
+    analysis = analyze_mod.analyze(new)
+    decisions, unmatched = policy_mod.decide(analysis, config)
+    selected = [d for d in decisions if d.decision == "nvfp4"]
+    notes = {}
+    if selected:
+      kernel_set = kernels(new) if kernels else _kernels_for(platform, new)
+      emitter = rewrite_mod.Emitter(kernel_set, config.seed)
+      plumbed = {}  # (func name, entry call) -> block value inside the function
+      replaced_calls = {}
+      for d in selected:
+        site, dot = analysis.sites[d.index], analysis.ops[d.index]
+        block_value = None
+        if d.keep_blocks:
+          value, entry = analysis.block_values[d.index]
+          entry = replaced_calls.get(entry, entry)
+          if entry is None and _visible(value, dot):
+            block_value = value
+          elif entry is not None and value is not None and _visible(value, entry):
+            key = (site.func, id(entry))
+            if key not in plumbed:
+              func_op = next(op for op in new.body.operations if op.operation.name == "func.func" and
+                             ir.StringAttr(op.attributes["sym_name"]).value == site.func)
+              arg, new_call = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
+              replaced_calls[entry] = new_call
+              plumbed[key] = arg
+              plumbed[(site.func, id(new_call))] = arg
+            block_value = plumbed[key]
+          else:
+            notes[d.index] = "block index unavailable per iteration: every iteration runs in NVFP4"
+        y = emitter.emit_emulated(dot, site, d, block_value)
+        if block_value is not None:  # the select still reads the original dot
+          dot.results[0].replace_all_uses_except(y, y.owner)
+        else:
+          dot.results[0].replace_all_uses_with(y)
+          dot.erase()
+      if not new.operation.verify():
+        raise RuntimeError("xla_fp4 produced a module that does not verify")
+    rows = report.rows(analysis.sites, decisions, notes)
+  return Result(module=new if selected else module, rows=rows, unmatched_rules=unmatched, changed=bool(selected))
+
+
+def dump(dump_dir, before: ir.Module, result: Result):
+  os.makedirs(dump_dir, exist_ok=True)
+  with _dump_lock:
+    n = next(_dump_counter)
+  stem = os.path.join(dump_dir, f"{n:04d}_{module_name(before)}")
+  with open(stem + ".before.mlir", "w") as f:
+    f.write(before.operation.get_asm(enable_debug_info=True))
+  with open(stem + ".after.mlir", "w") as f:
+    f.write(result.module.operation.get_asm(enable_debug_info=True))
+  payload = {"module": module_name(before), "decisions": result.rows, "unmatched_rules": result.unmatched_rules}
+  with open(stem + ".decisions.json", "w") as f:
+    json.dump(payload, f, indent=1)
+  with open(stem + ".decisions.txt", "w") as f:
+    f.write(report.table(result.rows, result.unmatched_rules, title=module_name(before)))
+  return stem

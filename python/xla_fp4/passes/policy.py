@@ -1,0 +1,121 @@
+"""Policy: decide per dot whether it runs in NVFP4, with which recipe per operand, and why.
+
+Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
+are reported. Defaults follow DESIGN.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept; about
+16% of the blocks kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62 blocks);
+GEMMs whose contraction is not a multiple of 16, or that are tiny, kept.
+
+In a scanned layer stack one dot serves every layer: the decision there is `nvfp4` with `keep_blocks`, and the rewrite
+selects per iteration between the NVFP4 result and the high-precision one on the block index.
+"""
+
+import dataclasses
+import re
+from typing import Callable, Optional
+
+from xla_fp4.config import Config
+from xla_fp4.numerics.gemm import OperandRecipe
+from xla_fp4.passes.analyze import Analysis, DotSite
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+  name: str
+  decision: str  # keep | nvfp4
+  reason: str
+  when: Callable[[DotSite, "Context"], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  config: Config
+  num_blocks: int
+  kept_blocks: frozenset
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Decision:
+  index: int
+  decision: str  # keep | nvfp4
+  rule: str
+  reason: str
+  lhs: Optional[OperandRecipe] = None
+  rhs: Optional[OperandRecipe] = None
+  keep_blocks: tuple = ()  # scanned stacks: block indices that select the high-precision result
+
+
+def kept_blocks(config: Config, num_blocks: int) -> frozenset:
+  """The blocks kept in high precision: first/last counts from the config, 'auto' = 16% split 1:4 first:last."""
+  total = round(0.16 * num_blocks)
+  first = config.keep_first if config.keep_first != "auto" else total // 5
+  last = config.keep_last if config.keep_last != "auto" else total - total // 5
+  first, last = min(first, num_blocks), min(last, num_blocks)
+  return frozenset(range(first)) | frozenset(range(num_blocks - last, num_blocks))
+
+
+def _multi_contracting(site):
+  return len(site.contracting[0]) != 1
+
+
+def default_rules(config: Config):
+  exclude = re.compile(config.exclude) if config.exclude else None
+  return (
+      Rule(name="not_linear", decision="keep", reason="not a linear-layer GEMM (no operand is a parameter)",
+           when=lambda s, c: s.role == "other"),
+      Rule(name="exclude_scope", decision="keep", reason="inside xla_fp4.exclude()",
+           when=lambda s, c: s.excluded_scope),
+      Rule(name="exclude_regex", decision="keep", reason=f"layer path matches XLA_FP4_EXCLUDE={config.exclude!r}",
+           when=lambda s, c: exclude is not None and bool(exclude.search(s.layer))),
+      Rule(name="contraction_not_16", decision="keep", reason="contraction size is not a multiple of 16",
+           when=lambda s, c: s.k % 16 != 0),
+      Rule(name="multi_contracting", decision="keep",
+           reason="several contracting dims (merging them is not implemented yet)",
+           when=lambda s, c: _multi_contracting(s)),
+      Rule(name="tiny", decision="keep", reason=f"M, N or K below XLA_FP4_MIN_DIM={config.min_dim}",
+           when=lambda s, c: min(s.m, s.n, s.k) < c.config.min_dim),
+      Rule(name="head", decision="keep", reason="output head (logits) kept in high precision",
+           when=lambda s, c: s.is_head and c.config.keep_head),
+      Rule(name="high_precision_block", decision="keep",
+           reason="block kept in high precision (XLA_FP4_KEEP_FIRST/LAST)",
+           when=lambda s, c: s.block is not None and s.block in c.kept_blocks),
+      Rule(name="nvfp4", decision="nvfp4", reason="linear layer", when=lambda s, c: True),
+  )
+
+
+def recipe_for(site: DotSite, config: Config):
+  """Per-operand recipe of DESIGN.md §2's table. JAX's transpose rule emits dot_general(g, other): the gradient is the
+  non-weight operand of a dgrad and the lhs of a wgrad."""
+  sr = "stochastic" if config.stochastic_rounding else "nearest"
+  weight = OperandRecipe(block_2d=config.weights_2d)
+  if site.role == "fprop":
+    act = OperandRecipe()
+    return (weight, act) if site.weight_operand == 0 else (act, weight)
+  if site.role == "dgrad":
+    grad = OperandRecipe(rounding=sr)
+    return (weight, grad) if site.weight_operand == 0 else (grad, weight)
+  return (OperandRecipe(rounding=sr, rht=config.rht), OperandRecipe(rht=config.rht))
+
+
+def decide(analysis: Analysis, config: Config, rules=None):
+  """Returns ([Decision] in site order, [names of rules that matched nothing])."""
+  rules = default_rules(config) if rules is None else rules
+  ctx = Context(config=config, num_blocks=analysis.num_blocks,
+                kept_blocks=kept_blocks(config, analysis.num_blocks))
+  used, decisions = set(), []
+  for site in analysis.sites:
+    rule = next(r for r in rules if r.when(site, ctx))
+    used.add(rule.name)
+    if rule.decision == "keep":
+      decisions.append(Decision(index=site.index, decision="keep", rule=rule.name, reason=rule.reason))
+      continue
+    lhs, rhs = recipe_for(site, config)
+    keep_blocks = ()
+    reason = rule.reason
+    if site.index in analysis.block_values:
+      keep_blocks = tuple(sorted(b for b in ctx.kept_blocks if b < (site.num_stacked or 0)))
+      if keep_blocks:
+        reason += f"; scanned stack: blocks {list(keep_blocks)} select the high-precision result"
+    decisions.append(Decision(index=site.index, decision="nvfp4", rule=rule.name, reason=reason, lhs=lhs, rhs=rhs,
+                              keep_blocks=keep_blocks))
+  unmatched = [r.name for r in rules if r.name not in used]
+  return decisions, unmatched

@@ -1,0 +1,241 @@
+"""Rewrite: replace each selected dot_general by its NVFP4 emulation (the `emulate` emitter).
+
+Before (fprop of a linear layer):
+  %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<8x32xbf16>, tensor<32x64xbf16>) -> ...
+After (per operand: amax as a plain reduce, the decode scale, the fused quantize kernel returning q·scale, which is
+exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha):
+  %xa   = stablehlo.abs (convert %x)            ; for RHT operands: custom_call @xla_fp4_rht first
+  %amax = stablehlo.reduce(%xa) applies stablehlo.maximum
+  %sx   = stablehlo.divide %amax, 2688          ; s_dec = amax / (6 * 448)
+  %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
+                                                              apply_global_scale = false}
+  ... same for %w ...
+  %acc  = stablehlo.dot_general %qx, %qw (same dims and precision) -> f32
+  %y    = convert (%acc * (%sx * %sw))
+Stochastic-rounding keys are `digest(operand) ^ mix32(seed, site)`: the digest is a wrapping uint32 sum of the
+operand's bits, so keys change every step and differ between layers, yet are reproducible.
+In a scanned stack with high-precision blocks the original dot stays and `select(block in keep, original, nvfp4)`
+picks per iteration; the block index is passed into the scan body function as an extra argument when needed.
+
+Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
+calls to private functions lowered from the pure-JAX reference (platforms without compiled kernels). A native
+emitter (packed operands + FP4 GEMM) plugs in beside `emit_emulated`, sharing the operand analysis.
+"""
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+from jax._src.lib.mlir.dialects import hlo
+
+from xla_fp4.numerics import formats
+from xla_fp4.numerics import nvfp4 as qz
+from xla_fp4.numerics.rht import rht_f32
+
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def _tensor_type(v):
+  return ir.RankedTensorType(v.type)
+
+
+def _scalar(dtype_ir):
+  return ir.RankedTensorType.get([], dtype_ir)
+
+
+def _f32():
+  return ir.F32Type.get()
+
+
+def _u32():
+  return ir.IntegerType.get_unsigned(32)
+
+
+def _const(value, ir_type):
+  """A scalar constant of an f32, u32 or signed/unsigned integer MLIR type."""
+  if isinstance(ir_type, ir.F32Type):
+    np_dtype = np.float32
+  else:
+    int_type = ir.IntegerType(ir_type)
+    np_dtype = np.dtype(f"{'u' if int_type.is_unsigned else 'i'}{int_type.width // 8}")
+  return hlo.ConstantOp(ir.DenseElementsAttr.get(np.array(value, np_dtype),
+                                                 type=ir.RankedTensorType.get([], ir_type))).result
+
+
+def _reduce(x, op_cls, init, elem_type):
+  """Full reduction of `x` to a scalar with a binary op."""
+  rank = len(_tensor_type(x).shape)
+  red = hlo.ReduceOp([_scalar(elem_type)], [x], [init], list(range(rank)))
+  block = red.regions[0].blocks.append(_scalar(elem_type), _scalar(elem_type))
+  with ir.InsertionPoint(block):
+    hlo.ReturnOp([op_cls(block.arguments[0], block.arguments[1]).result])
+  return red.result
+
+
+def _broadcast(scalar, like_type):
+  return hlo.BroadcastInDimOp(like_type, scalar, ir.DenseI64ArrayAttr.get([])).result
+
+
+def _digest(x):
+  """Wrapping uint32 sum of the bits of `x`: cheap, partitionable, different every step."""
+  t = _tensor_type(x)
+  width = ir.FloatType(t.element_type).width
+  bits = hlo.BitcastConvertOp(ir.RankedTensorType.get(t.shape, ir.IntegerType.get_unsigned(width)), x).result
+  if width != 32:
+    bits = hlo.ConvertOp(ir.RankedTensorType.get(t.shape, _u32()), bits).result
+  return _reduce(bits, hlo.AddOp, _const(0, _u32()), _u32())
+
+
+class FfiKernels:
+  """Custom calls to the compiled FFI targets (C++ on CPU, CUDA on GPU)."""
+
+  def __init__(self):
+    from xla_fp4 import kernels  # the compiled extension is only needed on this path
+    self.targets = kernels
+
+  def rht(self, x, axis, seed):
+    shape = _tensor_type(x).shape
+    return mlir.custom_call(self.targets.RHT, result_types=[ir.RankedTensorType.get(shape, _f32())], operands=[x],
+                            backend_config=self.targets.backend_config(axis=axis, rht_seed=seed),
+                            api_version=4).result
+
+  def qdq(self, x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
+    return mlir.custom_call(
+        self.targets.QDQ, result_types=[x.type], operands=[x, s_dec, key],
+        backend_config=self.targets.backend_config(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
+                                                     rht_seed=rht_seed, apply_global_scale=False),
+        api_version=4).result
+
+
+def _ref_rht(x, *, axis, seed):
+  return rht_f32(x.astype(jnp.float32), axis, seed)
+
+
+def _ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
+  x32 = x.astype(jnp.float32)
+  if rht:
+    x32 = rht_f32(x32, axis, rht_seed)
+  q, scales = qz._encode(x32, axis, block_2d, "stochastic" if stochastic else "nearest", key, s_dec)
+  return (q * scales.astype(jnp.float32)[:, :, None, :]).reshape(x.shape).astype(x.dtype)
+
+
+class ReferenceKernels:
+  """Calls to private functions lowered from the pure-JAX reference; for platforms without compiled kernels."""
+
+  def __init__(self, module):
+    self.module = module
+    self.symbols = {}
+
+  def _function(self, fn, arg_types, **params):
+    sig = repr((fn.__name__, [str(t) for t in arg_types], sorted(params.items())))
+    name = "xla_fp4_" + fn.__name__.strip("_") + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
+    if name not in self.symbols:
+      avals = [jax.ShapeDtypeStruct(tuple(ir.RankedTensorType(t).shape),
+                                    _DTYPES.get(str(ir.RankedTensorType(t).element_type), jnp.uint32))
+               for t in arg_types]
+      text = jax.jit(lambda *a: fn(*a, **params), keep_unused=True).lower(*avals).as_text(debug_info=False)
+      helper = ir.Module.parse(text, context=self.module.context)
+      ops = list(helper.body.operations)
+      for op in ops:  # rename every symbol first, so that calls between helper functions follow
+        sym = ir.StringAttr(op.attributes["sym_name"]).value
+        new = name if sym == "main" else f"{name}_{sym}"
+        ir.SymbolTable.replace_all_symbol_uses(sym, new, helper.operation)
+        op.attributes["sym_name"] = ir.StringAttr.get(new)
+        op.attributes["sym_visibility"] = ir.StringAttr.get("private")
+        for attr in ("arg_attrs", "res_attrs"):
+          if attr in op.attributes:
+            del op.attributes[attr]
+      for op in ops:
+        self.module.body.append(op.clone())
+      self.symbols[name] = [ir.RankedTensorType(t) for t in arg_types]
+    return name
+
+  def _call(self, name, result_type, operands):
+    return func_dialect.CallOp([result_type], ir.FlatSymbolRefAttr.get(name), operands).result
+
+  def rht(self, x, axis, seed):
+    name = self._function(_ref_rht, [x.type], axis=axis, seed=seed)
+    return self._call(name, ir.RankedTensorType.get(_tensor_type(x).shape, _f32()), [x])
+
+  def qdq(self, x, s_dec, key, **params):
+    name = self._function(_ref_qdq, [x.type, s_dec.type, key.type], **params)
+    return self._call(name, x.type, [x, s_dec, key])
+
+
+class Emitter:
+  """Emits the NVFP4 pattern for one dot at a time."""
+
+  def __init__(self, kernels, seed):
+    self.kernels = kernels
+    self.seed = seed
+
+  def _operand(self, x, axis, recipe, site_id):
+    """-> (q·scale in x's dtype, s_dec f32 scalar)."""
+    f32 = _f32()
+    if recipe.rht:
+      src = self.kernels.rht(x, axis, self.seed)
+    else:
+      src = hlo.ConvertOp(ir.RankedTensorType.get(_tensor_type(x).shape, f32), x).result
+    amax = _reduce(hlo.AbsOp(src).result, hlo.MaxOp, _const(0.0, f32), f32)
+    s_dec = hlo.DivOp(amax, _const(formats.GLOBAL_SCALE_DIVISOR, f32)).result
+    stochastic = recipe.rounding == "stochastic"
+    salt = int(formats.fold_in(np.uint32(self.seed), np.uint32(site_id), np))
+    key = hlo.XorOp(_digest(x), _const(salt, _u32())).result if stochastic else _const(salt, _u32())
+    q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic, rht=recipe.rht,
+                         rht_seed=self.seed)
+    return q, s_dec
+
+  def emit_emulated(self, dot, site, decision, block_value=None):
+    """Insert the pattern before `dot`; returns the value that replaces its result."""
+    lhs, rhs = dot.operands[0], dot.operands[1]
+    (lc, rc), _ = site.contracting, site.batch
+    with ir.InsertionPoint(dot), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
+      qa, sa = self._operand(lhs, lc[0], decision.lhs, 2 * site.index)
+      qb, sb = self._operand(rhs, rc[0], decision.rhs, 2 * site.index + 1)
+      out_type = _tensor_type(dot.results[0])
+      acc_type = ir.RankedTensorType.get(out_type.shape, _f32())
+      kwargs = {}
+      if "precision_config" in dot.attributes:
+        kwargs["precision_config"] = dot.attributes["precision_config"]
+      acc = hlo.DotGeneralOp(acc_type, qa, qb, dot.attributes["dot_dimension_numbers"], **kwargs).result
+      alpha = hlo.MulOp(sa, sb).result
+      y = hlo.MulOp(acc, _broadcast(alpha, acc_type)).result
+      if out_type.element_type != _f32():
+        y = hlo.ConvertOp(out_type, y).result
+      if decision.keep_blocks and block_value is not None:
+        y = self._select_high_precision(block_value, decision.keep_blocks, dot.results[0], y)
+    return y
+
+  def _select_high_precision(self, block, keep_blocks, original, nvfp4):
+    etype = _tensor_type(block).element_type
+    pred = None
+    for b in keep_blocks:
+      c = hlo.CompareOp(block, _const(b, etype), hlo.ComparisonDirectionAttr.get("EQ")).result
+      pred = c if pred is None else hlo.OrOp(pred, c).result
+    t = _tensor_type(original)
+    mask = hlo.BroadcastInDimOp(ir.RankedTensorType.get(t.shape, ir.IntegerType.get_signless(1)), pred,
+                                ir.DenseI64ArrayAttr.get([])).result
+    return hlo.SelectOp(mask, original, nvfp4).result
+
+
+def plumb_block_value(value, entry_call, func_op):
+  """Make `value` (visible at `entry_call`) available inside `func_op` by adding an argument; returns it there."""
+  block = func_op.regions[0].blocks[0]
+  arg = block.add_argument(value.type, ir.Location.unknown())
+  ftype = ir.FunctionType(ir.TypeAttr(func_op.attributes["function_type"]).value)
+  func_op.attributes["function_type"] = ir.TypeAttr.get(
+      ir.FunctionType.get(list(ftype.inputs) + [value.type], list(ftype.results)))
+  if "arg_attrs" in func_op.attributes:
+    attrs = list(ir.ArrayAttr(func_op.attributes["arg_attrs"]))
+    func_op.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs + [ir.DictAttr.get({})])
+  with ir.InsertionPoint(entry_call), entry_call.location:
+    new_call = func_dialect.CallOp([r.type for r in entry_call.results], entry_call.attributes["callee"],
+                                   list(entry_call.operands) + [value])
+  for old, new in zip(entry_call.results, new_call.results):
+    old.replace_all_uses_with(new)
+  entry_call.erase()
+  return arg, new_call.operation

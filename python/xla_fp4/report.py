@@ -1,0 +1,81 @@
+"""Decision rows and tables: what the pass decided for each dot, and why.
+
+A row is a dict: module, index, layer, role, phase, block, lhs_shape, rhs_shape, flops, decision, reason, rule.
+Dump directories hold `{n:04d}_{module}.decisions.json` (rows + unmatched rules) and a `.decisions.txt` table.
+"""
+
+import glob
+import json
+import os
+
+
+def rows(sites, decisions, notes=None):
+  notes = notes or {}
+  out = []
+  for s, d in zip(sites, decisions):
+    reason = d.reason + (f"; {notes[s.index]}" if s.index in notes else "")
+    block = s.block if s.block is not None else ("scan" if s.num_stacked else None)
+    out.append(dict(index=s.index, layer=s.layer, role=s.role, phase=s.phase, block=block,
+                    lhs_shape=list(s.lhs_shape), rhs_shape=list(s.rhs_shape), dtype=s.dtype, flops=s.flops,
+                    decision=d.decision, rule=d.rule, reason=reason,
+                    recipe=None if d.lhs is None else {"lhs": _recipe(d.lhs), "rhs": _recipe(d.rhs)},
+                    keep_blocks=list(d.keep_blocks)))
+  return out
+
+
+def _recipe(r):
+  parts = ["2d" if r.block_2d else "1d", "sr" if r.rounding == "stochastic" else "rn"] + (["rht"] if r.rht else [])
+  return "+".join(parts)
+
+
+def _shape(s):
+  return "x".join(map(str, s))
+
+
+def table(rows, unmatched_rules=(), title=""):
+  header = ("#", "layer", "role", "block", "lhs", "rhs", "decision", "recipe (lhs | rhs)", "reason")
+  body = []
+  for r in rows:
+    recipe = f"{r['recipe']['lhs']} | {r['recipe']['rhs']}" if r.get("recipe") else ""
+    body.append((str(r["index"]), r["layer"] or "-", r["role"], "" if r["block"] is None else str(r["block"]),
+                 _shape(r["lhs_shape"]), _shape(r["rhs_shape"]), r["decision"], recipe, r["reason"]))
+  widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+  fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+  lines = [f"== {title}" if title else "", fmt(header), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
+  total = sum(r["flops"] for r in rows)
+  fp4 = sum(r["flops"] for r in rows if r["decision"] == "nvfp4")
+  lines.append(f"{sum(r['decision'] == 'nvfp4' for r in rows)}/{len(rows)} dots in NVFP4, "
+               f"{100 * fp4 / total if total else 0:.1f}% of dot FLOPs")
+  if unmatched_rules:
+    lines.append(f"rules that matched nothing: {', '.join(unmatched_rules)}")
+  return "\n".join(l for l in lines if l is not None) + "\n"
+
+
+def load(dump_dir):
+  """[(module name, payload dict)] for every decisions file in `dump_dir`, in dump order."""
+  files = sorted(glob.glob(os.path.join(dump_dir, "*.decisions.json")))
+  if not files:
+    raise FileNotFoundError(f"no *.decisions.json in {dump_dir!r}; run with XLA_FP4_DUMP_DIR={dump_dir} first")
+  out = []
+  for f in files:
+    with open(f) as fh:
+      out.append((os.path.basename(f)[:-len(".decisions.json")], json.load(fh)))
+  return out
+
+
+def load_decisions(dump_dir):
+  """All decision rows of a dump dir, each with its "module"."""
+  return [dict(row, module=name) for name, payload in load(dump_dir) for row in payload["decisions"]]
+
+
+def nvfp4_flop_share(dump_dir, module_filter=None):
+  """Share of dot FLOPs that run in NVFP4 over the dumped modules (optionally only those whose name contains
+  `module_filter`)."""
+  rows = [r for r in load_decisions(dump_dir) if module_filter is None or module_filter in r["module"]]
+  total = sum(r["flops"] for r in rows)
+  return sum(r["flops"] for r in rows if r["decision"] == "nvfp4") / total if total else 0.0
+
+
+def print_report(dump_dir):
+  for name, payload in load(dump_dir):
+    print(table(payload["decisions"], payload.get("unmatched_rules", ()), title=name))
