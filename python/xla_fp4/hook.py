@@ -56,6 +56,7 @@ def install(config: Config):
     if _state["original"] is None:
       _state["original"] = compiler.compile_or_get_cached
       compiler.compile_or_get_cached = _compile_or_get_cached
+  jax.clear_caches()  # executables compiled before would otherwise be reused unchanged
 
 
 def uninstall():
@@ -64,6 +65,7 @@ def uninstall():
       compiler.compile_or_get_cached = _state["original"]
       _state["original"] = None
       _state["config"] = None
+  jax.clear_caches()
 
 
 def installed_config():

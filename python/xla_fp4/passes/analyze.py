@@ -35,11 +35,12 @@ import numpy as np
 from jax._src.lib.mlir import ir
 
 _NAME_LOC_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"(\(|\)$)')
+_FILE_LOC_RE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
 _TRANSFORM_RE = re.compile(r"^[\w.]+\((.*)\)$")  # jvp(MLP), transpose(jvp(MLP)), vmap(f), jit(step)
 _NOISE = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "remat2",
           "core_call", "custom_jvp_call", "custom_vjp_call", "pjit", "shard_map", "scan", "xla_fp4_exclude_end"}
 _BLOCK_RE = re.compile(r"(?:^|[/.\['_])(?:blocks?|layers?|h|transformer_?blocks?|encoder_?blocks?|decoder_?blocks?)"
-                       r"[_'\]\[]*(\d+)", re.I)
+                       r"[_'\]\[/]*(\d+)", re.I)
 _HEAD_RE = re.compile(r"(head|logits|unembed|embed\w*|lm_out|output_projection)$", re.I)
 _PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
                  "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding"}
@@ -95,6 +96,18 @@ def frame_of(loc) -> str:
   return text[m.end(1) + 1:] if m else text
 
 
+def frames_of(loc) -> tuple:
+  """The source frames (file, line, column) of an op's location, innermost first."""
+  return tuple(_FILE_LOC_RE.findall(frame_of(loc)))
+
+
+def _same_frame(a, b):
+  """Frames of one Python call: backward and remat copies may add outer frames (a scan body's caller), so compare the
+  common innermost frames."""
+  n = min(len(a), len(b))
+  return n > 0 and a[:n] == b[:n]
+
+
 def _strip_transform(component):
   while True:
     m = _TRANSFORM_RE.match(component)
@@ -109,8 +122,8 @@ def layer_path(name_stack: str) -> str:
     if c.startswith(("jit(", "pjit(")):
       continue
     c = _strip_transform(c)
-    if c and c not in _NOISE and not c.startswith(("branch_", "jit:")):
-      parts.append(c)
+    if c and c not in _NOISE and not c.startswith(("branch_", "jit:")) and (not parts or parts[-1] != c):
+      parts.append(c)  # a repeat (nn.scan names the lifted module and the scanned one alike) is dropped
   return "/".join(parts)
 
 
@@ -266,101 +279,184 @@ def _dot_dims(op):
           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)))
 
 
-def _gather_users(module_info, arg_index):
-  """Whether @main argument `arg_index` feeds a gather (an embedding table) through pass-through ops."""
-  main = module_info.funcs.get("main")
+def _feeds_gather(mod, arg_index):
+  """Whether @main argument `arg_index` is also an embedding table: it feeds the operand of a gather (jnp.take is
+  outlined into a private function) through pass-through ops, calls and while carries. A tied output head."""
+  main = mod.funcs.get("main")
   if main is None:
     return False
   todo = [main.regions[0].blocks[0].arguments[arg_index]]
   seen = 0
-  while todo and seen < 64:
+  while todo and seen < 256:
     v = todo.pop()
     seen += 1
     for use in v.uses:
       user = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-      if user.name in ("stablehlo.gather", "stablehlo.dynamic_slice") and use.operand_number == 0:
+      if user.name == "stablehlo.gather" and use.operand_number == 0:
         return True
-      if user.name in _PASS_THROUGH:
-        todo.extend(user.results)
+      if user.name in _PASS_THROUGH or user.name == "stablehlo.optimization_barrier":
+        todo.extend(user.results if user.name in _PASS_THROUGH else [user.results[use.operand_number]])
+      elif user.name == "func.call":
+        callee = mod.funcs.get(ir.FlatSymbolRefAttr(user.attributes["callee"]).value)
+        if callee is not None:
+          todo.append(callee.regions[0].blocks[0].arguments[use.operand_number])
+      elif user.name == "stablehlo.while":
+        todo.append(user.regions[1].blocks[0].arguments[use.operand_number])
   return False
+
+
+def _root(value):
+  """The value a pass-through chain starts from (same function): dots that read the same tensor compare equal."""
+  for _ in range(64):
+    if isinstance(value.owner, ir.Block):
+      return value
+    op = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+    if op.name not in _PASS_THROUGH:
+      return value
+    value = op.operands[0]
+  return value
+
+
+def _phase(stack):
+  return "backward" if "transpose(" in stack and "rematted_computation" not in stack else "forward"
+
+
+def _layer(stack_path, arg_name):
+  """The layer of a linear dot: the name-stack path (linen module names, named scopes), completed with the weight's
+  argument path where the name stack does not name the weight's module (NNX, plain pytrees)."""
+  arg_path = _path_from_arg(arg_name) if arg_name else ""
+  if not arg_path:
+    return stack_path
+  if not stack_path:
+    return arg_path
+  last = arg_path.split("/")[-1]
+  if any(c == last or c.startswith(last + ".") for c in stack_path.split("/")):
+    return stack_path
+  return f"{stack_path}/{arg_path}"
+
+
+class _Dot:
+  """Per-dot facts gathered before classification."""
+
+  def __init__(self, fname, op, stack, sources):
+    self.fname, self.op, self.stack, self.sources = fname, op, stack, sources
+    self.frames = frames_of(op.location)
+    self.path = layer_path(stack)
+    self.phase = _phase(stack)
+    self.roots = [_root(v) for v in op.operands]
+    self.out_shape = _shape(op.results[0])
+    self.role, self.w, self.src, self.partner = "other", None, None, None
+
+
+def _pair_backward(dots):
+  """Classify backward dots against the forward linear dots (fprops) of the same source frame: dgrad when an operand
+  is the fprop's weight; wgrad when the result has the weight's shape and the dot shares the gradient with the layer's
+  dgrad, or the activation with the fprop (value identity through pass-through ops); with no dataflow link, the last
+  not yet paired fprop of that shape (JAX transposes in reverse program order). Anything else stays `other`."""
+  fprops = [j for j, d in enumerate(dots) if d.role == "fprop"]
+  backward = [i for i, d in enumerate(dots) if d.phase == "backward"]
+
+  def candidates(i):
+    d = dots[i]
+    same_frame = [j for j in fprops if _same_frame(d.frames, dots[j].frames)]
+    # Where a forward dot of the frame carries the same layer path (linen, named scopes), only that layer pairs.
+    if d.path and any(f.phase == "forward" and f.path == d.path and _same_frame(d.frames, f.frames) for f in dots):
+      return [j for j in same_frame if dots[j].path == d.path]
+    return same_frame
+
+  for i in backward:
+    d = dots[i]
+    for j in candidates(i):
+      same = [k for k in (0, 1) if d.sources[k] is not None and d.sources[k].arg == dots[j].src.arg]
+      if same:
+        d.role, d.w, d.src, d.partner = "dgrad", same[0], d.sources[same[0]], j
+        break
+  claimed = set()
+  for i in backward:
+    d = dots[i]
+    if d.role != "other":
+      continue
+    shaped = [j for j in candidates(i)
+              if sorted(d.out_shape) == sorted(_shape(dots[j].op.operands[dots[j].w]))]
+    if not shaped:
+      continue
+    partner = None
+    for g in (k for k in backward if dots[k].role == "dgrad" and dots[k].partner in shaped):
+      grad = dots[g].roots[1 - dots[g].w]
+      if any(grad == r for r in d.roots):
+        partner = dots[g].partner
+        break
+    if partner is None:
+      partner = next((j for j in shaped if any(dots[j].roots[1 - dots[j].w] == r for r in d.roots)), None)
+    if partner is None:
+      free = [j for j in shaped if (d.fname, j) not in claimed]
+      partner = (free or shaped)[-1]
+    claimed.add((d.fname, partner))
+    d.role, d.partner = "wgrad", partner
+    d.src = _local_source(dots, d.fname, dots[partner].src)
+
+
+def _local_source(dots, fname, src):
+  """The weight source of a wgrad, with a per-iteration block value that lives in the wgrad's own function: the
+  wgrad has no weight operand, so take it from a dot of the same function that slices the same stacked weight, or
+  another stacked weight of the same size (one scan iteration slices every stacked weight at the same index)."""
+  if src.stacked is None:
+    return src
+  local = [s for d in dots if d.fname == fname for s in d.sources if s is not None and s.index is not None]
+  for s in local:
+    if s.arg == src.arg:
+      return s
+  for s in local:
+    if s.stacked == src.stacked:
+      return dataclasses.replace(s, arg=src.arg)
+  return dataclasses.replace(src, index=None, entry_call=None)
 
 
 def analyze(module) -> Analysis:
   mod = _Module(module)
   tracer = _Tracer(mod)
-  raw = []
+  dots = []
   for fname, op in mod.order:
     if op.name != "stablehlo.dot_general":
       continue
     prefix = mod.call_prefix(fname)
     own = name_of(op.location)
     stack = f"{prefix}/{own}" if prefix and own else (prefix or own)
-    sources = [tracer.trace(op.operands[i]) for i in (0, 1)]
-    raw.append((fname, op, stack, sources))
-
-  def phase_of(stack):
-    return "backward" if "transpose(" in stack.split("rematted_computation")[0] and \
-        "rematted_computation" not in stack else "forward"
+    dots.append(_Dot(fname, op, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
 
   # Forward dots: fprop when an operand is a parameter (rhs preferred: x @ W), else other.
-  forward = {}
-  info = {}
-  for i, (fname, op, stack, sources) in enumerate(raw):
-    if phase_of(stack) != "forward":
-      continue
-    w = 1 if sources[1] is not None else (0 if sources[0] is not None else None)
-    info[i] = ("fprop" if w is not None else "other", w, sources[w] if w is not None else None)
-    forward.setdefault(frame_of(op.location), []).append(i)
-  for i, (fname, op, stack, sources) in enumerate(raw):
-    if i in info:
-      continue
-    role, w, src = "other", None, None
-    for j in forward.get(frame_of(op.location), []):
-      f_role, f_w, f_src = info[j]
-      if f_role != "fprop":
-        continue
-      same = [k for k in (0, 1) if sources[k] is not None and sources[k].arg == f_src.arg]
-      if same:
-        role, w, src = "dgrad", same[0], sources[same[0]]
-      else:
-        role, w, src = "wgrad", None, f_src
-        partner = j
-        # The per-iteration block value of a wgrad comes from the dgrad or fprop in the same function.
-        for k, (fn2, op2, _, s2) in enumerate(raw):
-          if fn2 == fname and k != i and frame_of(op2.location) == frame_of(op.location):
-            for s in s2:
-              if s is not None and s.arg == f_src.arg and s.index is not None:
-                src = s
-        del partner
-      break
-    info[i] = (role, w, src)
+  for d in dots:
+    if d.phase == "forward":
+      d.w = 1 if d.sources[1] is not None else (0 if d.sources[0] is not None else None)
+      if d.w is not None:
+        d.role, d.src = "fprop", d.sources[d.w]
+  _pair_backward(dots)
 
   sites, ops, block_values = [], {}, {}
-  for i, (fname, op, stack, sources) in enumerate(raw):
-    role, w, src = info[i]
+  for i, d in enumerate(dots):
+    op, src = d.op, d.src
     arg_name = mod.main_args[src.arg] if src is not None and src.arg < len(mod.main_args) else None
-    layer = layer_path(stack)
-    if role != "other" and not layer and arg_name:
-      layer = _path_from_arg(arg_name)
+    layer = _layer(d.path, arg_name) if d.role != "other" else d.path
     (lc, rc), (lb, rb) = _dot_dims(op)
     ls, rs = _shape(op.operands[0]), _shape(op.operands[1])
-    out = _shape(op.results[0])
-    k = int(np.prod([ls[d] for d in lc], dtype=np.int64))
-    batch = int(np.prod([ls[d] for d in lb], dtype=np.int64))
-    m = batch * int(np.prod([ls[d] for d in range(len(ls)) if d not in lc and d not in lb], dtype=np.int64))
-    n = int(np.prod([rs[d] for d in range(len(rs)) if d not in rc and d not in rb], dtype=np.int64))
+    out = d.out_shape
+    k = int(np.prod([ls[x] for x in lc], dtype=np.int64))
+    batch = int(np.prod([ls[x] for x in lb], dtype=np.int64))
+    m = batch * int(np.prod([ls[x] for x in range(len(ls)) if x not in lc and x not in lb], dtype=np.int64))
+    n = int(np.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb], dtype=np.int64))
     block = _static_block(layer, arg_name)
     stacked = None
-    if src is not None and src.index is not None:
+    if src is not None and src.stacked is not None:
       block, stacked = None, src.stacked
-      block_values[i] = (src.index, src.entry_call)
-    is_head = role != "other" and (bool(_HEAD_RE.search(layer.split("/")[-1] if layer else "")) or
-                                   (src is not None and _gather_users(mod, src.arg)))
+      if src.index is not None:
+        block_values[i] = (src.index, src.entry_call)
+    is_head = d.role != "other" and (bool(_HEAD_RE.search(layer.split("/")[-1] if layer else "")) or
+                                     _feeds_gather(mod, src.arg))
     sites.append(DotSite(
-        index=i, func=fname, name_stack=stack, layer=layer, phase=phase_of(stack), role=role, weight_operand=w,
-        weight_arg=arg_name, block=block, num_stacked=stacked, is_head=is_head,
-        excluded_scope=EXCLUDE_SCOPE in stack, lhs_shape=ls, rhs_shape=rs, out_shape=out,
-        dtype=str(ir.RankedTensorType(op.results[0].type).element_type), m=m, n=n, k=k,
+        index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
+        weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, block=block,
+        num_stacked=stacked, is_head=is_head, excluded_scope=EXCLUDE_SCOPE in d.stack, lhs_shape=ls, rhs_shape=rs,
+        out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type), m=m, n=n, k=k,
         flops=2 * int(np.prod(out, dtype=np.int64)) * k, contracting=(lc, rc), batch=(lb, rb)))
     ops[i] = op
   static = [s.block for s in sites if s.block is not None and s.role != "other"]

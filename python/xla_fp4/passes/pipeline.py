@@ -49,8 +49,9 @@ def module_name(module) -> str:
 
 
 def _kernels_for(platform, module):
+  """Compiled FFI kernels where the platform has them registered, else calls to the lowered pure-JAX reference."""
   from xla_fp4 import kernels
-  if kernels.has_targets(platform):
+  if kernels.registered(platform):
     return rewrite_mod.FfiKernels()
   return rewrite_mod.ReferenceKernels(module)
 

@@ -91,24 +91,25 @@ def _digest(x):
 
 
 class FfiKernels:
-  """Custom calls to the compiled FFI targets (C++ on CPU, CUDA on GPU)."""
+  """Custom calls to the compiled FFI targets (C++ on CPU, CUDA on GPU); contract in xla_fp4/kernels.py."""
 
   def __init__(self):
     from xla_fp4 import kernels  # the compiled extension is only needed on this path
     self.targets = kernels
 
+  def _call(self, target, result_type, operands, **attrs):
+    config = self.targets.custom_call_backend_config(target, attrs)
+    config = {config[i].name: config[i].attr for i in range(len(config))}  # mlir.custom_call takes a dict
+    return mlir.custom_call(target, result_types=[result_type], operands=operands, api_version=4,
+                            backend_config=config).result
+
   def rht(self, x, axis, seed):
-    shape = _tensor_type(x).shape
-    return mlir.custom_call(self.targets.RHT, result_types=[ir.RankedTensorType.get(shape, _f32())], operands=[x],
-                            backend_config=self.targets.backend_config(axis=axis, rht_seed=seed),
-                            api_version=4).result
+    return self._call(self.targets.RHT_TARGET, ir.RankedTensorType.get(_tensor_type(x).shape, _f32()), [x],
+                      axis=axis, rht_seed=seed)
 
   def qdq(self, x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
-    return mlir.custom_call(
-        self.targets.QDQ, result_types=[x.type], operands=[x, s_dec, key],
-        backend_config=self.targets.backend_config(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
-                                                     rht_seed=rht_seed, apply_global_scale=False),
-        api_version=4).result
+    return self._call(self.targets.QDQ_TARGET, x.type, [x, s_dec, key], axis=axis, block_2d=block_2d,
+                      stochastic=stochastic, rht=rht, rht_seed=rht_seed, apply_global_scale=False)
 
 
 def _ref_rht(x, *, axis, seed):

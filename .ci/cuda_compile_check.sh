@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Compile check of the CUDA kernels and the cuBLASLt FP4 GEMM for sm_90 and sm_100a: configures and builds the
+# extension with XLA_FP4_ENABLE_CUDA=ON into build/cuda-check, checks that both architectures' code is in it and that
+# it imports. Nothing here needs a GPU; tests/kernels/test_cuda_kernels.py runs the kernels on one.
+# Exits 0 with "SKIPPED: <reason>" only when there is no nvcc.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+BUILD=build/cuda-check
+
+NVCC=${CUDACXX:-$(command -v nvcc || true)}
+if [[ -z "$NVCC" ]]; then  # the toolkit's standard prefixes, newest first
+  NVCC=$(ls -d /usr/local/cuda/bin/nvcc /usr/local/cuda-*/bin/nvcc 2>/dev/null | sort -rV | head -n1 || true)
+fi
+if [[ -z "$NVCC" || ! -x "$NVCC" ]]; then
+  echo "SKIPPED: no nvcc (not on PATH, CUDACXX unset, none under /usr/local/cuda*)"
+  exit 0
+fi
+CUDA_VERSION=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+CUDA_MAJOR=${CUDA_VERSION%%.*}
+echo "nvcc: $NVCC (CUDA $CUDA_VERSION)"
+
+# cuBLASLt headers and library come from NVIDIA's wheel, matching the toolkit's CUDA version.
+if [[ "$CUDA_MAJOR" -ge 13 ]]; then
+  CUBLAS_PACKAGE="nvidia-cublas==${CUDA_VERSION}.*" CUBLAS_MODULE="nvidia.cu${CUDA_MAJOR}"
+else
+  CUBLAS_PACKAGE="nvidia-cublas-cu${CUDA_MAJOR}==${CUDA_VERSION}.*" CUBLAS_MODULE="nvidia.cublas"
+fi
+if ! "$PY" -c "import os, $CUBLAS_MODULE as m; assert any(os.path.exists(p + '/include/cublasLt.h') for p in m.__path__)" \
+    2>/dev/null; then
+  echo "installing $CUBLAS_PACKAGE"
+  "$PY" -m pip install --quiet "$CUBLAS_PACKAGE"
+fi
+
+cmake -S . -B "$BUILD" -G Ninja -DXLA_FP4_ENABLE_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
+  -DCMAKE_CUDA_ARCHITECTURES="90;100a" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')"
+cmake --build "$BUILD" -j "$(nproc)"
+
+EXT=$(ls "$BUILD"/_xla_fp4_ext*.so)
+# Both architectures reached nvcc (and it succeeded); cuobjdump, where the toolkit has it, lists the SASS as well.
+for arch in sm_90 sm_100a; do
+  grep -q "code=\[[^]]*$arch" "$BUILD/build.ninja" || { echo "FAILED: nvcc was not asked for $arch code"; exit 1; }
+done
+CUOBJDUMP=$(command -v cuobjdump || true)
+if [[ -n "$CUOBJDUMP" ]]; then
+  "$CUOBJDUMP" --list-elf "$EXT"
+fi
+
+# The CUDA build must still import without a GPU, and say why the FP4 GEMM cannot run.
+"$PY" - "$EXT" <<'PYEOF'
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("xla_fp4._xla_fp4_ext", sys.argv[1])
+ext = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ext)
+if not hasattr(ext, "cuda_registrations"):
+    sys.exit("FAILED: the CUDA build does not export cuda_registrations (extension.cc must call AddCudaBindings)")
+targets = sorted(ext.cuda_registrations())
+assert targets == sorted(ext.registrations()), (targets, sorted(ext.registrations()))
+print("CUDA targets:", ", ".join(targets))
+print("fp4_gemm_supported():", ext.fp4_gemm_supported())
+PYEOF
+echo "PASSED: CUDA compile check (sm_90, sm_100a)"

@@ -1,0 +1,189 @@
+"""The compiled NVFP4 kernels: loading the extension, registering its XLA FFI targets, and calling them.
+
+Every kernel has a pure-JAX twin in `xla_fp4.numerics` that defines its numbers; the kernels agree with it bit for bit
+(the GEMM up to float32 summation order).
+
+Custom-call contract (for code that emits `stablehlo.custom_call` itself, like the compiler pass): `api_version = 4`
+(typed FFI), `backend_config` a DictionaryAttr with exactly the attributes in `ATTRIBUTES[target]`, typed as follows:
+  - `bool` attributes are `BoolAttr` (MLIR `true`/`false`, i.e. i1); XLA FFI decodes them as C++ `bool` (PRED scalar),
+    which is also what `jax.ffi.ffi_call` emits for a Python bool. Do not pass them as integers.
+  - `int` attributes are signless 64-bit `IntegerAttr` (`3 : i64`). `rht_seed` must lie in [0, 2**32).
+`custom_call_backend_config(target, attrs)` builds that dictionary. Operands and results (row-major layouts):
+
+  xla_fp4_qdq(x: f32|bf16|f16[...], s_dec: f32[], key: u32[]) -> x's type
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, apply_global_scale: bool
+      == numerics qdq of (rht(x) if rht else x) with global_scale=s_dec and the key's random bits; the result stays in
+      the RHT space. s_dec = amax / (6 * 448), amax taken after the RHT when rht is on. With apply_global_scale
+      false the result is q * scale (exact), the operand of an emulated GEMM that folds s_dec into its output.
+  xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
+  xla_fp4_quantize_packed(x: f32|bf16|f16[rows, K], s_dec: f32[], key: u32[])
+      -> (data: u8[rows, K/2], scales: u8[prod(numerics.padded_scale_shape(rows, K))])
+      attrs block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64                 (== numerics.pack(quantize(...)))
+  xla_fp4_dequantize_packed(data: u8[rows, K/2], scales: u8[...], s_dec: f32[]) -> f32|bf16|f16[rows, K]; no attrs
+  xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[...], b_data: u8[N, K/2], b_scales: u8[...], alpha: f32[])
+      -> f32|bf16|f16[M, N]; no attrs. C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
+
+Contraction sizes must be multiples of 16; a violated contract fails the call with an INVALID_ARGUMENT error that says
+what was wrong. Nothing here touches JAX backends, so `register()` is safe in a plugin's `initialize()`.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QDQ_TARGET = "xla_fp4_qdq"
+RHT_TARGET = "xla_fp4_rht"
+QUANTIZE_PACKED_TARGET = "xla_fp4_quantize_packed"
+DEQUANTIZE_PACKED_TARGET = "xla_fp4_dequantize_packed"
+GEMM_PACKED_TARGET = "xla_fp4_gemm_packed"
+
+_QUANTIZE_ATTRIBUTES = {"block_2d": bool, "stochastic": bool, "rht": bool, "rht_seed": int}
+# target -> {attribute name: Python type}; bool -> BoolAttr, int -> i64 IntegerAttr.
+ATTRIBUTES = {
+    QDQ_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "apply_global_scale": bool},
+    RHT_TARGET: {"axis": int, "rht_seed": int},
+    QUANTIZE_PACKED_TARGET: dict(_QUANTIZE_ATTRIBUTES),
+    DEQUANTIZE_PACKED_TARGET: {},
+    GEMM_PACKED_TARGET: {},
+}
+TARGETS = tuple(ATTRIBUTES)
+
+_lock = threading.Lock()
+_registered = set()  # platforms whose targets are registered
+
+
+def _load_extension():
+  try:
+    from xla_fp4 import _xla_fp4_ext
+  except ImportError as e:
+    return None, (f"the xla_fp4 C++ extension is not built ({e}); build it with `pip install -e .` from the checkout")
+  return _xla_fp4_ext, "the xla_fp4 C++ extension is loaded"
+
+
+_ext, _reason = _load_extension()
+
+
+def available():
+  """(True, reason) when the compiled extension loaded, else (False, why not)."""
+  return _ext is not None, _reason
+
+
+def extension():
+  """The extension module; raises RuntimeError with the reason when it is not built."""
+  if _ext is None:
+    raise RuntimeError(_reason)
+  return _ext
+
+
+def _register(platform, registrations):
+  with _lock:
+    if platform in _registered:
+      return
+    for name, capsule in registrations.items():
+      jax.ffi.register_ffi_target(name, capsule, platform=platform, api_version=1)
+    _registered.add(platform)
+
+
+def register():
+  """Register the CPU targets with XLA (idempotent). Raises RuntimeError when the extension is not built."""
+  _register("cpu", extension().registrations())
+
+
+def registered(platform):
+  """Whether the FFI targets are registered for `platform` (a backend's platform name: cpu, cuda, gpu)."""
+  if platform is None:
+    return False
+  return ("CUDA" if platform.lower() in ("cuda", "gpu") else platform.lower()) in _registered
+
+
+def register_cuda():
+  """Register the CUDA targets if the extension was built with them (idempotent); returns whether it was."""
+  ext = extension()
+  if not hasattr(ext, "cuda_registrations"):
+    return False
+  _register("CUDA", ext.cuda_registrations())
+  return True
+
+
+def custom_call_backend_config(target, attrs):
+  """The `backend_config` DictionaryAttr of a custom call to `target` (needs an active MLIR context)."""
+  from jax.extend.mlir import ir
+  want = ATTRIBUTES[target]
+  if set(attrs) != set(want):
+    raise ValueError(f"{target} takes attributes {sorted(want)}, got {sorted(attrs)}")
+  i64 = ir.IntegerType.get_signless(64)
+  out = {}
+  for name, value in attrs.items():
+    if want[name] is bool:
+      out[name] = ir.BoolAttr.get(bool(value))
+    else:
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"attribute {name} of {target} must be an integer, got {value!r}")
+      out[name] = ir.IntegerAttr.get(i64, int(value))
+  return ir.DictAttr.get(out)
+
+
+def _attrs(target, **attrs):
+  """ffi_call keyword attributes with the contract's Python types (bool stays bool, ints become int)."""
+  return {name: want(attrs[name]) for name, want in ATTRIBUTES[target].items()}
+
+
+def _u8_scales(scales):
+  scales = jnp.asarray(scales)
+  return jax.lax.bitcast_convert_type(scales, jnp.uint8) if scales.dtype == jnp.float8_e4m3fn else scales
+
+
+def _scalar(value, dtype):
+  return jnp.asarray(value, dtype).reshape(())
+
+
+def qdq(x, s_dec, key=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0,
+        apply_global_scale=True):
+  """Fake-quantize x (see the module docstring) with the C++ kernel; the result has x's shape and dtype."""
+  register()
+  x = jnp.asarray(x)
+  call = jax.ffi.ffi_call(QDQ_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  return call(x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
+              **_attrs(QDQ_TARGET, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
+                       apply_global_scale=apply_global_scale))
+
+
+def rht(x, *, axis=-1, seed=0):
+  """The random Hadamard transform along `axis`, float32 result."""
+  register()
+  x = jnp.asarray(x)
+  call = jax.ffi.ffi_call(RHT_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+  return call(x, **_attrs(RHT_TARGET, axis=axis, rht_seed=seed))
+
+
+def quantize_packed(x, s_dec, key=0, *, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """x (rows, K) -> (data uint8 (rows, K/2), scales uint8 flat swizzled); see numerics.pack."""
+  from xla_fp4.numerics.packing import padded_scale_shape
+  register()
+  x = jnp.asarray(x)
+  if x.ndim != 2:
+    raise ValueError(f"quantize_packed takes a matrix (rows, K) with K last, got shape {x.shape}")
+  rows, k = x.shape
+  n_scales = int(np.prod(padded_scale_shape(rows, k)))
+  call = jax.ffi.ffi_call(QUANTIZE_PACKED_TARGET, (jax.ShapeDtypeStruct((rows, k // 2), jnp.uint8),
+                                                   jax.ShapeDtypeStruct((n_scales,), jnp.uint8)))
+  return call(x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
+              **_attrs(QUANTIZE_PACKED_TARGET, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed))
+
+
+def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):
+  """Packed data and swizzled scales (uint8 or float8_e4m3fn) -> (rows, K) in `dtype`."""
+  register()
+  data = jnp.asarray(data)
+  call = jax.ffi.ffi_call(DEQUANTIZE_PACKED_TARGET, jax.ShapeDtypeStruct((data.shape[0], 2 * data.shape[1]), dtype))
+  return call(data, _u8_scales(scales), _scalar(s_dec, jnp.float32))
+
+
+def gemm_packed(a_data, a_scales, b_data, b_scales, alpha, *, dtype=jnp.float32):
+  """C (M, N) = alpha * A·Bᵀ of two packed K-major operands, float32 accumulation (the CPU reference FP4 GEMM)."""
+  register()
+  a_data, b_data = jnp.asarray(a_data), jnp.asarray(b_data)
+  call = jax.ffi.ffi_call(GEMM_PACKED_TARGET, jax.ShapeDtypeStruct((a_data.shape[0], b_data.shape[0]), dtype))
+  return call(a_data, _u8_scales(a_scales), b_data, _u8_scales(b_scales), _scalar(alpha, jnp.float32))

@@ -1,0 +1,46 @@
+"""Helpers shared by the numerics and kernel tests (tests/ is on pytest's pythonpath)."""
+
+import numpy as np
+import pytest
+
+
+def bits(a):
+  """The raw bits of a float array (for bit-for-bit comparisons that also cover -0 and NaN payloads)."""
+  a = np.asarray(a)
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def assert_same_bits(actual, expected, nan_payloads=False):
+  """Bit-for-bit equality; NaNs only need to match as NaNs unless `nan_payloads` (payloads follow the hardware)."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, actual.dtype, expected.shape,
+                                                                           expected.dtype)
+  both_nan = np.isnan(actual.astype(np.float32)) & np.isnan(expected.astype(np.float32))
+  if nan_payloads:
+    both_nan[...] = False
+  differ = (bits(actual) != bits(expected)) & ~both_nan
+  if differ.any():
+    i = np.argwhere(differ)[:5]
+    raise AssertionError(f"{differ.sum()} of {differ.size} elements differ, e.g. at {i.tolist()}: "
+                         f"{actual[tuple(i.T)]} vs {expected[tuple(i.T)]}")
+
+
+def extension_or_skip():
+  """The compiled extension, or skip the test with the reason it is not available."""
+  from xla_fp4 import kernels
+  ok, reason = kernels.available()
+  if not ok:
+    pytest.skip(reason)
+  return kernels.extension()
+
+
+def _jit_reference():
+  """The reference entry points under jit: eager dispatch compiles every primitive separately and is ~10x slower."""
+  import jax
+  from xla_fp4 import numerics as nv
+  static = ("axis", "block_2d", "rounding")
+  return (jax.jit(nv.quantize, static_argnames=static), jax.jit(nv.qdq, static_argnames=static),
+          jax.jit(nv.dequantize, static_argnames=("dtype",)))
+
+
+quantize, qdq, dequantize = _jit_reference()

@@ -1,0 +1,339 @@
+"""A small zoo of training steps for the analysis tests: each builder returns (train_step_fn, args).
+
+Shapes are tiny (contraction dims 32/64) so that lowering the whole matrix stays fast on 2 CPU cores. Every step is
+loss -> jax.grad (-> an optax update where noted), the program shape the pass sees in real training.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import nnx
+
+B, S, D, H, F, V = 4, 8, 32, 64, 64, 64  # batch, sequence, model dim, hidden (MLP), FFN dim, vocab
+HEADS, HEAD_DIM = 2, 16
+
+
+def _x(shape, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(0).standard_normal(shape), dtype)
+
+
+def _tokens():
+  return jnp.asarray(np.random.default_rng(1).integers(0, V, (B, S)), jnp.int32)
+
+
+def _sgd_step(loss_fn):
+  opt = optax.sgd(1e-2)
+
+  def step(params, opt_state, *batch):
+    grads = jax.grad(loss_fn)(params, *batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step, opt
+
+
+# ---------------------------------------------------------------------------------------------------------- linen
+
+
+class LinenMLP(nn.Module):
+  dtype: object = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(H, dtype=self.dtype, name="fc1")(x))
+    x = nn.relu(nn.Dense(H, dtype=self.dtype, name="fc2")(x))
+    return nn.Dense(D, dtype=self.dtype, name="head")(x)
+
+
+def linen_mlp(dtype=jnp.float32):
+  model = LinenMLP(dtype=dtype)
+  x = _x((B, D), dtype)
+  params = model.init(jax.random.key(0), x)
+
+  def loss(p, x):
+    return jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
+
+  step, opt = _sgd_step(loss)
+  return step, (params, opt.init(params), x)
+
+
+class LinenBlock(nn.Module):
+  """Pre-norm transformer block: q/k/v/o projections, attention QK^T and scores.V, MLP fc1/fc2."""
+  general: bool = False  # DenseGeneral projections (per-head kernels) instead of Dense
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.LayerNorm(name="ln1")(x)
+    if self.general:
+      q, k, v = (nn.DenseGeneral((HEADS, HEAD_DIM), name=n)(h) for n in ("q", "k", "v"))
+    else:
+      q, k, v = (nn.Dense(HEADS * HEAD_DIM, name=n)(h).reshape(B, S, HEADS, HEAD_DIM) for n in ("q", "k", "v"))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    if self.general:
+      o = nn.DenseGeneral(D, axis=(-2, -1), name="o")(a)
+    else:
+      o = nn.Dense(D, name="o")(a.reshape(B, S, HEADS * HEAD_DIM))
+    x = x + o
+    h = nn.LayerNorm(name="ln2")(x)
+    return x + nn.Dense(D, name="fc2")(nn.gelu(nn.Dense(F, name="fc1")(h)))
+
+
+class LinenScanBlock(LinenBlock):
+
+  @nn.compact
+  def __call__(self, x, _):
+    return super().__call__(x), None
+
+
+class LinenTransformer(nn.Module):
+  num_blocks: int = 3
+  mode: str = "plain"  # plain | remat | scan
+  general: bool = False
+  tied: bool = False  # logits = x @ embedding.T (nn.Embed.attend) instead of a separate head
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(V, D, name="embed")
+    x = embed(tokens)
+    if self.mode == "scan":
+      stack = nn.scan(nn.remat(LinenScanBlock), variable_axes={"params": 0}, split_rngs={"params": True},
+                      length=self.num_blocks)
+      x, _ = stack(general=self.general, name="blocks")(x, None)
+    else:
+      cls = nn.remat(LinenBlock) if self.mode == "remat" else LinenBlock
+      for i in range(self.num_blocks):
+        x = cls(general=self.general, name=f"block_{i}")(x)
+    x = nn.LayerNorm(name="ln_f")(x)
+    return embed.attend(x) if self.tied else nn.Dense(V, name="head")(x)
+
+
+def _lm_step(apply, params):
+  tokens = _tokens()
+
+  def loss(p, tokens):
+    logits = apply(p, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+  step, opt = _sgd_step(loss)
+  return step, (params, opt.init(params), tokens)
+
+
+def linen_transformer(mode="plain", general=False, tied=False, num_blocks=3):
+  model = LinenTransformer(num_blocks=num_blocks, mode=mode, general=general, tied=tied)
+  params = model.init(jax.random.key(0), _tokens())
+  return _lm_step(model.apply, params)
+
+
+# ------------------------------------------------------------------------------------------------------------ NNX
+
+
+class NnxMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(D, H, rngs=rngs)
+    self.fc2 = nnx.Linear(H, H, rngs=rngs)
+    self.head = nnx.Linear(H, D, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.fc2(nnx.relu(self.fc1(x)))))
+
+
+class NnxBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.ln1 = nnx.LayerNorm(D, rngs=rngs)
+    self.q = nnx.Linear(D, HEADS * HEAD_DIM, rngs=rngs)
+    self.k = nnx.Linear(D, HEADS * HEAD_DIM, rngs=rngs)
+    self.v = nnx.Linear(D, HEADS * HEAD_DIM, rngs=rngs)
+    self.o = nnx.Linear(HEADS * HEAD_DIM, D, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(D, rngs=rngs)
+    self.fc1 = nnx.Linear(D, F, rngs=rngs)
+    self.fc2 = nnx.Linear(F, D, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.ln1(x)
+    q, k, v = (p(h).reshape(B, S, HEADS, HEAD_DIM) for p in (self.q, self.k, self.v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(HEAD_DIM)
+    a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    x = x + self.o(a.reshape(B, S, HEADS * HEAD_DIM))
+    return x + self.fc2(nnx.gelu(self.fc1(self.ln2(x))))
+
+
+class NnxTransformer(nnx.Module):
+
+  def __init__(self, num_blocks, mode, rngs):
+    self.mode = mode
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    if mode == "scan":  # the documented scan-over-layers pattern: nnx.vmap to create, nnx.scan to apply
+      @nnx.split_rngs(splits=num_blocks)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return NnxBlock(rngs)
+
+      self.layers = make(rngs)
+    else:
+      self.layers = nnx.List([NnxBlock(rngs) for _ in range(num_blocks)])
+    self.ln_f = nnx.LayerNorm(D, rngs=rngs)
+    self.head = nnx.Linear(D, V, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    if self.mode == "scan":
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      @nnx.remat
+      def body(x, layer):
+        return layer(x)
+
+      x = body(x, self.layers)
+    else:
+      for layer in self.layers:
+        x = nnx.remat(lambda m, x: m(x))(layer, x) if self.mode == "remat" else layer(x)
+    return self.head(self.ln_f(x))
+
+
+def _nnx_step(model, loss):
+  """The functional NNX training step (graphdef + state through jax.jit/jax.grad), with an optax update."""
+  graphdef, state = nnx.split(model)
+  opt = optax.sgd(1e-2)
+
+  def step(state, opt_state, *batch):
+    def l(state):
+      return loss(nnx.merge(graphdef, state), *batch)
+    grads = jax.grad(l)(state)
+    updates, opt_state = opt.update(grads, opt_state, state)
+    return optax.apply_updates(state, updates), opt_state
+
+  return step, (state, opt.init(state))
+
+
+def nnx_mlp():
+  x = _x((B, D))
+  step, args = _nnx_step(NnxMLP(nnx.Rngs(0)), lambda m, x: jnp.mean(m(x) ** 2))
+  return step, args + (x,)
+
+
+def nnx_transformer(mode="plain", num_blocks=3):
+  def loss(m, tokens):
+    return optax.softmax_cross_entropy_with_integer_labels(m(tokens), tokens).mean()
+  step, args = _nnx_step(NnxTransformer(num_blocks, mode, nnx.Rngs(0)), loss)
+  return step, args + (_tokens(),)
+
+
+# ------------------------------------------------------------------------------------------------------ plain JAX
+
+
+def _dense_params(sizes, dtype=jnp.float32):
+  rng = np.random.default_rng(2)
+  return {f"layer_{i}": {"w": jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), dtype),
+                         "b": jnp.zeros((b,), dtype)}
+          for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+
+def jax_mlp(dtype=jnp.float32):
+  params = _dense_params([D, H, H, D], dtype)
+  x = _x((B, D), dtype)
+
+  def loss(p, x):
+    for i in range(3):
+      x = x @ p[f"layer_{i}"]["w"] + p[f"layer_{i}"]["b"]
+      x = jax.nn.relu(x) if i < 2 else x
+    return jnp.mean(x.astype(jnp.float32) ** 2)
+
+  step, opt = _sgd_step(loss)
+  return step, (params, opt.init(params), x)
+
+
+def jax_scan_mlp(checkpoint=False, num_layers=4):
+  rng = np.random.default_rng(3)
+  params = {"layers": {"w1": jnp.asarray(rng.standard_normal((num_layers, D, H)) / 8, jnp.float32),
+                       "w2": jnp.asarray(rng.standard_normal((num_layers, H, D)) / 8, jnp.float32)}}
+  x = _x((B, D))
+
+  def layer(x, w):
+    return x + jax.nn.relu(x @ w["w1"]) @ w["w2"], None
+
+  body = jax.checkpoint(layer) if checkpoint else layer
+
+  def loss(p, x):
+    x, _ = jax.lax.scan(body, x, p["layers"])
+    return jnp.mean(x ** 2)
+
+  return jax.grad(loss), (params, x)
+
+
+def jax_nested_jit():
+  params = _dense_params([D, H, D])
+  x = _x((B, D))
+
+  @jax.jit
+  def dense(w, b, x):
+    return x @ w + b
+
+  def loss(p, x):
+    x = jax.nn.relu(dense(p["layer_0"]["w"], p["layer_0"]["b"], x))
+    return jnp.mean(dense(p["layer_1"]["w"], p["layer_1"]["b"], x) ** 2)
+
+  return jax.jit(jax.grad(loss)), (params, x)
+
+
+@jax.custom_vjp
+def _custom_dense(x, w):
+  return x @ w
+
+
+def _custom_dense_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _custom_dense_bwd(res, g):
+  x, w = res
+  return g @ w.T, x.T @ g  # a hand-written backward
+
+
+_custom_dense.defvjp(_custom_dense_fwd, _custom_dense_bwd)
+
+
+def jax_custom_vjp():
+  params = _dense_params([D, H, D])
+  x = _x((B, D))
+
+  def loss(p, x):
+    x = jax.nn.relu(_custom_dense(x, p["layer_0"]["w"]))
+    return jnp.mean((x @ p["layer_1"]["w"]) ** 2)
+
+  return jax.grad(loss), (params, x)
+
+
+def jax_einsum():
+  """Attention-style projections with einsum: batch dims and several contracting dims."""
+  rng = np.random.default_rng(4)
+  params = {"wq": jnp.asarray(rng.standard_normal((D, HEADS, HEAD_DIM)) / 8, jnp.float32),
+            "wo": jnp.asarray(rng.standard_normal((HEADS, HEAD_DIM, D)) / 8, jnp.float32)}
+  x = _x((B, S, D))
+
+  def loss(p, x):
+    q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
+    return jnp.mean(jnp.einsum("bshk,hkd->bsd", jnp.tanh(q), p["wo"]) ** 2)
+
+  return jax.grad(loss), (params, x)
+
+
+def jax_shard_map():
+  """A data-parallel MLP under shard_map over all (forced host) devices; needs >= 2 devices to be meaningful."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  params = _dense_params([D, H, D])
+  x = _x((len(jax.devices()) * B, D))
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  def grads(p, x):
+    def loss(p, x):
+      return jnp.mean((jax.nn.relu(x @ p["layer_0"]["w"]) @ p["layer_1"]["w"]) ** 2)
+    return jax.lax.pmean(jax.grad(loss)(p, x), "data")
+
+  return grads, (params, x)

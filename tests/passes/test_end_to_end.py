@@ -1,0 +1,173 @@
+"""End to end through the compile hook: a rewritten training step against an independent emulation of the recipe
+written with xla_fp4.numerics, against the f32 baseline, and the pass's safety properties."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xla_fp4
+from xla_fp4 import numerics as nv
+from xla_fp4.passes import pipeline
+
+D_IN, D_HID, D_OUT, BATCH = 64, 128, 32, 64
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(D_HID, name="fc1")(x))
+    x = nn.relu(nn.Dense(D_HID, name="fc2")(x))
+    return nn.Dense(D_OUT, name="head")(x)
+
+
+def _data():
+  x = jax.random.normal(jax.random.key(1), (BATCH, D_IN))
+  t = jax.random.normal(jax.random.key(2), (BATCH, D_OUT))
+  params = MLP().init(jax.random.key(0), x)
+  return params, x, t
+
+
+def _loss(params, x, t):
+  return jnp.mean((MLP().apply(params, x) - t) ** 2)
+
+
+@pytest.fixture
+def fp4():
+  """Enable the pass for one test with the given options, then disable it."""
+  def enable(**options):
+    xla_fp4.enable(**options)
+  yield enable
+  xla_fp4.disable()
+
+
+def _grads(**options):
+  params, x, t = _data()
+  if options:
+    xla_fp4.enable(**options)
+  try:
+    return jax.jit(jax.grad(_loss))(params, x, t)  # a fresh jit: compiled with the current hook state
+  finally:
+    xla_fp4.disable()
+
+
+# ---- the independent emulation: the recipe spelled out with xla_fp4.numerics and a custom_vjp ----
+
+FPROP = (nv.OperandRecipe(), nv.OperandRecipe(block_2d=True))
+DGRAD = (nv.OperandRecipe(), nv.OperandRecipe(block_2d=True))  # stochastic rounding off: keys are the pass's own
+WGRAD = (nv.OperandRecipe(rht=True), nv.OperandRecipe(rht=True))
+NN = (((1,), (0,)), ((), ()))
+
+
+@jax.custom_vjp
+def nvfp4_linear(x, w):
+  return nv.dot_general(x, w, NN, a_recipe=FPROP[0], b_recipe=FPROP[1])
+
+
+def _fwd(x, w):
+  return nvfp4_linear(x, w), (x, w)
+
+
+def _bwd(res, g):
+  x, w = res
+  dx = nv.dot_general(g, w, (((1,), (1,)), ((), ())), a_recipe=DGRAD[0], b_recipe=DGRAD[1])
+  dw = nv.dot_general(g, x, (((0,), (0,)), ((), ())), a_recipe=WGRAD[0], b_recipe=WGRAD[1]).T
+  return dx, dw
+
+
+nvfp4_linear.defvjp(_fwd, _bwd)
+
+
+def _manual_loss(params, x, t):
+  p = params["params"]
+  h = jax.nn.relu(nvfp4_linear(x, p["fc1"]["kernel"]) + p["fc1"]["bias"])
+  h = jax.nn.relu(nvfp4_linear(h, p["fc2"]["kernel"]) + p["fc2"]["bias"])
+  y = h @ p["head"]["kernel"] + p["head"]["bias"]  # the head stays in high precision
+  return jnp.mean((y - t) ** 2)
+
+
+def _cos(a, b):
+  return float(jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
+
+
+def _rel(a, b):
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def test_rewritten_step_equals_independent_emulation():
+  got = _grads(stochastic_rounding=False)
+  params, x, t = _data()
+  want = jax.jit(jax.grad(_manual_loss))(params, x, t)
+  base = _grads()
+  for layer in ("fc1", "fc2", "head"):
+    g, w, b = (tree["params"][layer]["kernel"] for tree in (got, want, base))
+    assert _rel(g, w) < 1e-5, layer  # same recipe, only f32 summation order may differ
+    assert _rel(g, b) > 1e-4 and _cos(g, b) > 0.8, layer  # NVFP4 noise, yet the f32 gradient's direction
+
+
+def test_stochastic_rounding_changes_gradients_but_stays_close():
+  sr, rn, base = _grads(), _grads(stochastic_rounding=False), _grads()
+  g_sr, g_rn, g_b = (t["params"]["fc1"]["kernel"] for t in (sr, rn, base))
+  assert not jnp.array_equal(g_sr, g_rn)
+  assert _cos(g_sr, g_b) > 0.8
+
+
+def test_unselected_dots_are_bit_identical():
+  def two_layers(w1, w2, x):
+    y1 = x @ w1
+    with xla_fp4.exclude():
+      y2 = x @ w2
+    return y1, y2
+  args = (jnp.ones((64, 64)) * 0.3, jax.random.normal(jax.random.key(3), (64, 64)),
+          jax.random.normal(jax.random.key(4), (64, 64)))
+  base = jax.jit(two_layers)(*args)
+  xla_fp4.enable()
+  try:
+    got = jax.jit(two_layers)(*args)
+  finally:
+    xla_fp4.disable()
+  assert not jnp.array_equal(got[0], base[0])  # selected: NVFP4
+  assert jnp.array_equal(got[1], base[1])  # excluded: bit-identical
+
+
+def test_internal_failure_compiles_the_original_and_warns(monkeypatch):
+  def boom(*a, **k):
+    raise RuntimeError("injected")
+  monkeypatch.setattr(pipeline, "transform", boom)
+  monkeypatch.setitem(xla_fp4.hook._state, "warned", False)
+  base = _grads()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = _grads(stochastic_rounding=False)
+  assert any("injected" in str(w.message) and "XLA_FP4_STRICT" in str(w.message) for w in caught)
+  for layer in ("fc1", "fc2", "head"):
+    assert jnp.array_equal(got["params"][layer]["kernel"], base["params"][layer]["kernel"])
+
+
+def test_strict_mode_raises(monkeypatch):
+  def boom(*a, **k):
+    raise RuntimeError("injected")
+  monkeypatch.setattr(pipeline, "transform", boom)
+  with pytest.raises(RuntimeError, match="injected"):
+    _grads(strict=True)
+
+
+def test_output_is_deterministic():
+  params, x, t = _data()
+  module = jax.jit(jax.grad(_loss)).lower(params, x, t).compiler_ir("stablehlo")
+  cfg = xla_fp4.config.load(enabled=True)
+  texts = {pipeline.transform(module, cfg).module.operation.get_asm(enable_debug_info=True) for _ in range(2)}
+  assert len(texts) == 1
+  assert "xla_fp4" in texts.pop()
+
+
+def test_explain_returns_decisions_without_running(capsys):
+  params, x, t = _data()
+  rows = xla_fp4.explain(jax.grad(_loss), params, x, t)
+  out = capsys.readouterr().out
+  roles = sorted((r["layer"].split("/")[-1], r["role"], r["decision"]) for r in rows)
+  assert ("head", "fprop", "keep") in roles and ("fc2", "wgrad", "nvfp4") in roles
+  assert "output head" in out and "% of dot FLOPs" in out

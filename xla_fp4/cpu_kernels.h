@@ -1,0 +1,15 @@
+// The CPU FFI handlers (one family per .cc file). Attribute names and types are documented in python/xla_fp4/kernels.py.
+#ifndef XLA_FP4_CPU_KERNELS_H_
+#define XLA_FP4_CPU_KERNELS_H_
+
+#include "xla/ffi/api/ffi.h"
+
+// qdq_kernels.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RhtCpu);
+// packed_kernels.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4DequantizePackedCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4GemmPackedCpu);
+
+#endif  // XLA_FP4_CPU_KERNELS_H_

@@ -1,0 +1,25 @@
+// The CUDA FFI handlers of xla-fp4 (registered for platform "CUDA" under the same target names as the CPU handlers)
+// and the run-time gate of the FP4 GEMM. Only compiled when the extension is built with XLA_FP4_ENABLE_CUDA=ON.
+#ifndef XLA_FP4_CUDA_CUDA_HANDLERS_H_
+#define XLA_FP4_CUDA_CUDA_HANDLERS_H_
+
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RhtCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4GemmPackedCuda);
+
+namespace xla_fp4::cuda {
+
+// (true, "") when cuBLASLt's FP4 GEMM can run on every visible device: cuBLASLt >= 12.8 and compute capability 10.x.
+// Otherwise (false, why not).
+std::pair<bool, std::string> Fp4GemmSupported();
+
+}  // namespace xla_fp4::cuda
+
+#endif  // XLA_FP4_CUDA_CUDA_HANDLERS_H_

@@ -1,0 +1,125 @@
+// xla_fp4_quantize_packed and xla_fp4_dequantize_packed on CUDA: the storage numerics/packing.py defines (two E2M1
+// codes per byte, even element in the low nibble; E4M3 scales in cuBLASLt's swizzled 128x4 tiles, padding zero).
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_fp4/cuda/block_kernel.cuh"
+#include "xla_fp4/cuda/cuda_handlers.h"
+#include "xla_fp4/cuda/cuda_util.h"
+#include "xla_fp4/nvfp4_format.h"
+
+namespace xla_fp4::cuda {
+namespace {
+
+// Packs a (rows, K) block: rows are `outer` of the (rows, K, 1) view. 16 codes fill 8 aligned bytes.
+struct PackSink {
+  uint8_t* data;
+  uint8_t* scales;
+  int64_t padded_cols;
+  __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale&,
+                             const float* q) const {
+    uint64_t packed = 0;
+    for (int j = 0; j < kBlock; ++j) packed |= static_cast<uint64_t>(E2M1Code(q[j])) << (4 * j);
+    reinterpret_cast<uint64_t*>(data)[(b.o * g.k + b.kb * kBlock) / kBlock] = packed;  // little-endian: even = low
+    scales[SwizzledScaleIndex(b.o, b.kb, padded_cols)] = bs.code;
+  }
+};
+
+template <typename T>
+__global__ void DequantizePackedKernel(const uint8_t* data, const uint8_t* scales, const float* s_dec, BlockGrid g,
+                                       int64_t padded_cols, T* y) {
+  const BlockIndex b = g.Locate(ThreadIndex());
+  if (!b.active) return;
+  const uint64_t packed = reinterpret_cast<const uint64_t*>(data)[(b.o * g.k + b.kb * kBlock) / kBlock];
+  const float scale = E4M3Decode(scales[SwizzledScaleIndex(b.o, b.kb, padded_cols)]);
+  float v[kBlock];
+  for (int j = 0; j < kBlock; ++j) v[j] = DecodeElement(E2M1Decode((packed >> (4 * j)) & 15u), scale, *s_dec);
+  StoreBlock(y, g, b, v);
+}
+
+// data is uint8 (rows, K/2), K a multiple of 16.
+ffi::Error CheckPackedData(ffi::Span<const int64_t> dims, ffi::DataType dtype, int64_t rows, int64_t k,
+                           const char* what) {
+  if (k % kBlock) return InvalidArgument("NVFP4 needs K to be a multiple of 16, got " + std::to_string(k));
+  if (dtype != ffi::U8 || dims.size() != 2 || dims[0] != rows || dims[1] != k / 2) {
+    return InvalidArgument(std::string(what) + " must be uint8 (rows, K/2) = (" + std::to_string(rows) + ", " +
+                           std::to_string(k / 2) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+                          ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
+                          bool stochastic, bool rht, int64_t rht_seed) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return InvalidArgument("x must be a matrix (rows, K) with K, the contraction axis, last");
+  const int64_t rows = dims[0], k = dims[1];
+  XLA_FP4_RETURN_IF_ERROR(CheckPackedData(data->dimensions(), data->element_type(), rows, k, "the data result"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScales(*scales, rows, k, "the scales result"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
+  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
+  if (stochastic && x.element_count() > (size_t{1} << 32)) {
+    return InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements");
+  }
+  if (scales->element_count() != static_cast<size_t>(rows * (k / kBlock))) {  // zero the padding the kernel skips
+    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(scales->untyped_data(), 0, scales->size_bytes(), stream),
+                                       "cudaMemsetAsync(scales)"));
+  }
+  const BlockGrid g = BlockGrid::Make(rows, k, 1, block_2d);
+  if (g.Threads() == 0) return ffi::Error::Success();
+  const Recipe r = Recipe::Make(block_2d, stochastic, rht, rht_seed);
+  const PackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data()),
+                      PaddedScaleCols(k)};
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), g, r, static_cast<const float*>(s_dec.untyped_data()),
+        static_cast<const uint32_t*>(key.untyped_data()), sink);
+    return LaunchStatus("xla_fp4_quantize_packed kernel");
+  });
+}
+
+ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
+                            ffi::Result<ffi::AnyBuffer> y) {
+  const auto dims = y->dimensions();
+  if (dims.size() != 2) return InvalidArgument("xla_fp4_dequantize_packed returns a matrix (rows, K)");
+  const int64_t rows = dims[0], k = dims[1];
+  XLA_FP4_RETURN_IF_ERROR(CheckPackedData(data.dimensions(), data.element_type(), rows, k, "data"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScales(scales, rows, k, "scales"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
+  const BlockGrid g = BlockGrid::Make(rows, k, 1, /*block_2d=*/false);
+  if (g.Threads() == 0) return ffi::Error::Success();
+  return DispatchFloat(y->element_type(), "the result", [&](auto tag) {
+    using T = decltype(tag);
+    DequantizePackedKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const uint8_t*>(data.untyped_data()), static_cast<const uint8_t*>(scales.untyped_data()),
+        static_cast<const float*>(s_dec.untyped_data()), g, PaddedScaleCols(k), static_cast<T*>(y->untyped_data()));
+    return LaunchStatus("xla_fp4_dequantize_packed kernel");
+  });
+}
+
+}  // namespace
+}  // namespace xla_fp4::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda, xla_fp4::cuda::QuantizePacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x (rows, K)
+                                  .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
+                                  .Ret<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scales, uint8, swizzled
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("rht")
+                                  .Attr<int64_t>("rht_seed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda, xla_fp4::cuda::DequantizePacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2)
+                                  .Arg<xla::ffi::AnyBuffer>()  // scales, uint8, swizzled
+                                  .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
+                                  .Ret<xla::ffi::AnyBuffer>());  // (rows, K), float32 / bfloat16 / float16

@@ -1,0 +1,121 @@
+// xla_fp4_qdq and xla_fp4_rht on CUDA: the same numbers as numerics.qdq / numerics.random_hadamard_transform.
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_fp4/cuda/block_kernel.cuh"
+#include "xla_fp4/cuda/cuda_handlers.h"
+#include "xla_fp4/cuda/cuda_util.h"
+#include "xla_fp4/nvfp4_format.h"
+
+namespace xla_fp4::cuda {
+namespace {
+
+// Writes decode(q) back in the input's dtype, at the block's own positions.
+template <typename T>
+struct DequantizeSink {
+  T* y;
+  __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
+                             const float* q) const {
+    float v[kBlock];
+    for (int j = 0; j < kBlock; ++j) v[j] = DecodeElement(q[j], bs.scale, ts.s_dec);
+    StoreBlock(y, g, b, v);
+  }
+};
+
+template <typename T>
+__global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
+  const BlockIndex b = g.Locate(ThreadIndex());
+  if (!b.active) return;
+  float v[kBlock];
+  LoadBlock(x, g, b, v);
+  Rht16(v, r.sign_quarter);
+  StoreBlock(y, g, b, v);
+}
+
+// Validates the axis and views `dims` as (outer, K, inner) around it (numerics.quantize.canonical_axis).
+ffi::Error AxisView(ffi::Span<const int64_t> dims, int64_t axis, int64_t& outer, int64_t& k, int64_t& inner) {
+  const int64_t rank = dims.size();
+  if (rank == 0 || axis < -rank || axis >= rank) {
+    return InvalidArgument("axis " + std::to_string(axis) + " is out of range for x of rank " + std::to_string(rank) +
+                           " (x must have rank >= 1)");
+  }
+  axis = (axis + rank) % rank;
+  outer = inner = 1;
+  for (int64_t d = 0; d < rank; ++d) {
+    if (d < axis) outer *= dims[d];
+    if (d > axis) inner *= dims[d];
+  }
+  k = dims[axis];
+  if (k % kBlock) {
+    return InvalidArgument("NVFP4 needs the size of x's quantization axis to be a multiple of 16, got " +
+                           std::to_string(k));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+               ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+  int64_t outer, k, inner;
+  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
+  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
+  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
+    return InvalidArgument("xla_fp4_qdq returns a tensor of x's shape and dtype");
+  }
+  if (stochastic && x.element_count() > (size_t{1} << 32)) {
+    return InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements");
+  }
+  const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
+  if (g.Threads() == 0) return ffi::Error::Success();
+  const Recipe r = Recipe::Make(block_2d, stochastic, rht, rht_seed);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), g, r, static_cast<const float*>(s_dec.untyped_data()),
+        static_cast<const uint32_t*>(key.untyped_data()), DequantizeSink<T>{static_cast<T*>(y->untyped_data())});
+    return LaunchStatus("xla_fp4_qdq kernel");
+  });
+}
+
+ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t axis,
+               int64_t rht_seed) {
+  int64_t outer, k, inner;
+  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
+  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
+  if (y->element_count() != x.element_count()) return InvalidArgument("xla_fp4_rht returns a tensor of x's shape");
+  const BlockGrid g = BlockGrid::Make(outer, k, inner, /*block_2d=*/false);
+  if (g.Threads() == 0) return ffi::Error::Success();
+  const Recipe r = Recipe::Make(false, false, true, rht_seed);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    RhtKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(static_cast<const T*>(x.untyped_data()), g, r,
+                                                                       y->typed_data());
+    return LaunchStatus("xla_fp4_rht kernel");
+  });
+}
+
+}  // namespace
+}  // namespace xla_fp4::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqCuda, xla_fp4::cuda::Qdq,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
+                                  .Ret<xla::ffi::AnyBuffer>()  // y, x's shape and dtype
+                                  .Attr<int64_t>("axis")
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("rht")
+                                  .Attr<int64_t>("rht_seed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCuda, xla_fp4::cuda::Rht,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // RHT(x), float32
+                                  .Attr<int64_t>("axis")
+                                  .Attr<int64_t>("rht_seed"));

@@ -1,0 +1,66 @@
+// The Python extension xla_fp4._xla_fp4_ext: the FFI handlers as PyCapsules (registered by python/xla_fp4/kernels.py),
+// plus element-wise access to the format helpers of nvfp4_format.h for the tests (submodule `format`).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+
+#include "xla_fp4/cpu_kernels.h"
+#include "xla_fp4/ffi_targets.h"
+#include "xla_fp4/nvfp4_format.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+using Vector = nb::ndarray<T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// out[i] = f(in[i]...) for 1-D arrays of one length: the format helpers applied by the tests.
+template <typename Out, typename... In, typename F>
+void Map(F f, Vector<Out> out, Vector<const In>... in) {
+  if (((in.shape(0) != out.shape(0)) || ...)) throw nb::value_error("all arrays must have the same length");
+  for (size_t i = 0; i < out.shape(0); ++i) out(i) = f(in(i)...);
+}
+
+nb::capsule Handler(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }
+
+}  // namespace
+
+NB_MODULE(_xla_fp4_ext, m) {
+  m.doc() = "xla-fp4 C++ kernels (XLA FFI handlers).";
+  m.def("registrations", [] {
+    nb::dict d;
+    d[xla_fp4::kQdqTarget] = Handler(XlaFp4QdqCpu);
+    d[xla_fp4::kRhtTarget] = Handler(XlaFp4RhtCpu);
+    d[xla_fp4::kQuantizePackedTarget] = Handler(XlaFp4QuantizePackedCpu);
+    d[xla_fp4::kDequantizePackedTarget] = Handler(XlaFp4DequantizePackedCpu);
+    d[xla_fp4::kGemmPackedTarget] = Handler(XlaFp4GemmPackedCpu);
+    return d;
+  }, "Target name -> PyCapsule of the CPU FFI handler.");
+
+  nb::module_ f = m.def_submodule("format", "nvfp4_format.h helpers, element-wise into a caller-provided output.");
+  f.attr("INV_E2M1_MAX") = xla_fp4::kInvE2M1Max;
+  f.def("round_e2m1_nearest", [](Vector<const float> v, Vector<float> out) {
+    Map<float, float>(xla_fp4::RoundE2M1Nearest, out, v);
+  });
+  f.def("round_e2m1_stochastic", [](Vector<const float> v, Vector<const float> u, Vector<float> out) {
+    Map<float, float, float>(xla_fp4::RoundE2M1Stochastic, out, v, u);
+  });
+  f.def("e2m1_code", [](Vector<const float> v, Vector<uint8_t> out) { Map<uint8_t, float>(xla_fp4::E2M1Code, out, v); });
+  f.def("e2m1_decode", [](Vector<const uint8_t> c, Vector<float> out) {
+    Map<float, uint8_t>(xla_fp4::E2M1Decode, out, c);
+  });
+  f.def("e4m3_encode", [](Vector<const float> v, Vector<uint8_t> out) { Map<uint8_t, float>(xla_fp4::E4M3Encode, out, v); });
+  f.def("e4m3_decode", [](Vector<const uint8_t> c, Vector<float> out) {
+    Map<float, uint8_t>(xla_fp4::E4M3Decode, out, c);
+  });
+  f.def("mix32", [](Vector<const uint32_t> x, Vector<uint32_t> out) { Map<uint32_t, uint32_t>(xla_fp4::Mix32, out, x); });
+  f.def("uniform_from_bits", [](Vector<const uint32_t> x, Vector<float> out) {
+    Map<float, uint32_t>(xla_fp4::UniformFromBits, out, x);
+  });
+  f.def("rht_signs", [](uint32_t seed, Vector<float> out) {
+    if (out.shape(0) != xla_fp4::kBlock) throw nb::value_error("out must have 16 elements");
+    for (int j = 0; j < xla_fp4::kBlock; ++j) out(j) = xla_fp4::RhtSign(seed, j);
+  });
+}

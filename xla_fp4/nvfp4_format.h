@@ -1,0 +1,229 @@
+// The NVFP4 number formats: E2M1 elements, E4M3 block scales, the counter-based random bits and the RHT signs.
+//
+// The normative definition is the pure-JAX reference python/xla_fp4/numerics/formats.py; every function here
+// reproduces its float32 arithmetic bit for bit (same operations, all exact or correctly rounded). Shared by the CPU
+// kernels and the CUDA kernels, hence XLA_FP4_HOST_DEVICE. Compile without -ffast-math and with -ffp-contract=off
+// (nvcc: --fmad=false): a fused multiply-add would change results.
+#ifndef XLA_FP4_NVFP4_FORMAT_H_
+#define XLA_FP4_NVFP4_FORMAT_H_
+
+#include <cstdint>
+#include <cstring>
+
+#ifdef __CUDACC__
+#define XLA_FP4_HOST_DEVICE __host__ __device__
+#else
+#define XLA_FP4_HOST_DEVICE
+#endif
+
+namespace xla_fp4 {
+
+inline constexpr int kBlock = 16;  // elements per block along the contraction axis
+inline constexpr float kE2M1Max = 6.0f;
+inline constexpr float kE4M3Max = 448.0f;
+inline constexpr float kGlobalScaleDivisor = kE2M1Max * kE4M3Max;  // s_dec = amax / 2688
+// np.float32(1/6): the reference multiplies by this constant rather than dividing by 6.
+inline constexpr float kInvE2M1Max = 0x1.555556p-3f;
+inline constexpr int kScaleTileRows = 128;  // cuBLASLt's swizzled scale tile: 128 rows x 4 blocks
+inline constexpr int kScaleTileCols = 4;
+
+static_assert(kGlobalScaleDivisor == 2688.0f, "6 * 448 is exact in float32");
+static_assert(kInvE2M1Max == 1.0f / 6.0f, "must equal the correctly rounded float32 1/6");
+static_assert(kBlock == 16 && kScaleTileRows % kBlock == 0, "2D tiles must not straddle scale tiles");
+
+XLA_FP4_HOST_DEVICE inline uint32_t BitsOf(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+XLA_FP4_HOST_DEVICE inline float FloatOf(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+XLA_FP4_HOST_DEVICE inline float Abs(float v) { return FloatOf(BitsOf(v) & 0x7FFFFFFFu); }
+XLA_FP4_HOST_DEVICE inline float CopySign(float magnitude, float sign) {
+  return FloatOf((BitsOf(magnitude) & 0x7FFFFFFFu) | (BitsOf(sign) & 0x80000000u));
+}
+XLA_FP4_HOST_DEVICE inline bool IsNan(float v) { return v != v; }
+
+// Round to the nearest integer, ties to even, for 0 <= t < 2**23 (or NaN). The magic-number form vectorizes with SSE2,
+// where rintf would be a library call; it is exact because the sum lands in [2**23, 2**24), spacing 1.
+XLA_FP4_HOST_DEVICE inline float RintSmall(float t) {
+#ifdef __CUDA_ARCH__
+  return rintf(t);
+#else
+  return (t + 0x1p23f) - 0x1p23f;  // not folded away: we never build with -ffast-math
+#endif
+}
+
+// ---- E2M1 ----
+
+// Grid spacing at magnitude a: 0.5 below 2, 1 below 4, else 2; returned with its exact reciprocal.
+XLA_FP4_HOST_DEVICE inline float E2M1Step(float a) { return a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f); }
+XLA_FP4_HOST_DEVICE inline float E2M1InvStep(float a) { return a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f); }
+
+// A compare instead of min() so that NaN stays NaN.
+XLA_FP4_HOST_DEVICE inline float SaturateE2M1(float a) { return a > kE2M1Max ? kE2M1Max : a; }
+
+// Nearest-even rounding to the E2M1 grid, saturating at +-6; NaN stays NaN, the sign of zero is kept.
+XLA_FP4_HOST_DEVICE inline float RoundE2M1Nearest(float v) {
+  const float a = SaturateE2M1(Abs(v));
+  return CopySign(RintSmall(a * E2M1InvStep(a)) * E2M1Step(a), v);  // a/step is exact: step is a power of two
+}
+
+// Stochastic rounding: up to the upper neighbour with probability (a - lo) / step, given u uniform in [0, 1).
+XLA_FP4_HOST_DEVICE inline float RoundE2M1Stochastic(float v, float u) {
+  const float a = SaturateE2M1(Abs(v));
+  const float step = E2M1Step(a);
+  const float t = a * E2M1InvStep(a);
+  const float r = RintSmall(t);
+  const float lo = (r > t ? r - 1.0f : r) * step;  // floor(t) * step; NaN stays NaN
+  const float frac = (a - lo) * E2M1InvStep(a);   // exact (Sterbenz)
+  return CopySign(u < frac ? lo + step : lo, v);
+}
+
+// 4-bit code of an E2M1 value: sign in bit 3, magnitude index 0..7 in bits 0..2. NaN (which E2M1 lacks) encodes 0.
+XLA_FP4_HOST_DEVICE inline uint8_t E2M1Code(float q) {
+  if (IsNan(q)) return 0;
+  const float a = Abs(q);
+  const float index = a < 2.0f ? a * 2.0f : (a < 4.0f ? a + 2.0f : a * 0.5f + 4.0f);
+  return static_cast<uint8_t>(static_cast<uint8_t>(index) | ((BitsOf(q) >> 31) << 3));
+}
+
+XLA_FP4_HOST_DEVICE inline float E2M1Decode(uint8_t code) {
+  const float i = static_cast<float>(code & 7);
+  const float a = i < 4.0f ? i * 0.5f : (i < 6.0f ? i - 2.0f : (i - 4.0f) * 2.0f);
+  return (code & 8) ? -a : a;
+}
+
+// ---- E4M3 (float8_e4m3fn: bias 7, no infinities, 0x7F/0xFF are NaN) ----
+
+// Float32 -> E4M3 code, round to nearest even. Positive values saturate at 448 first (as the reference does); any
+// other magnitude that rounds past 448 is NaN, as in ml_dtypes. Subnormals are m * 2**-9.
+XLA_FP4_HOST_DEVICE inline uint8_t E4M3Encode(float v) {
+  if (v > kE4M3Max) v = kE4M3Max;
+  const uint32_t sign = (BitsOf(v) >> 24) & 0x80u;
+  const float a = Abs(v);
+  if (IsNan(a)) return static_cast<uint8_t>(sign | 0x7Fu);
+  if (a < 0x1p-6f) return static_cast<uint8_t>(sign | static_cast<uint32_t>(RintSmall(a * 0x1p9f)));  // 8 -> 0x08
+  const uint32_t bits = BitsOf(a);
+  const uint32_t rounded = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;  // keep 3 mantissa bits, ties to even
+  const uint32_t code = rounded - (120u << 3);                            // rebias the exponent: 127 -> 7
+  return static_cast<uint8_t>(sign | (code > 0x7Eu ? 0x7Fu : code));
+}
+
+XLA_FP4_HOST_DEVICE inline float E4M3Decode(uint8_t code) {
+  const uint32_t exponent = (code >> 3) & 15u, mantissa = code & 7u;
+  float a;
+  if (exponent == 15u && mantissa == 7u) {
+    a = FloatOf(0x7FC00000u);
+  } else if (exponent == 0u) {
+    a = static_cast<float>(mantissa) * 0x1p-9f;
+  } else {
+    a = FloatOf(((exponent + 120u) << 23) | (mantissa << 20));
+  }
+  return (code & 0x80u) ? -a : a;
+}
+
+// ---- counter-based random bits (formats.mix32 / random_bits / uniform_from_bits) ----
+
+// Wellons' lowbias32 finalizer.
+XLA_FP4_HOST_DEVICE inline uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+XLA_FP4_HOST_DEVICE inline uint32_t FoldIn(uint32_t key, uint32_t data) { return Mix32(key ^ Mix32(data)); }
+
+// The bits of the element at row-major position `index` of a tensor rounded with `key`; pass mixed_key = Mix32(key).
+XLA_FP4_HOST_DEVICE inline uint32_t RandomBits(uint32_t mixed_key, uint32_t index) { return Mix32(index ^ mixed_key); }
+
+XLA_FP4_HOST_DEVICE inline float UniformFromBits(uint32_t bits) { return static_cast<float>(bits >> 8) * 0x1p-24f; }
+
+// ---- random Hadamard transform (numerics/rht.py) ----
+
+// Sign j (0..15) of the RHT sign vector for `seed`: -1 where bit 31 of mix32(j ^ mix32(seed)) is set.
+XLA_FP4_HOST_DEVICE inline float RhtSign(uint32_t seed, int j) {
+  return (Mix32(static_cast<uint32_t>(j) ^ Mix32(seed)) >> 31) ? -1.0f : 1.0f;
+}
+
+// In-place RHT of 16 values: the butterfly H16 (stages half = 1, 2, 4, 8, pairs (i, i + half) -> (a + b, a - b)), then
+// times sign_quarter[j] = s_j / 4 (exact). The same order as rht.rht_f32, so the sums round identically.
+XLA_FP4_HOST_DEVICE inline void Rht16(float* v, const float* sign_quarter) {
+  for (int half = 1; half < kBlock; half *= 2) {
+    for (int g = 0; g < kBlock; g += 2 * half) {
+      for (int i = g; i < g + half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a + b;
+        v[i + half] = a - b;
+      }
+    }
+  }
+  for (int j = 0; j < kBlock; ++j) v[j] *= sign_quarter[j];
+}
+
+// ---- the recipe (numerics/quantize.py _encode / _decode) ----
+
+// Per-tensor constants derived from the global decode scale s_dec.
+struct TensorScale {
+  float s_dec;
+  float s_enc_over_6;  // (s_dec == 0 ? 0 : 1 / s_dec) * (1/6)
+};
+
+XLA_FP4_HOST_DEVICE inline TensorScale MakeTensorScale(float s_dec) {
+  const float s_enc = s_dec == 0.0f ? 0.0f : 1.0f / s_dec;
+  return {s_dec, s_enc * kInvE2M1Max};
+}
+
+// Everything a block needs: its E4M3 scale (code and value) and the factor that maps x onto the E2M1 grid.
+struct BlockScale {
+  uint8_t code;
+  float scale;      // E4M3Decode(code)
+  float inv_denom;  // 1 / (scale * s_dec)
+  bool zero;        // scale * s_dec == 0: the block encodes zeros
+};
+
+XLA_FP4_HOST_DEVICE inline BlockScale MakeBlockScale(float block_amax, TensorScale t) {
+  BlockScale b;
+  b.code = E4M3Encode(block_amax * t.s_enc_over_6);
+  b.scale = E4M3Decode(b.code);
+  const float denom = b.scale * t.s_dec;
+  b.inv_denom = 1.0f / denom;
+  b.zero = denom == 0.0f;
+  return b;
+}
+
+// E2M1 value of x in its block; `u` is used only when `stochastic`.
+XLA_FP4_HOST_DEVICE inline float QuantizeElement(float x, BlockScale b, bool stochastic, float u) {
+  const float v = x * b.inv_denom;
+  const float q = stochastic ? RoundE2M1Stochastic(v, u) : RoundE2M1Nearest(v);
+  return b.zero ? 0.0f : q;
+}
+
+// (q * scale) * s_dec: the first product is exact, so there is one rounding.
+XLA_FP4_HOST_DEVICE inline float DecodeElement(float q, float scale, float s_dec) { return (q * scale) * s_dec; }
+
+// Index of the scale of (row, block) in cuBLASLt's swizzled layout (numerics/packing.py); `padded_cols` is K/16
+// rounded up to 4.
+XLA_FP4_HOST_DEVICE inline int64_t SwizzledScaleIndex(int64_t row, int64_t block, int64_t padded_cols) {
+  return ((row / kScaleTileRows) * (padded_cols / kScaleTileCols) + block / kScaleTileCols) * 512 + (row % 32) * 16 +
+         ((row % kScaleTileRows) / 32) * 4 + block % kScaleTileCols;
+}
+
+}  // namespace xla_fp4
+
+#endif  // XLA_FP4_NVFP4_FORMAT_H_

@@ -1,0 +1,224 @@
+// Packed NVFP4 (the native backend's storage, numerics/packing.py) and the CPU reference FP4 GEMM.
+//
+//   xla_fp4_quantize_packed(x (rows, K), s_dec, key) -> data u8 (rows, K/2), scales u8 (swizzled, zero padded)
+//   xla_fp4_dequantize_packed(data, scales, s_dec) -> x (rows, K) in the result's float dtype
+//   xla_fp4_gemm_packed(a_data (M, K/2), a_scales, b_data (N, K/2), b_scales, alpha) -> C (M, N)   ("TN": K-major)
+#include <cstring>
+#include <vector>
+
+#include "xla_fp4/cpu_common.h"
+#include "xla_fp4/cpu_kernels.h"
+
+namespace xla_fp4::cpu {
+namespace {
+
+int64_t PaddedScaleCols(int64_t k) { return (k / kBlock + kScaleTileCols - 1) / kScaleTileCols * kScaleTileCols; }
+int64_t PaddedScaleCount(int64_t rows, int64_t k) {
+  return (rows + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows * PaddedScaleCols(k);
+}
+
+// ---- Impl: the work ----
+
+template <typename T>
+void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t k, const Recipe& r,
+                        const RhtSigns* rht, uint8_t* data, uint8_t* scales) {
+  std::memset(scales, 0, PaddedScaleCount(rows, k));  // the padding must be zero
+  const int64_t padded_cols = PaddedScaleCols(k);
+  ForEachTile(pool, x, Geometry{rows, k, 1}, rht != nullptr ? rht->sign_quarter : nullptr, &r,
+              [&](auto, const Tile& tile, const TileValues& tv, const BlockScale* block_scales) {
+                for (int c = 0; c < tile.ncols; ++c) {
+                  const int64_t row = tile.first + c;
+                  scales[SwizzledScaleIndex(row, tile.kblock, padded_cols)] = block_scales[c].code;
+                  uint8_t* out = data + row * (k / 2) + tile.kblock * (kBlock / 2);
+                  for (int i = 0; i < kBlock / 2; ++i) {  // the even element in the low nibble
+                    out[i] = static_cast<uint8_t>(E2M1Code(tv.v[c][2 * i]) | (E2M1Code(tv.v[c][2 * i + 1]) << 4));
+                  }
+                }
+              });
+}
+
+// out[r, k] = (q * scale) * s_dec; with s_dec = 1 this is the exact q * scale that the GEMM multiplies.
+template <typename T>
+void DequantizePackedImpl(ffi::ThreadPool& pool, const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k,
+                          float s_dec, T* out) {
+  const int64_t padded_cols = PaddedScaleCols(k);
+  ParallelFor(pool, rows, k, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t kb = 0; kb < k / kBlock; ++kb) {
+        const float scale = E4M3Decode(scales[SwizzledScaleIndex(row, kb, padded_cols)]);
+        const uint8_t* in = data + row * (k / 2) + kb * (kBlock / 2);
+        T* o = out + row * k + kb * kBlock;
+        for (int i = 0; i < kBlock / 2; ++i) {
+          Store(o + 2 * i, DecodeElement(E2M1Decode(in[i] & 15), scale, s_dec));
+          Store(o + 2 * i + 1, DecodeElement(E2M1Decode(in[i] >> 4), scale, s_dec));
+        }
+      }
+    }
+  });
+}
+
+// C = alpha * A·Bᵀ with float32 accumulation in a fixed order: 16 lane sums over K, then a pairwise tree.
+template <typename T>
+void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t* a_scales, const uint8_t* b_data,
+                    const uint8_t* b_scales, int64_t m, int64_t n, int64_t k, float alpha, T* c) {
+  std::vector<float> a(m * k), b(n * k);
+  DequantizePackedImpl(pool, a_data, a_scales, m, k, 1.0f, a.data());
+  DequantizePackedImpl(pool, b_data, b_scales, n, k, 1.0f, b.data());
+  ParallelFor(pool, m, n * k, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* ai = a.data() + i * k;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* bj = b.data() + j * k;
+        float acc[kBlock] = {};
+        for (int64_t p = 0; p < k; p += kBlock) {
+          for (int l = 0; l < kBlock; ++l) acc[l] += ai[p + l] * bj[p + l];
+        }
+        for (int width = kBlock / 2; width > 0; width /= 2) {
+          for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+        }
+        Store(c + i * n + j, acc[0] * alpha);
+      }
+    }
+  });
+}
+
+// ---- FFI: validation ----
+
+ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const char* what) {
+  if (data.element_type() != ffi::DataType::U8 || data.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument(std::string(what) + " must be a uint8 matrix (rows, K/2), got dtype code " +
+                                       std::to_string(static_cast<int>(data.element_type())) + " and shape " +
+                                       ShapeString(data.dimensions()));
+  }
+  return CheckBlocks(2 * data.dimensions()[1], (std::string("K = 2 * ") + what + ".shape[1]").c_str());
+}
+
+ffi::Error CheckPackedScales(const ffi::AnyBuffer& scales, int64_t rows, int64_t k, const char* what) {
+  const int64_t want = PaddedScaleCount(rows, k);
+  if (scales.element_type() != ffi::DataType::U8 || static_cast<int64_t>(scales.element_count()) != want) {
+    return ffi::Error::InvalidArgument(std::string(what) + " must be uint8 with " + std::to_string(want) +
+                                       " elements (the swizzled layout of " + std::to_string(rows) + " rows and K = " +
+                                       std::to_string(k) + "), got dtype code " +
+                                       std::to_string(static_cast<int>(scales.element_type())) + " and shape " +
+                                       ShapeString(scales.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+                             ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
+                             bool stochastic, bool rht, int64_t rht_seed) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) {
+    return ffi::Error::InvalidArgument("x must be a matrix (rows, K) with K, the contraction axis, last; got shape " +
+                                       ShapeString(dims));
+  }
+  const int64_t rows = dims[0], k = dims[1];
+  if (ffi::Error e = FirstError({CheckBlocks(k, "K (x.shape[1])"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+                                 CheckScalar(key, ffi::DataType::U32, "key"), CheckSeed(rht_seed),
+                                 CheckShape(data->dimensions(), {rows, k / 2}, "the data result"),
+                                 CheckPackedScales(*scales, rows, k, "the scales result")});
+      e.failure()) {
+    return e;
+  }
+  if (data->element_type() != ffi::DataType::U8) return ffi::Error::InvalidArgument("the data result must be uint8");
+  if (stochastic && rows * k > (int64_t{1} << 32)) {
+    return ffi::Error::InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements, got shape " +
+                                       ShapeString(dims));
+  }
+  const Recipe recipe{block_2d, stochastic, Mix32(*static_cast<const uint32_t*>(key.untyped_data())),
+                      MakeTensorScale(*static_cast<const float*>(s_dec.untyped_data()))};
+  const RhtSigns signs(static_cast<uint32_t>(rht_seed));
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QuantizePackedImpl(pool, static_cast<const T*>(x.untyped_data()), rows, k, recipe, rht ? &signs : nullptr,
+                       static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  if (ffi::Error e = CheckPackedData(data, "data"); e.failure()) return e;
+  const int64_t rows = data.dimensions()[0], k = 2 * data.dimensions()[1];
+  if (ffi::Error e = FirstError({CheckPackedScales(scales, rows, k, "scales"),
+                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+                                 CheckShape(out->dimensions(), {rows, k}, "the result")});
+      e.failure()) {
+    return e;
+  }
+  const float s = *static_cast<const float*>(s_dec.untyped_data());
+  return DispatchFloat(out->element_type(), "the result", [&](auto tag) {
+    using T = decltype(tag);
+    DequantizePackedImpl(pool, static_cast<const uint8_t*>(data.untyped_data()),
+                         static_cast<const uint8_t*>(scales.untyped_data()), rows, k, s,
+                         static_cast<T*>(out->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error GemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data,
+                         ffi::AnyBuffer b_scales, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c) {
+  if (ffi::Error e = FirstError({CheckPackedData(a_data, "a_data"), CheckPackedData(b_data, "b_data")}); e.failure()) {
+    return e;
+  }
+  const int64_t m = a_data.dimensions()[0], n = b_data.dimensions()[0], k = 2 * a_data.dimensions()[1];
+  if (2 * b_data.dimensions()[1] != k) {
+    return ffi::Error::InvalidArgument("a_data " + ShapeString(a_data.dimensions()) + " and b_data " +
+                                       ShapeString(b_data.dimensions()) + " must have the same K/2 (TN layout: both "
+                                       "operands K-major)");
+  }
+  if (ffi::Error e = FirstError({CheckPackedScales(a_scales, m, k, "a_scales"),
+                                 CheckPackedScales(b_scales, n, k, "b_scales"),
+                                 CheckScalar(alpha, ffi::DataType::F32, "alpha"),
+                                 CheckShape(c->dimensions(), {m, n}, "the result")});
+      e.failure()) {
+    return e;
+  }
+  const float al = *static_cast<const float*>(alpha.untyped_data());
+  return DispatchFloat(c->element_type(), "the result", [&](auto tag) {
+    using T = decltype(tag);
+    GemmPackedImpl(pool, static_cast<const uint8_t*>(a_data.untyped_data()),
+                   static_cast<const uint8_t*>(a_scales.untyped_data()),
+                   static_cast<const uint8_t*>(b_data.untyped_data()),
+                   static_cast<const uint8_t*>(b_scales.untyped_data()), m, n, k, al,
+                   static_cast<T*>(c->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace xla_fp4::cpu
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu, xla_fp4::cpu::QuantizePackedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x (rows, K)
+                                  .Arg<ffi::AnyBuffer>()  // s_dec
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Ret<ffi::AnyBuffer>()  // data
+                                  .Ret<ffi::AnyBuffer>()  // scales
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("rht")
+                                  .Attr<int64_t>("rht_seed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCpu, xla_fp4::cpu::DequantizePackedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // data
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Arg<ffi::AnyBuffer>()  // s_dec
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4GemmPackedCpu, xla_fp4::cpu::GemmPackedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // a_data
+                                  .Arg<ffi::AnyBuffer>()  // a_scales
+                                  .Arg<ffi::AnyBuffer>()  // b_data
+                                  .Arg<ffi::AnyBuffer>()  // b_scales
+                                  .Arg<ffi::AnyBuffer>()  // alpha
+                                  .Ret<ffi::AnyBuffer>());
