@@ -26,8 +26,8 @@ if [[ "$CUDA_MAJOR" -ge 13 ]]; then
 else
   CUBLAS_PACKAGE="nvidia-cublas-cu${CUDA_MAJOR}==${CUDA_VERSION}.*" CUBLAS_MODULE="nvidia.cublas"
 fi
-if ! "$PY" -c "import os, $CUBLAS_MODULE as m; assert any(os.path.exists(p + '/include/cublasLt.h') for p in m.__path__)" \
-    2>/dev/null; then
+HAS_CUBLAS="import os, $CUBLAS_MODULE as m; assert any(os.path.exists(p + '/include/cublasLt.h') for p in m.__path__)"
+if ! "$PY" -c "$HAS_CUBLAS" 2>/dev/null; then
   echo "installing $CUBLAS_PACKAGE"
   "$PY" -m pip install --quiet "$CUBLAS_PACKAGE"
 fi

@@ -55,8 +55,9 @@ elseif(TARGET CUDA::cublasLt)
   add_library(xla_fp4_cublaslt ALIAS CUDA::cublasLt)
   message(STATUS "cuBLASLt: the CUDA toolkit's")
 else()
-  message(FATAL_ERROR "cuBLASLt not found: pip install 'nvidia-cublas==${CUDAToolkit_VERSION_MAJOR}.${CUDAToolkit_VERSION_MINOR}.*' "
-                      "into the build environment (CUDA 12: nvidia-cublas-cu12), or set XLA_FP4_CUBLAS_ROOT")
+  message(FATAL_ERROR "cuBLASLt not found: install NVIDIA's wheel into the build environment (CUDA 13: pip install "
+                      "'nvidia-cublas==${CUDAToolkit_VERSION_MAJOR}.${CUDAToolkit_VERSION_MINOR}.*'; CUDA 12: "
+                      "nvidia-cublas-cu12), or set XLA_FP4_CUBLAS_ROOT")
 endif()
 
 add_library(xla_fp4_cuda STATIC

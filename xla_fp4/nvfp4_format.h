@@ -217,6 +217,15 @@ XLA_FP4_HOST_DEVICE inline float QuantizeElement(float x, BlockScale b, bool sto
 // (q * scale) * s_dec: the first product is exact, so there is one rounding.
 XLA_FP4_HOST_DEVICE inline float DecodeElement(float q, float scale, float s_dec) { return (q * scale) * s_dec; }
 
+// The swizzled scale storage (numerics.padded_scale_shape): K/16 blocks rounded up to 4 columns, rows rounded up to
+// 128; the padding is zero.
+XLA_FP4_HOST_DEVICE inline int64_t PaddedScaleCols(int64_t k) {
+  return (k / kBlock + kScaleTileCols - 1) / kScaleTileCols * kScaleTileCols;
+}
+XLA_FP4_HOST_DEVICE inline int64_t PaddedScaleCount(int64_t rows, int64_t k) {
+  return (rows + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows * PaddedScaleCols(k);
+}
+
 // Index of the scale of (row, block) in cuBLASLt's swizzled layout (numerics/packing.py); `padded_cols` is K/16
 // rounded up to 4.
 XLA_FP4_HOST_DEVICE inline int64_t SwizzledScaleIndex(int64_t row, int64_t block, int64_t padded_cols) {

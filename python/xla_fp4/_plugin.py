@@ -8,7 +8,13 @@ from xla_fp4 import config
 
 
 def initialize():
-  cfg = config.load()  # a bad XLA_FP4* value raises here, naming the variable
+  try:
+    cfg = config.load()
+  except ValueError as e:
+    # JAX logs and swallows plugin errors; fail the first compilation instead, so a typo is never silently ignored.
+    from xla_fp4 import hook
+    hook.install_error(e)
+    raise
   if cfg.enabled:
     from xla_fp4 import api
     api.enable_config(cfg)

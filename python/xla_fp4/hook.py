@@ -33,7 +33,7 @@ def _compile_or_get_cached(backend, computation, *args, **kwargs):
   module = computation
   try:
     result = pipeline.transform(computation, config, platform=backend.platform)
-    if config.dump_dir:
+    if config.dump_dir and result.rows:
       pipeline.dump(config.dump_dir, computation, result)
     module = result.module
   except Exception as e:  # the user's program must keep working: compile the original module
@@ -57,6 +57,16 @@ def install(config: Config):
       _state["original"] = compiler.compile_or_get_cached
       compiler.compile_or_get_cached = _compile_or_get_cached
   jax.clear_caches()  # executables compiled before would otherwise be reused unchanged
+
+
+def install_error(error: Exception):
+  """Make every compilation raise `error` (a configuration error found where raising is not possible)."""
+  def refuse(*args, **kwargs):
+    raise error
+  with _lock:
+    if _state["original"] is None:
+      _state["original"] = compiler.compile_or_get_cached
+    compiler.compile_or_get_cached = refuse
 
 
 def uninstall():

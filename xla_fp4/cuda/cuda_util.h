@@ -38,12 +38,6 @@ inline unsigned GridSize(int64_t threads) {
   return static_cast<unsigned>((threads + kThreadsPerBlock - 1) / kThreadsPerBlock);
 }
 
-// Swizzled scale storage (numerics.padded_scale_shape): K/16 blocks rounded up to 4, rows rounded up to 128.
-inline int64_t PaddedScaleCols(int64_t k) { return (k / kBlock + kScaleTileCols - 1) / kScaleTileCols * kScaleTileCols; }
-inline int64_t PaddedScaleCount(int64_t rows, int64_t k) {
-  return (rows + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows * PaddedScaleCols(k);
-}
-
 // Scales are uint8 E4M3 codes in the swizzled layout, as the CPU kernels take them.
 inline ffi::Error CheckScales(const ffi::AnyBuffer& scales, int64_t rows, int64_t k, const std::string& what) {
   if (scales.element_type() != ffi::U8 || static_cast<int64_t>(scales.element_count()) != PaddedScaleCount(rows, k)) {

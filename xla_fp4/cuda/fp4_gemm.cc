@@ -8,8 +8,8 @@
 // Plans (matrix layouts, the heuristic's algorithm, a device zero for beta) are cached per (device, M, N, K, output
 // type) in one process-wide, mutex-guarded cache rather than in per-instance FFI state: a transformer has a few GEMM
 // shapes repeated over dozens of layers, so call sites share plans and one cuBLASLt handle, and nothing needs an FFI
-// type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built per call
-// (host-only, microseconds) to keep concurrent calls from different threads independent.
+// type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built per
+// call (host-only, microseconds) to keep concurrent calls from different threads independent.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -167,7 +167,8 @@ ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   switch (out->element_type()) {
     case ffi::F32: out_type = CUDA_R_32F; break;
     case ffi::BF16: out_type = CUDA_R_16BF; break;
-    default: return InvalidArgument("xla_fp4_gemm_packed returns float32 or bfloat16");
+    case ffi::F16: out_type = CUDA_R_16F; break;
+    default: return InvalidArgument("xla_fp4_gemm_packed returns float32, bfloat16 or float16");
   }
   XLA_FP4_RETURN_IF_ERROR(CheckScales(a_scales, m, k, "xla_fp4_gemm_packed: a_scales"));
   XLA_FP4_RETURN_IF_ERROR(CheckScales(b_scales, n, k, "xla_fp4_gemm_packed: b_scales"));
@@ -189,7 +190,8 @@ ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (plan->workspace_bytes > 0) {
     std::optional<void*> allocated = scratch.Allocate(plan->workspace_bytes, 256);
     if (!allocated) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "xla_fp4_gemm_packed: no memory for the cuBLASLt workspace");
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "xla_fp4_gemm_packed: no memory for the cuBLASLt workspace");
     }
     workspace = *allocated;
   }
@@ -235,4 +237,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4GemmPackedCuda, xla_fp4::cuda::GemmPacked,
                                   .Arg<xla::ffi::AnyBuffer>()  // b_data, uint8 (N, K/2)
                                   .Arg<xla::ffi::AnyBuffer>()  // b_scales, uint8, swizzled
                                   .Arg<xla::ffi::AnyBuffer>()  // alpha = s_dec_a * s_dec_b (float32 scalar)
-                                  .Ret<xla::ffi::AnyBuffer>());  // C (M, N), float32 or bfloat16
+                                  .Ret<xla::ffi::AnyBuffer>());  // C (M, N), float32, bfloat16 or float16

@@ -11,14 +11,18 @@
 namespace xla_fp4::cuda {
 namespace {
 
-// Writes decode(q) back in the input's dtype, at the block's own positions.
+// Writes decode(q) back in the input's dtype, at the block's own positions. Without the global scale the result is
+// q * scale, exact in every float dtype: an emulated GEMM then folds both s_dec into its float32 output, as cuBLASLt's
+// alpha does (DESIGN.md §2).
 template <typename T>
 struct DequantizeSink {
   T* y;
+  bool apply_global_scale;
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
                              const float* q) const {
+    const float s_dec = apply_global_scale ? ts.s_dec : 1.0f;
     float v[kBlock];
-    for (int j = 0; j < kBlock; ++j) v[j] = DecodeElement(q[j], bs.scale, ts.s_dec);
+    for (int j = 0; j < kBlock; ++j) v[j] = DecodeElement(q[j], bs.scale, s_dec);
     StoreBlock(y, g, b, v);
   }
 };
@@ -55,7 +59,8 @@ ffi::Error AxisView(ffi::Span<const int64_t> dims, int64_t axis, int64_t& outer,
 }
 
 ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-               ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+               ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
+               bool apply_global_scale) {
   int64_t outer, k, inner;
   XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
@@ -74,7 +79,8 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
     using T = decltype(tag);
     QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
         static_cast<const T*>(x.untyped_data()), g, r, static_cast<const float*>(s_dec.untyped_data()),
-        static_cast<const uint32_t*>(key.untyped_data()), DequantizeSink<T>{static_cast<T*>(y->untyped_data())});
+        static_cast<const uint32_t*>(key.untyped_data()),
+        DequantizeSink<T>{static_cast<T*>(y->untyped_data()), apply_global_scale});
     return LaunchStatus("xla_fp4_qdq kernel");
   });
 }
@@ -110,7 +116,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqCuda, xla_fp4::cuda::Qdq,
                                   .Attr<bool>("block_2d")
                                   .Attr<bool>("stochastic")
                                   .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed"));
+                                  .Attr<int64_t>("rht_seed")
+                                  .Attr<bool>("apply_global_scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCuda, xla_fp4::cuda::Rht,
                               xla::ffi::Ffi::Bind()

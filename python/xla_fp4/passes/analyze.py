@@ -43,7 +43,8 @@ _BLOCK_RE = re.compile(r"(?:^|[/.\['_])(?:blocks?|layers?|h|transformer_?blocks?
                        r"[_'\]\[/]*(\d+)", re.I)
 _HEAD_RE = re.compile(r"(head|logits|unembed|embed\w*|lm_out|output_projection)$", re.I)
 _PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
-                 "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding"}
+                 "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding",
+                 "sdy.sharding_constraint", "sdy.reshard"}
 _SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement"}
 EXCLUDE_SCOPE = "xla_fp4_exclude"
 ROLES = ("fprop", "dgrad", "wgrad", "other")
@@ -122,8 +123,10 @@ def layer_path(name_stack: str) -> str:
     if c.startswith(("jit(", "pjit(")):
       continue
     c = _strip_transform(c)
-    if c and c not in _NOISE and not c.startswith(("branch_", "jit:")) and (not parts or parts[-1] != c):
-      parts.append(c)  # a repeat (nn.scan names the lifted module and the scanned one alike) is dropped
+    if c and c not in _NOISE and not c.startswith(("branch_", "jit:")) and "->" not in c and (not parts or parts[-1] != c):
+      # Dropped: einsum specs (jnp.einsum's own scope) and repeats (nn.scan names the lifted module and the
+      # scanned one alike).
+      parts.append(c)
   return "/".join(parts)
 
 
@@ -232,7 +235,7 @@ class _Tracer:
           if src is not None:
             return src
         return None
-      if parent.name == "stablehlo.while":
+      if parent.name in ("stablehlo.while", "sdy.manual_computation"):  # loop carries, shard_map bodies
         return self.trace(parent.operands[arg.arg_number], stack, entry, depth + 1)
       return None
     res = ir.OpResult(value)
@@ -302,14 +305,27 @@ def _feeds_gather(mod, arg_index):
           todo.append(callee.regions[0].blocks[0].arguments[use.operand_number])
       elif user.name == "stablehlo.while":
         todo.append(user.regions[1].blocks[0].arguments[use.operand_number])
+      elif user.name == "sdy.manual_computation":
+        todo.append(user.regions[0].blocks[0].arguments[use.operand_number])
   return False
 
 
-def _root(value):
-  """The value a pass-through chain starts from (same function): dots that read the same tensor compare equal."""
-  for _ in range(64):
+def _root(mod, value):
+  """The value a pass-through chain starts from, followed out of functions with a single call site (nested jit,
+  remat and custom_jvp bodies): dots that read the same tensor get the same root."""
+  for _ in range(256):
     if isinstance(value.owner, ir.Block):
-      return value
+      parent = ir.BlockArgument(value).owner.owner
+      if parent is not None and parent.operation.name == "sdy.manual_computation":
+        value = parent.operation.operands[ir.BlockArgument(value).arg_number]
+        continue
+      if parent is None or parent.operation.name != "func.func":
+        return value
+      calls = mod.calls.get(ir.StringAttr(parent.operation.attributes["sym_name"]).value, [])
+      if len(calls) != 1:
+        return value
+      value = calls[0].operands[ir.BlockArgument(value).arg_number]
+      continue
     op = value.owner.operation if hasattr(value.owner, "operation") else value.owner
     if op.name not in _PASS_THROUGH:
       return value
@@ -338,12 +354,12 @@ def _layer(stack_path, arg_name):
 class _Dot:
   """Per-dot facts gathered before classification."""
 
-  def __init__(self, fname, op, stack, sources):
+  def __init__(self, mod, fname, op, stack, sources):
     self.fname, self.op, self.stack, self.sources = fname, op, stack, sources
     self.frames = frames_of(op.location)
     self.path = layer_path(stack)
     self.phase = _phase(stack)
-    self.roots = [_root(v) for v in op.operands]
+    self.roots = [_root(mod, v) for v in op.operands]
     self.out_shape = _shape(op.results[0])
     self.role, self.w, self.src, self.partner = "other", None, None, None
 
@@ -389,9 +405,9 @@ def _pair_backward(dots):
     if partner is None:
       partner = next((j for j in shaped if any(dots[j].roots[1 - dots[j].w] == r for r in d.roots)), None)
     if partner is None:
-      free = [j for j in shaped if (d.fname, j) not in claimed]
+      free = [j for j in shaped if j not in claimed]
       partner = (free or shaped)[-1]
-    claimed.add((d.fname, partner))
+    claimed.add(partner)
     d.role, d.partner = "wgrad", partner
     d.src = _local_source(dots, d.fname, dots[partner].src)
 
@@ -422,7 +438,7 @@ def analyze(module) -> Analysis:
     prefix = mod.call_prefix(fname)
     own = name_of(op.location)
     stack = f"{prefix}/{own}" if prefix and own else (prefix or own)
-    dots.append(_Dot(fname, op, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
+    dots.append(_Dot(mod, fname, op, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
 
   # Forward dots: fprop when an operand is a parameter (rhs preferred: x @ W), else other.
   for d in dots:

@@ -1,0 +1,190 @@
+"""The C++ CPU kernels against the pure-JAX reference: bit for bit over shapes, axes, dtypes and recipes."""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from nvfp4_testing import assert_same_bits, extension_or_skip
+from xla_fp4 import kernels, numerics as nv
+from xla_fp4.numerics.rht import rht_f32
+
+qz = importlib.import_module("xla_fp4.numerics.quantize")  # the module (numerics re-exports a function of that name)
+
+pytestmark = pytest.mark.usefixtures("_extension")
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@pytest.fixture(scope="module")
+def _extension():
+  extension_or_skip()
+
+
+# ---- the reference, jitted ----
+
+@functools.partial(jax.jit, static_argnames=("axis", "block_2d", "stochastic", "rht", "rht_seed"))
+def ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
+  """The kernel's contract: numerics qdq of (rht(x) if rht else x) with the caller's s_dec and key."""
+  x32 = x.astype(jnp.float32)
+  if rht:
+    x32 = rht_f32(x32, axis, rht_seed)
+  q, scales = qz._encode(x32, axis, block_2d, "stochastic" if stochastic else "nearest", key, s_dec)
+  return qz._decode(q, scales, s_dec).reshape(x.shape).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_2d", "stochastic", "rht", "rht_seed"))
+def ref_packed(x, s_dec, key, *, block_2d, stochastic, rht, rht_seed):
+  x = rht_f32(x.astype(jnp.float32), -1, rht_seed) if rht else x
+  p = nv.pack(nv.quantize(x, block_2d=block_2d, rounding="stochastic" if stochastic else "nearest", key=key,
+                          global_scale=s_dec))
+  return p.data, jax.lax.bitcast_convert_type(p.scales, jnp.uint8)
+
+
+def s_dec_of(x, axis, rht, rht_seed):
+  x32 = jnp.asarray(x, jnp.float32)
+  return nv.global_decode_scale(nv.amax(rht_f32(x32, axis, rht_seed) if rht else x32))
+
+
+# ---- inputs ----
+
+@st.composite
+def tensors(draw, max_rank=3, k_last=False):
+  rank = 2 if k_last else draw(st.integers(1, max_rank))
+  axis = rank - 1 if k_last else draw(st.integers(-rank, rank - 1))
+  shape = [draw(st.sampled_from([1, 2, 5, 16, 17, 33])) for _ in range(rank)]
+  shape[axis] = draw(st.sampled_from([16, 32, 48]))
+  dtype = draw(st.sampled_from(DTYPES))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+  x = rng.standard_normal(shape).astype(np.float32) * np.float32(2.0 ** draw(st.integers(-20, 20)))
+  special = draw(st.sampled_from(["none", "zeros", "outliers", "nan", "inf", "tiny", "negzero"]))
+  flat = x.reshape(-1)
+  if special == "zeros":
+    flat[: flat.size // 2] = 0
+  elif special == "outliers":
+    flat[rng.integers(0, flat.size, 3)] *= 1000
+  elif special in ("nan", "inf"):
+    flat[rng.integers(0, flat.size)] = np.nan if special == "nan" else -np.inf
+  elif special == "tiny":
+    flat[::3] = 1e-39  # float32 subnormal
+  elif special == "negzero":
+    flat[::2] = -0.0
+  return jnp.asarray(x).astype(dtype), axis
+
+
+recipes = st.fixed_dictionaries(dict(block_2d=st.booleans(), stochastic=st.booleans(), rht=st.booleans(),
+                                     rht_seed=st.integers(0, 2**32 - 1)))
+
+
+# ---- qdq and rht ----
+
+@SETTINGS
+@given(t=tensors(), recipe=recipes, key=st.integers(0, 2**32 - 1), scale_kind=st.sampled_from(["amax", "given"]))
+def test_qdq_matches_reference(t, recipe, key, scale_kind):
+  x, axis = t
+  s_dec = s_dec_of(x, axis, recipe["rht"], recipe["rht_seed"]) if scale_kind == "amax" else jnp.float32(1e-3)
+  key = jnp.uint32(key)
+  got = kernels.qdq(x, s_dec, key, axis=axis, **recipe)
+  assert_same_bits(got, ref_qdq(x, s_dec, key, axis=axis, **recipe))
+
+
+@SETTINGS
+@given(t=tensors(), seed=st.integers(0, 2**32 - 1))
+def test_rht_matches_reference(t, seed):
+  x, axis = t
+  assert_same_bits(kernels.rht(x, axis=axis, seed=seed), jax.jit(rht_f32, static_argnums=(1, 2))(
+      x.astype(jnp.float32), axis, seed))
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("block_2d", [False, True])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_qdq_large_multithreaded_under_jit(axis, block_2d, stochastic):
+  """Big enough to run on several threads, inside jit, including values whose scales are float32 subnormals (XLA
+  flushes them; the helper threads must too)."""
+  x = jax.random.normal(jax.random.key(1), (512, 528), jnp.float32)
+  x = x.at[:16].multiply(1e-36)
+  recipe = dict(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=False, rht_seed=0)
+  for s_dec in (s_dec_of(x, axis, False, 0), jnp.float32(1e-40)):
+    got = jax.jit(lambda x, s: kernels.qdq(x, s, 3, **recipe))(x, s_dec)
+    assert_same_bits(got, ref_qdq(x, s_dec, jnp.uint32(3), **recipe))
+
+
+# ---- packed ----
+
+@SETTINGS
+@given(t=tensors(k_last=True), recipe=recipes, key=st.integers(0, 2**32 - 1), out_dtype=st.sampled_from(DTYPES))
+def test_packed_quantize_and_dequantize_match_reference(t, recipe, key, out_dtype):
+  x, _ = t
+  s_dec = s_dec_of(x, -1, recipe["rht"], recipe["rht_seed"])
+  key = jnp.uint32(key)
+  data, scales = kernels.quantize_packed(x, s_dec, key, **recipe)
+  ref_data, ref_scales = ref_packed(x, s_dec, key, **recipe)
+  np.testing.assert_array_equal(np.asarray(data), np.asarray(ref_data))
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
+  p = nv.PackedNVFP4(data=ref_data, scales=jax.lax.bitcast_convert_type(ref_scales, jnp.float8_e4m3fn),
+                     global_scale=s_dec, shape=x.shape)
+  assert_same_bits(kernels.dequantize_packed(data, scales, s_dec, dtype=out_dtype),
+                   nv.dequantize(nv.unpack(p), out_dtype))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 16), (33, 17, 64), (130, 40, 256)])
+def test_gemm_matches_emulated_dot_and_float64(m, n, k):
+  a = jax.random.normal(jax.random.key(2), (m, k), jnp.float32)
+  b = jax.random.normal(jax.random.key(3), (k, n), jnp.float32) * 5
+  sa, sb = s_dec_of(a, -1, False, 0), s_dec_of(b, 0, False, 0)
+  a_data, a_scales = kernels.quantize_packed(a, sa)
+  b_data, b_scales = kernels.quantize_packed(b.T, sb, block_2d=True)
+  c = np.asarray(kernels.gemm_packed(a_data, a_scales, b_data, b_scales, sa * sb))
+  emulated = np.asarray(nv.dot_general(a, b, (((1,), (0,)), ((), ())), b_recipe=nv.OperandRecipe(block_2d=True)))
+  scale = np.abs(emulated).max()
+  np.testing.assert_allclose(c, emulated, rtol=1e-5, atol=1e-6 * scale)
+
+  def scaled64(data, scales, rows):
+    x = np.asarray(kernels.dequantize_packed(data, scales, 1.0), np.float64)
+    assert x.shape == (rows, k)
+    return x
+
+  exact = scaled64(a_data, a_scales, m) @ scaled64(b_data, b_scales, n).T * (np.float64(sa) * np.float64(sb))
+  np.testing.assert_allclose(c, exact, rtol=1e-5, atol=k * 2.0**-24 * np.abs(exact).max())
+  assert kernels.gemm_packed(a_data, a_scales, b_data, b_scales, sa * sb, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
+# ---- contract: errors, registration, attributes ----
+
+def test_errors_say_what_was_wrong():
+  x = jnp.ones((4, 24))
+  with pytest.raises(Exception, match="multiple of 16"):
+    kernels.qdq(x, 1.0, axis=1).block_until_ready()
+  with pytest.raises(Exception, match="out of range"):
+    kernels.qdq(jnp.ones((4, 16)), 1.0, axis=2).block_until_ready()
+  call = jax.ffi.ffi_call(kernels.QDQ_TARGET, jax.ShapeDtypeStruct((4, 16), jnp.float32))
+  with pytest.raises(Exception, match="s_dec must be a float32 scalar"):
+    call(jnp.ones((4, 16)), jnp.ones((1,)), jnp.uint32(0), axis=1, block_2d=False, stochastic=False, rht=False,
+         rht_seed=0).block_until_ready()
+  with pytest.raises(Exception, match="rht_seed"):
+    kernels.qdq(jnp.ones((4, 16)), 1.0, rht=True, rht_seed=-1).block_until_ready()
+  with pytest.raises(Exception, match="same K/2"):
+    d = jnp.zeros((128, 8), jnp.uint8)
+    s = jnp.zeros((512,), jnp.uint8)
+    kernels.gemm_packed(d, s, jnp.zeros((128, 16), jnp.uint8), s, 1.0).block_until_ready()
+
+
+def test_registrations_match_the_python_target_names():
+  assert set(extension_or_skip().registrations()) == set(kernels.TARGETS)
+  assert kernels.available()[0]
+
+
+def test_backend_config_matches_what_ffi_call_emits():
+  from jax.extend.mlir import ir
+  attrs = dict(axis=-1, block_2d=True, stochastic=False, rht=True, rht_seed=7)
+  text = jax.jit(lambda x: kernels.qdq(x, 1.0, 0, **attrs)).lower(jnp.ones((2, 16))).as_text()
+  with ir.Context():
+    config = kernels.custom_call_backend_config(kernels.QDQ_TARGET, attrs)
+  assert str(config) in text, (str(config), text)
+  with ir.Context(), pytest.raises(ValueError, match="takes attributes"):
+    kernels.custom_call_backend_config(kernels.RHT_TARGET, attrs)

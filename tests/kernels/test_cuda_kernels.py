@@ -1,0 +1,203 @@
+"""The CUDA kernels against the pure-JAX reference, bit for bit; the cuBLASLt FP4 GEMM against numerics.dot_general.
+
+Needs an extension built with XLA_FP4_ENABLE_CUDA=ON (docs/cuda.md) and a CUDA device; the GEMM also needs
+compute capability 10.x. Each test skips with the reason otherwise. References run on the CPU backend: they define the
+numbers.
+"""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nvfp4_testing import assert_same_bits, extension_or_skip
+from xla_fp4 import kernels
+from xla_fp4 import numerics as nv
+from xla_fp4.numerics import quantize as qz
+from xla_fp4.numerics.rht import rht_f32
+
+# (shape, axis): 1D blocks along K with inner > 1, 2D tiles along inner (a partial last tile), along outer (axis last,
+# a partial last tile), and a 3-D tensor.
+SHAPES = [((64, 48), -1), ((48, 80), 0), ((40, 32), 1), ((3, 32, 20), 1)]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+# (block_2d, stochastic, rht, apply_global_scale): every recipe switch, plus the unscaled output of the emulated GEMM.
+VARIANTS = [(*flags, True) for flags in itertools.product([False, True], repeat=3)] + [(True, False, False, False)]
+RHT_SEED = 1234
+
+
+def _built_with_cuda():
+  ext = extension_or_skip()
+  if not hasattr(ext, "cuda_registrations"):
+    pytest.skip("the xla_fp4 extension was built without CUDA: rebuild with XLA_FP4_ENABLE_CUDA=ON (docs/cuda.md)")
+  return ext
+
+
+@pytest.fixture(scope="module")
+def gpu():
+  _built_with_cuda()
+  try:
+    devices = jax.devices("cuda")
+  except (RuntimeError, ValueError) as e:
+    pytest.skip(f"no CUDA device: {e}")
+  kernels.register_cuda()
+  return devices[0]
+
+
+@pytest.fixture(scope="module")
+def fp4_gemm(gpu):
+  supported, reason = kernels.extension().fp4_gemm_supported()
+  if not supported:
+    pytest.skip(reason)
+  return gpu
+
+
+def _run(device, fn, *args, **static):
+  """fn(*args, **static) compiled for and executed on `device`, as numpy."""
+  args = [jax.device_put(a, device) for a in args]
+  out = jax.jit(functools.partial(fn, **static))(*args)
+  return jax.tree.map(np.asarray, out)
+
+
+def _cpu():
+  return jax.devices("cpu")[0]
+
+
+def _data(shape, dtype, seed=0):
+  """Normal values with a few outliers (so blocks get different scales), in `dtype`."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape).astype(np.float32)
+  x *= np.where(rng.random(shape) < 0.02, 50.0, 1.0).astype(np.float32)
+  return np.array(jnp.asarray(x, dtype))  # writable: tests plant special values
+
+
+def _transformed(x, axis, rht):
+  x32 = jnp.asarray(x, jnp.float32)
+  return rht_f32(x32, axis, RHT_SEED) if rht else x32
+
+
+def _s_dec(x, axis=-1, rht=False):
+  """The global decode scale the graph would pass: amax after the RHT."""
+  return np.asarray(_run(_cpu(), lambda v: qz.global_decode_scale(qz.amax(_transformed(v, axis, rht))), x))
+
+
+def _qdq_reference(x, s_dec, key, *, axis, block_2d, stochastic, rht, apply_global_scale):
+  """kernels.qdq's contract in numerics terms: qdq of (rht(x) if rht) with s_dec, kept in the RHT space."""
+  rounding = "stochastic" if stochastic else "nearest"
+  q, scales = qz._encode(_transformed(x, axis, rht), axis, block_2d, rounding, key, s_dec)
+  y = qz._decode(q, scales, s_dec if apply_global_scale else jnp.float32(1))
+  return y.reshape(x.shape).astype(x.dtype)
+
+
+@pytest.mark.parametrize("block_2d,stochastic,rht,apply_global_scale", VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_qdq_matches_reference(gpu, dtype, block_2d, stochastic, rht, apply_global_scale):
+  flags = dict(block_2d=block_2d, stochastic=stochastic, rht=rht, apply_global_scale=apply_global_scale)
+  for (shape, axis), key in zip(SHAPES, [7, 0xFFFFFFFF, 12345, 3]):
+    x = _data(shape, dtype)
+    s_dec, key = _s_dec(x, axis, rht), np.uint32(key)
+    got = _run(gpu, kernels.qdq, x, s_dec, key, axis=axis, rht_seed=RHT_SEED, **flags)
+    want = _run(_cpu(), _qdq_reference, x, s_dec, key, axis=axis, **flags)
+    assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_qdq_special_values(gpu, dtype, stochastic):
+  """Zero blocks, NaN and Inf (which must stay visible), subnormal scales, a zero global scale."""
+  x = _data((32, 64), dtype)
+  x[0, :16] = 0
+  x[1, 3] = np.nan
+  x[2, 5] = np.inf
+  x[3, :16] *= 1e-6
+  flags = dict(axis=-1, block_2d=False, stochastic=stochastic, rht=False, apply_global_scale=True)
+  for s_dec in [np.float32(np.nanmax(np.abs(x[4:].astype(np.float32))) / 2688), np.float32(0)]:
+    got = _run(gpu, kernels.qdq, x, s_dec, np.uint32(5), rht_seed=0, **flags)
+    want = _run(_cpu(), _qdq_reference, x, s_dec, np.uint32(5), **flags)
+    assert_same_bits(got, want)
+  assert np.isnan(got[1:3]).any(axis=1).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_rht_matches_reference(gpu, dtype):
+  for shape, axis in SHAPES:
+    x = _data(shape, dtype)
+    got = _run(gpu, kernels.rht, x, axis=axis, seed=RHT_SEED)
+    assert_same_bits(got, _run(_cpu(), rht_f32, jnp.asarray(x, jnp.float32), axis=axis, seed=RHT_SEED))
+
+
+def _packed_reference(x, s_dec, key, *, block_2d, stochastic, rht):
+  t = nv.quantize(_transformed(x, -1, rht), axis=-1, block_2d=block_2d,
+                  rounding="stochastic" if stochastic else "nearest", key=key, global_scale=s_dec)
+  p = nv.pack(t)
+  return p.data, jax.lax.bitcast_convert_type(p.scales, jnp.uint8)
+
+
+@pytest.mark.parametrize("block_2d,stochastic,rht", list(itertools.product([False, True], repeat=3)))
+def test_quantize_packed_matches_reference(gpu, block_2d, stochastic, rht):
+  # 200 rows and 5 blocks per row: both kinds of scale padding, and a partial 2D tile.
+  for dtype in DTYPES:
+    x = _data((200, 80), dtype)
+    s_dec, key = _s_dec(x, -1, rht), np.uint32(99)
+    flags = dict(block_2d=block_2d, stochastic=stochastic, rht=rht)
+    data, scales = _run(gpu, kernels.quantize_packed, x, s_dec, key, rht_seed=RHT_SEED, **flags)
+    want_data, want_scales = _run(_cpu(), _packed_reference, x, s_dec, key, **flags)
+    np.testing.assert_array_equal(data, want_data)
+    np.testing.assert_array_equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_dequantize_packed_matches_reference(gpu, dtype):
+  x = _data((200, 80), jnp.float32)
+  s_dec = _s_dec(x)
+  data, scales = _run(_cpu(), _packed_reference, x, s_dec, np.uint32(0), block_2d=False, stochastic=False, rht=False)
+  got = _run(gpu, kernels.dequantize_packed, data, scales, s_dec, dtype=dtype)
+  packed = nv.PackedNVFP4(data=data, scales=jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn),
+                          global_scale=s_dec, shape=x.shape)
+  want = _run(_cpu(), lambda p: nv.dequantize(nv.unpack(p), dtype), packed)
+  assert_same_bits(got, want)
+
+
+def test_qdq_rejects_a_bad_contract(gpu):
+  x = np.ones((8, 24), np.float32)
+  with pytest.raises(Exception, match="multiple of 16"):
+    _run(gpu, kernels.qdq, x, np.float32(1), np.uint32(0), axis=-1)
+
+
+def test_fp4_gemm_gate_gives_a_reason():
+  supported, reason = _built_with_cuda().fp4_gemm_supported()
+  assert isinstance(supported, bool) and (supported or reason), (supported, reason)
+
+
+def _gemm_operands(m, n, k):
+  a, b = _data((m, k), jnp.float32, seed=1), _data((n, k), jnp.float32, seed=2)
+  sa, sb = _s_dec(a), _s_dec(b)
+  flags = dict(block_2d=False, stochastic=False, rht=False)
+  pa = _run(_cpu(), _packed_reference, a, sa, np.uint32(0), **flags)
+  pb = _run(_cpu(), _packed_reference, b, sb, np.uint32(0), **flags)
+  return a, b, pa, pb, np.float32(sa * sb)
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 128, 128), (256, 192, 512), (64, 320, 1024)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_fp4_gemm_matches_dot_general(fp4_gemm, m, n, k, dtype):
+  a, b, (a_data, a_scales), (b_data, b_scales), alpha = _gemm_operands(m, n, k)
+  got = _run(fp4_gemm, kernels.gemm_packed, a_data, a_scales, b_data, b_scales, alpha, dtype=dtype)
+  dn = (((1,), (1,)), ((), ()))
+  want = _run(_cpu(), nv.dot_general, a, b, dimension_numbers=dn, preferred_element_type=jnp.float32)
+  # Only the float32 summation order may differ: bound it by K ulps of the sum of |products|, plus the output rounding.
+  magnitude = _run(_cpu(), nv.dot_general, np.abs(a), np.abs(b), dimension_numbers=dn,
+                   preferred_element_type=jnp.float32)
+  tolerance = k * 2.0**-23 * magnitude + np.abs(want) * (2.0**-8 if dtype == jnp.bfloat16 else 0)
+  np.testing.assert_array_less(np.abs(got.astype(np.float32) - want), tolerance + 1e-30)
+
+
+def test_fp4_gemm_fails_loudly_where_unsupported(gpu):
+  supported, reason = kernels.extension().fp4_gemm_supported()
+  if supported:
+    pytest.skip("the FP4 GEMM is supported on this device")
+  _, _, (a_data, a_scales), (b_data, b_scales), alpha = _gemm_operands(128, 128, 128)
+  with pytest.raises(Exception, match="cuBLASLt|cublasLt"):
+    _run(gpu, kernels.gemm_packed, a_data, a_scales, b_data, b_scales, alpha)
