@@ -12,11 +12,6 @@
 namespace xla_fp4::cpu {
 namespace {
 
-int64_t PaddedScaleCols(int64_t k) { return (k / kBlock + kScaleTileCols - 1) / kScaleTileCols * kScaleTileCols; }
-int64_t PaddedScaleCount(int64_t rows, int64_t k) {
-  return (rows + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows * PaddedScaleCols(k);
-}
-
 // ---- Impl: the work ----
 
 template <typename T>

@@ -1,7 +1,6 @@
 """The C++ CPU kernels against the pure-JAX reference: bit for bit over shapes, axes, dtypes and recipes."""
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +10,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nvfp4_testing import assert_same_bits, extension_or_skip
 from xla_fp4 import kernels, numerics as nv
+from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.rht import rht_f32
 
-qz = importlib.import_module("xla_fp4.numerics.quantize")  # the module (numerics re-exports a function of that name)
 
 pytestmark = pytest.mark.usefixtures("_extension")
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -27,14 +26,15 @@ def _extension():
 
 # ---- the reference, jitted ----
 
-@functools.partial(jax.jit, static_argnames=("axis", "block_2d", "stochastic", "rht", "rht_seed"))
-def ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
-  """The kernel's contract: numerics qdq of (rht(x) if rht else x) with the caller's s_dec and key."""
+@functools.partial(jax.jit, static_argnames=("axis", "block_2d", "stochastic", "rht", "rht_seed", "apply_global_scale"))
+def ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed, apply_global_scale=True):
+  """The kernel's contract: numerics qdq of (rht(x) if rht else x) with the caller's s_dec and key; without the global
+  scale the result is q * scale."""
   x32 = x.astype(jnp.float32)
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)
   q, scales = qz._encode(x32, axis, block_2d, "stochastic" if stochastic else "nearest", key, s_dec)
-  return qz._decode(q, scales, s_dec).reshape(x.shape).astype(x.dtype)
+  return qz._decode(q, scales, s_dec if apply_global_scale else 1.0).reshape(x.shape).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_2d", "stochastic", "rht", "rht_seed"))
@@ -83,9 +83,11 @@ recipes = st.fixed_dictionaries(dict(block_2d=st.booleans(), stochastic=st.boole
 # ---- qdq and rht ----
 
 @SETTINGS
-@given(t=tensors(), recipe=recipes, key=st.integers(0, 2**32 - 1), scale_kind=st.sampled_from(["amax", "given"]))
-def test_qdq_matches_reference(t, recipe, key, scale_kind):
+@given(t=tensors(), recipe=recipes, key=st.integers(0, 2**32 - 1), scale_kind=st.sampled_from(["amax", "given"]),
+       apply_global_scale=st.booleans())
+def test_qdq_matches_reference(t, recipe, key, scale_kind, apply_global_scale):
   x, axis = t
+  recipe = dict(recipe, apply_global_scale=apply_global_scale)
   s_dec = s_dec_of(x, axis, recipe["rht"], recipe["rht_seed"]) if scale_kind == "amax" else jnp.float32(1e-3)
   key = jnp.uint32(key)
   got = kernels.qdq(x, s_dec, key, axis=axis, **recipe)
@@ -165,7 +167,7 @@ def test_errors_say_what_was_wrong():
   call = jax.ffi.ffi_call(kernels.QDQ_TARGET, jax.ShapeDtypeStruct((4, 16), jnp.float32))
   with pytest.raises(Exception, match="s_dec must be a float32 scalar"):
     call(jnp.ones((4, 16)), jnp.ones((1,)), jnp.uint32(0), axis=1, block_2d=False, stochastic=False, rht=False,
-         rht_seed=0).block_until_ready()
+         rht_seed=0, apply_global_scale=True).block_until_ready()
   with pytest.raises(Exception, match="rht_seed"):
     kernels.qdq(jnp.ones((4, 16)), 1.0, rht=True, rht_seed=-1).block_until_ready()
   with pytest.raises(Exception, match="same K/2"):
@@ -181,7 +183,7 @@ def test_registrations_match_the_python_target_names():
 
 def test_backend_config_matches_what_ffi_call_emits():
   from jax.extend.mlir import ir
-  attrs = dict(axis=-1, block_2d=True, stochastic=False, rht=True, rht_seed=7)
+  attrs = dict(axis=-1, block_2d=True, stochastic=False, rht=True, rht_seed=7, apply_global_scale=False)
   text = jax.jit(lambda x: kernels.qdq(x, 1.0, 0, **attrs)).lower(jnp.ones((2, 16))).as_text()
   with ir.Context():
     config = kernels.custom_call_backend_config(kernels.QDQ_TARGET, attrs)

@@ -16,7 +16,7 @@ import pytest
 from nvfp4_testing import assert_same_bits, extension_or_skip
 from xla_fp4 import kernels
 from xla_fp4 import numerics as nv
-from xla_fp4.numerics import quantize as qz
+from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.rht import rht_f32
 
 # (shape, axis): 1D blocks along K with inner > 1, 2D tiles along inner (a partial last tile), along outer (axis last,

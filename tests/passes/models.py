@@ -266,6 +266,24 @@ def jax_scan_mlp(checkpoint=False, num_layers=4):
   return jax.grad(loss), (params, x)
 
 
+def jax_nested_scan(groups=3, per_group=2):
+  """A scan over groups of a scan over layers (weights stacked [groups, layers, ...])."""
+  rng = np.random.default_rng(5)
+  params = {"layers": {"w": jnp.asarray(rng.standard_normal((groups, per_group, D, D)) / 8, jnp.float32)}}
+  x = _x((B, D))
+
+  def inner(x, w):
+    return jnp.tanh(x @ w["w"]), None
+
+  def outer(x, w):
+    return jax.lax.scan(inner, x, w)[0], None
+
+  def loss(p, x):
+    return jnp.mean(jax.lax.scan(outer, x, p["layers"])[0] ** 2)
+
+  return jax.grad(loss), (params, x)
+
+
 def jax_nested_jit():
   params = _dense_params([D, H, D])
   x = _x((B, D))
@@ -309,16 +327,19 @@ def jax_custom_vjp():
   return jax.grad(loss), (params, x)
 
 
-def jax_einsum():
-  """Attention-style projections with einsum: batch dims and several contracting dims."""
+def jax_einsum(experts=2):
+  """einsum layers: per-head projections (several contracting dims) and per-expert weights (dot_general batch dims)."""
   rng = np.random.default_rng(4)
   params = {"wq": jnp.asarray(rng.standard_normal((D, HEADS, HEAD_DIM)) / 8, jnp.float32),
-            "wo": jnp.asarray(rng.standard_normal((HEADS, HEAD_DIM, D)) / 8, jnp.float32)}
+            "wo": jnp.asarray(rng.standard_normal((HEADS, HEAD_DIM, D)) / 8, jnp.float32),
+            "experts": jnp.asarray(rng.standard_normal((experts, D, F)) / 8, jnp.float32)}
   x = _x((B, S, D))
 
   def loss(p, x):
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
-    return jnp.mean(jnp.einsum("bshk,hkd->bsd", jnp.tanh(q), p["wo"]) ** 2)
+    y = jnp.einsum("bshk,hkd->bsd", jnp.tanh(q), p["wo"])
+    e = jnp.einsum("etd,edf->etf", y.reshape(experts, B * S // experts, D), p["experts"])
+    return jnp.mean(e ** 2)
 
   return jax.grad(loss), (params, x)
 

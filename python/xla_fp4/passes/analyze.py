@@ -103,10 +103,14 @@ def frames_of(loc) -> tuple:
 
 
 def _same_frame(a, b):
-  """Frames of one Python call: backward and remat copies may add outer frames (a scan body's caller), so compare the
-  common innermost frames."""
-  n = min(len(a), len(b))
-  return n > 0 and a[:n] == b[:n]
+  """Frames of one Python call. Backward and remat copies of an op carry more outer frames than the forward op (the
+  scan body's or checkpoint's callers; JAX elides frames differently per trace), so: the same innermost frame, and the
+  shorter frame list a subsequence of the longer."""
+  if not a or not b or a[0] != b[0]:
+    return False
+  short, long_ = (a, b) if len(a) <= len(b) else (b, a)
+  rest = iter(long_)
+  return all(f in rest for f in short)
 
 
 def _strip_transform(component):
@@ -250,9 +254,11 @@ class _Tracer:
       return self.trace(op.operands[res.result_number], stack, entry, depth + 1)
     if name == "stablehlo.dynamic_slice":
       src = self.trace(op.operands[0], stack, entry, depth + 1)
-      if src is not None and src.index is None:
+      if src is not None and src.stacked is None:
         src.index = self._lift(op.operands[1], stack)
         src.stacked = _shape(op.operands[0])[0]
+      elif src is not None:  # a slice of a slice (nested scans): the flat layer index is no value of the program
+        src.index, src.stacked = None, src.stacked * _shape(op.operands[0])[0]
       return src
     if name == "func.call":
       callee = self.mod.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)

@@ -90,31 +90,26 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     if selected:
       kernel_set = kernels(new) if kernels else _kernels_for(platform, new)
       emitter = rewrite_mod.Emitter(kernel_set, config.seed)
-      plumbed = {}  # (func name, entry call) -> block value inside the function
-      replaced_calls = {}
+      plumbed = {}  # (func name, id of the original entry call) -> block value inside the function
       for d in selected:
         site, dot = analysis.sites[d.index], analysis.ops[d.index]
         block_value = None
         if d.keep_blocks:
           value, entry = analysis.block_values[d.index]
-          entry = replaced_calls.get(entry, entry)
-          if entry is None and _visible(value, dot):
+          key = (site.func, id(entry))
+          if key in plumbed:
+            block_value = plumbed[key]
+          elif entry is None and _visible(value, dot):
             block_value = value
           elif entry is not None and value is not None and _visible(value, entry):
-            key = (site.func, id(entry))
-            if key not in plumbed:
-              func_op = next(op for op in new.body.operations if op.operation.name == "func.func" and
-                             ir.StringAttr(op.attributes["sym_name"]).value == site.func)
-              arg, new_call = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
-              replaced_calls[entry] = new_call
-              plumbed[key] = arg
-              plumbed[(site.func, id(new_call))] = arg
-            block_value = plumbed[key]
+            func_op = next(op for op in new.body.operations if op.operation.name == "func.func" and
+                           ir.StringAttr(op.attributes["sym_name"]).value == site.func)
+            block_value = plumbed[key] = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
           else:
             notes[d.index] = "block index unavailable per iteration: every iteration runs in NVFP4"
         y = emitter.emit_emulated(dot, site, d, block_value)
         if block_value is not None:  # the select still reads the original dot
-          dot.results[0].replace_all_uses_except(y, y.owner)
+          dot.results[0].replace_all_uses_except(y, y.owner.operation)
         else:
           dot.results[0].replace_all_uses_with(y)
           dot.erase()

@@ -194,7 +194,9 @@ class Emitter:
     """Insert the pattern before `dot`; returns the value that replaces its result."""
     lhs, rhs = dot.operands[0], dot.operands[1]
     (lc, rc), _ = site.contracting, site.batch
-    with ir.InsertionPoint(dot), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
+    # With a per-iteration select the original dot stays and is read by the select: emit after it.
+    anchor = _next_op(dot) if decision.keep_blocks and block_value is not None else dot
+    with ir.InsertionPoint(anchor), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
       qa, sa = self._operand(lhs, lc[0], decision.lhs, 2 * site.index)
       qb, sb = self._operand(rhs, rc[0], decision.rhs, 2 * site.index + 1)
       out_type = _tensor_type(dot.results[0])
@@ -223,6 +225,11 @@ class Emitter:
     return hlo.SelectOp(mask, original, nvfp4).result
 
 
+def _next_op(op):
+  ops = list(op.block.operations)
+  return ops[next(i for i, o in enumerate(ops) if o == op) + 1]
+
+
 def plumb_block_value(value, entry_call, func_op):
   """Make `value` (visible at `entry_call`) available inside `func_op` by adding an argument; returns it there."""
   block = func_op.regions[0].blocks[0]
@@ -239,4 +246,4 @@ def plumb_block_value(value, entry_call, func_op):
   for old, new in zip(entry_call.results, new_call.results):
     old.replace_all_uses_with(new)
   entry_call.erase()
-  return arg, new_call.operation
+  return arg

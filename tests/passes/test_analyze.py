@@ -1,0 +1,271 @@
+"""The analysis on a matrix of training steps (tests/passes/models.py): roles, layer paths, blocks, heads, scans.
+
+Each model is a real gradient step (loss -> jax.grad, mostly with an optax update) lowered to StableHLO exactly as
+jax.jit hands it to the compile hook. The expected counts follow from the model: a linear layer gives one fprop, one
+wgrad and one dgrad (no dgrad where the layer's input is not differentiated: the first layer of an MLP fed the batch);
+attention QK^T and scores.V are `other` (2 forward and 4 backward dots per block).
+"""
+
+import collections
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.lib.mlir import ir
+
+import models
+from xla_fp4.passes import analyze
+
+N = 2  # transformer blocks
+LINEAR = ("q", "k", "v", "o", "fc1", "fc2")
+
+
+@functools.lru_cache(maxsize=None)
+def _analysis(builder, **kwargs):
+  fn, args = getattr(models, builder)(**kwargs)
+  module = jax.jit(fn).lower(*args).compiler_ir("stablehlo")
+  with module.context:
+    return module, analyze.analyze(module)
+
+
+def _roles(a):
+  return dict(collections.Counter(s.role for s in a.sites))
+
+
+def _by_layer(a):
+  out = collections.defaultdict(list)
+  for s in a.sites:
+    if s.role != "other":
+      out[s.layer].append(s.role)
+  return {k: sorted(v) for k, v in out.items()}
+
+
+def _func_of(value):
+  op = value.owner.owner if isinstance(value.owner, ir.Block) else value.owner
+  op = op.operation if hasattr(op, "operation") else op
+  while op.name != "func.func":
+    op = op.parent
+  return ir.StringAttr(op.attributes["sym_name"]).value
+
+
+def _check_consistent(a):
+  """Every linear dot's weight argument names its layer, and each layer's dots share one weight."""
+  weights = collections.defaultdict(set)
+  for s in a.sites:
+    if s.role == "other":
+      assert s.weight_arg is None and s.weight_operand is None and not s.is_head
+      continue
+    weights[s.layer].add(s.weight_arg)
+    assert analyze._path_from_arg(s.weight_arg).split("/")[-1] in s.layer, s
+    assert (s.weight_operand is None) == (s.role == "wgrad"), s
+  assert all(len(w) == 1 for w in weights.values()), weights
+
+
+def _check_block_values(a, module, num_stacked):
+  """In a scanned stack every linear dot of a scan body has its per-iteration layer index, visible at its entry."""
+  with module.context:
+    for s in a.sites:
+      if s.role == "other" or s.func == "main":
+        continue
+      assert s.num_stacked == num_stacked and s.block is None, s
+      assert s.index in a.block_values, s
+      value, entry = a.block_values[s.index]
+      assert ir.RankedTensorType(value.type).element_type == ir.IntegerType.get_signless(32) or \
+          "i64" in str(value.type), value.type
+      if entry is None:
+        assert _func_of(value) == s.func
+      else:
+        assert entry.name == "func.call"
+        assert _func_of(value) == _func_of(entry)
+    assert set(a.block_values) == {s.index for s in a.sites if s.role != "other" and s.func != "main"}
+  assert a.num_blocks == num_stacked
+
+
+# ------------------------------------------------------------------------------------------------------------ MLPs
+
+
+@pytest.mark.parametrize("builder,kwargs,prefix,head", [
+    ("linen_mlp", {}, "LinenMLP/", "head"),
+    ("linen_mlp", {"dtype": jnp.bfloat16}, "LinenMLP/", "head"),
+    ("nnx_mlp", {}, "", "head"),
+    ("jax_mlp", {}, "", None),
+    ("jax_mlp", {"dtype": jnp.bfloat16}, "", None),
+], ids=["linen", "linen-bf16", "nnx", "jax", "jax-bf16"])
+def test_mlp(builder, kwargs, prefix, head):
+  _, a = _analysis(builder, **kwargs)
+  assert _roles(a) == {"fprop": 3, "dgrad": 2, "wgrad": 3}  # the batch input has no gradient: no dgrad for layer 0
+  names = ["fc1", "fc2", "head"] if head else ["layer_0", "layer_1", "layer_2"]
+  first = prefix + names[0]
+  assert _by_layer(a) == {**{prefix + n: ["dgrad", "fprop", "wgrad"] for n in names}, first: ["fprop", "wgrad"]}
+  assert all(s.is_head == (s.layer == prefix + (head or "-")) for s in a.sites)
+  if head is None:  # layer_<i> names a block
+    assert {s.layer: s.block for s in a.sites} == {"layer_0": 0, "layer_1": 1, "layer_2": 2}
+    assert a.num_blocks == 3
+  else:
+    assert all(s.block is None for s in a.sites) and a.num_blocks == 0
+  dtype = "bf16" if kwargs.get("dtype") == jnp.bfloat16 else "f32"
+  assert {s.dtype for s in a.sites} == {dtype}
+  _check_consistent(a)
+
+
+# ---------------------------------------------------------------------------------------------------- transformers
+
+
+def _check_transformer(a, layers, head, remat=False):
+  """layers: {layer path: block or None}; head: the head's layer path."""
+  expected = {**layers, head: None}
+  for layer in expected:
+    roles = collections.Counter(r for s in a.sites if s.layer == layer for r in [s.role])
+    assert roles["dgrad"] == 1 and roles["wgrad"] == 1, (layer, roles)
+    assert roles["fprop"] in ((1, 2) if remat else (1,)), (layer, roles)
+  assert set(_by_layer(a)) == set(expected)
+  for s in a.sites:
+    if s.role == "other":  # attention: QK^T and scores.V are batched over (batch, heads)
+      assert len(s.batch[0]) == 2, s
+    else:
+      assert s.block == expected[s.layer], s
+      assert s.is_head == (s.layer == head), s
+      assert not s.batch[0], s
+  others = [s for s in a.sites if s.role == "other"]
+  blocks = N if all(b is not None for b in layers.values()) else 1  # a scanned stack has one body
+  assert sum(s.phase == "backward" for s in others) == 4 * blocks
+  fwd_other = sum(s.phase == "forward" for s in others)
+  assert fwd_other == 2 * blocks if not remat else 2 * blocks <= fwd_other <= 4 * blocks
+  recomputed = [s for s in a.sites if "rematted_computation" in s.name_stack]
+  assert bool(recomputed) == remat
+  assert all(s.phase == "forward" and s.role in ("fprop", "other") for s in recomputed)
+  _check_consistent(a)
+
+
+@pytest.mark.parametrize("mode", ["plain", "remat"])
+def test_linen_transformer(mode):
+  _, a = _analysis("linen_transformer", mode=mode, num_blocks=N)
+  layers = {f"LinenTransformer/block_{b}/{n}": b for b in range(N) for n in LINEAR}
+  _check_transformer(a, layers, "LinenTransformer/head", remat=mode == "remat")
+  assert a.num_blocks == N and not a.block_values
+
+
+def test_linen_transformer_dense_general_tied_head():
+  """DenseGeneral q/k/v (3-d kernels) and o (2 contracting dims); logits = x @ embedding.T (nn.Embed.attend)."""
+  _, a = _analysis("linen_transformer", general=True, tied=True, num_blocks=N)
+  layers = {f"LinenTransformer/block_{b}/{n}": b for b in range(N) for n in LINEAR}
+  _check_transformer(a, layers, "LinenTransformer/embed.attend")
+  o = [s for s in a.sites if s.layer.endswith("/o") and s.role == "fprop"]
+  assert all(len(s.contracting[0]) == 2 for s in o)
+  head = [s for s in a.sites if s.is_head]
+  assert {s.weight_arg for s in head} == {"params['params']['embed']['embedding']"}
+
+
+def test_linen_transformer_scan():
+  module, a = _analysis("linen_transformer", mode="scan", num_blocks=N)
+  layers = {f"LinenTransformer/blocks/{n}": None for n in LINEAR}
+  _check_transformer(a, layers, "LinenTransformer/head", remat=True)  # nn.scan(nn.remat(block))
+  _check_block_values(a, module, N)
+
+
+@pytest.mark.parametrize("mode", ["plain", "remat"])
+def test_nnx_transformer(mode):
+  """NNX locations name no modules: the layer comes from the parameter's argument name (state['layers'][b]['q']...)."""
+  _, a = _analysis("nnx_transformer", mode=mode, num_blocks=N)
+  layers = {f"layers/{b}/{n}": b for b in range(N) for n in LINEAR}
+  _check_transformer(a, layers, "head", remat=mode == "remat")
+  assert a.num_blocks == N and not a.block_values
+
+
+def test_nnx_transformer_scan():
+  """The documented scan-over-layers pattern: nnx.vmap creates the stacked blocks, nnx.scan(nnx.remat) applies them."""
+  module, a = _analysis("nnx_transformer", mode="scan", num_blocks=N)
+  layers = {f"layers/{n}": None for n in LINEAR}
+  _check_transformer(a, layers, "head", remat=True)
+  _check_block_values(a, module, N)
+
+
+# ------------------------------------------------------------------------------------------------------- plain JAX
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_lax_scan(checkpoint):
+  module, a = _analysis("jax_scan_mlp", checkpoint=checkpoint)
+  # With jax.checkpoint the backward body recomputes w1's dot (w2's output is not needed by the backward).
+  assert _roles(a) == {"fprop": 3 if checkpoint else 2, "dgrad": 2, "wgrad": 2}
+  assert _by_layer(a) == {"layers/w1": sorted(["dgrad", "fprop", "wgrad"] + (["fprop"] if checkpoint else [])),
+                          "layers/w2": ["dgrad", "fprop", "wgrad"]}
+  _check_consistent(a)
+  _check_block_values(a, module, 4)
+
+
+def test_nested_scan():
+  """A scan over groups of a scan over layers: the flat layer index (group * per_group + layer) is no value of the
+  program, so the analysis records the whole stack size and no per-iteration value: the rewrite then runs every
+  iteration in NVFP4 (high-precision blocks cannot be selected inside nested scans)."""
+  _, a = _analysis("jax_nested_scan", groups=3, per_group=2)
+  assert _roles(a) == {"fprop": 1, "dgrad": 1, "wgrad": 1}
+  assert all(s.num_stacked == 6 and s.block is None for s in a.sites)
+  assert a.block_values == {} and a.num_blocks == 6
+
+
+def test_nested_jit():
+  """A jitted layer called inside the step: every dot sits in its own outlined function."""
+  _, a = _analysis("jax_nested_jit")
+  assert _roles(a) == {"fprop": 2, "dgrad": 1, "wgrad": 2}
+  assert all(s.func != "main" for s in a.sites)
+  blocks = {(s.role, s.block) for s in a.sites}
+  assert blocks == {("fprop", 0), ("fprop", 1), ("dgrad", 1), ("wgrad", 1), ("wgrad", 0)}
+  assert {s.layer.split("/")[-1] for s in a.sites} == {"layer_0", "layer_1"}
+  _check_consistent(a)
+
+
+def test_custom_vjp():
+  """A hand-written backward (g @ w.T, x.T @ g) has no forward partner: its dots stay `other`, even the one that reads
+  the weight. The forward GEMM is an ordinary linear-layer fprop."""
+  _, a = _analysis("jax_custom_vjp")
+  fwd = [s for s in a.sites if s.phase == "forward"]
+  bwd = [s for s in a.sites if s.phase == "backward"]
+  assert [s.role for s in fwd] == ["fprop", "fprop"] and [s.layer for s in fwd] == ["layer_0", "layer_1"]
+  assert len(bwd) == 3 and all(s.role == "other" and s.weight_arg is None for s in bwd)
+
+
+def test_einsum():
+  """'bsd,dhk->bshk', 'bshk,hkd->bsd' (two contracting dims) and per-expert 'etd,edf->etf' (a batch dim)."""
+  _, a = _analysis("jax_einsum")
+  assert _by_layer(a) == {"wq": ["fprop", "wgrad"], "wo": ["dgrad", "fprop", "wgrad"],
+                          "experts": ["dgrad", "fprop", "wgrad"]}
+  assert all(s.role != "other" for s in a.sites)
+  wo = next(s for s in a.sites if s.layer == "wo" and s.role == "fprop")
+  assert wo.contracting == ((2, 3), (0, 1)) and wo.k == 32
+  experts = [s for s in a.sites if s.layer == "experts"]
+  assert all(s.batch[0] == (0,) for s in experts)
+  _check_consistent(a)
+
+
+_SHARD_MAP_SCRIPT = """
+import json, jax, models
+from xla_fp4.passes import analyze
+assert len(jax.devices()) == 4
+fn, args = models.jax_shard_map()
+module = jax.jit(fn).lower(*args).compiler_ir("stablehlo")
+assert "sdy.manual_computation" in str(module)
+with module.context:
+  a = analyze.analyze(module)
+print(json.dumps([[s.role, s.layer, s.block, s.weight_arg] for s in a.sites]))
+"""
+
+
+def test_shard_map():
+  """A data-parallel step under shard_map on 4 host devices (a subprocess: the device count is fixed at backend start,
+  and the other tests want the default). The body is an sdy.manual_computation region the tracer passes through."""
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"),
+             PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.path.dirname(analyze.__file__) + "/../.."] +
+                                        sys.path))
+  out = subprocess.run([sys.executable, "-c", _SHARD_MAP_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  sites = json.loads(out.stdout.strip().splitlines()[-1])
+  assert sorted(map(tuple, sites)) == sorted([
+      ("fprop", "layer_0", 0, "p['layer_0']['w']"), ("wgrad", "layer_0", 0, "p['layer_0']['w']"),
+      ("fprop", "layer_1", 1, "p['layer_1']['w']"), ("dgrad", "layer_1", 1, "p['layer_1']['w']"),
+      ("wgrad", "layer_1", 1, "p['layer_1']['w']")])
