@@ -45,6 +45,14 @@ def ref_packed(x, s_dec, key, *, block_2d, stochastic, rht, rht_seed):
   return p.data, jax.lax.bitcast_convert_type(p.scales, jnp.uint8)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def ref_dequantize_packed(data, scales, s_dec, shape, dtype):
+  p = nv.PackedNVFP4(data=data, scales=jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), global_scale=s_dec,
+                     shape=shape)
+  return nv.dequantize(nv.unpack(p), dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def s_dec_of(x, axis, rht, rht_seed):
   x32 = jnp.asarray(x, jnp.float32)
   return nv.global_decode_scale(nv.amax(rht_f32(x32, axis, rht_seed) if rht else x32))
@@ -128,13 +136,11 @@ def test_packed_quantize_and_dequantize_match_reference(t, recipe, key, out_dtyp
   ref_data, ref_scales = ref_packed(x, s_dec, key, **recipe)
   np.testing.assert_array_equal(np.asarray(data), np.asarray(ref_data))
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
-  p = nv.PackedNVFP4(data=ref_data, scales=jax.lax.bitcast_convert_type(ref_scales, jnp.float8_e4m3fn),
-                     global_scale=s_dec, shape=x.shape)
   assert_same_bits(kernels.dequantize_packed(data, scales, s_dec, dtype=out_dtype),
-                   nv.dequantize(nv.unpack(p), out_dtype))
+                   ref_dequantize_packed(ref_data, ref_scales, s_dec, x.shape, out_dtype))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 1, 16), (33, 17, 64), (130, 40, 256)])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 16), (130, 40, 256)])
 def test_gemm_matches_emulated_dot_and_float64(m, n, k):
   a = jax.random.normal(jax.random.key(2), (m, k), jnp.float32)
   b = jax.random.normal(jax.random.key(3), (k, n), jnp.float32) * 5
@@ -142,7 +148,8 @@ def test_gemm_matches_emulated_dot_and_float64(m, n, k):
   a_data, a_scales = kernels.quantize_packed(a, sa)
   b_data, b_scales = kernels.quantize_packed(b.T, sb, block_2d=True)
   c = np.asarray(kernels.gemm_packed(a_data, a_scales, b_data, b_scales, sa * sb))
-  emulated = np.asarray(nv.dot_general(a, b, (((1,), (0,)), ((), ())), b_recipe=nv.OperandRecipe(block_2d=True)))
+  emulated = np.asarray(jax.jit(lambda a, b: nv.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                                            b_recipe=nv.OperandRecipe(block_2d=True)))(a, b))
   scale = np.abs(emulated).max()
   np.testing.assert_allclose(c, emulated, rtol=1e-5, atol=1e-6 * scale)
 

@@ -1,6 +1,7 @@
 """A small zoo of training steps for the analysis tests: each builder returns (train_step_fn, args).
 
-Shapes are tiny (contraction dims 32/64) so that lowering the whole matrix stays fast on 2 CPU cores. Every step is
+Shapes are tiny (contraction dims 32/64) and parameters and optimizer states are abstract (jax.eval_shape: eager
+initialisation costs far more than lowering), so that lowering the whole matrix stays fast on 2 CPU cores. Every step is
 loss -> jax.grad (-> an optax update where noted), the program shape the pass sees in real training.
 """
 
@@ -33,7 +34,7 @@ def _sgd_step(loss_fn):
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  return step, opt
+  return step, lambda params: jax.eval_shape(opt.init, params)
 
 
 # ---------------------------------------------------------------------------------------------------------- linen
@@ -52,13 +53,13 @@ class LinenMLP(nn.Module):
 def linen_mlp(dtype=jnp.float32):
   model = LinenMLP(dtype=dtype)
   x = _x((B, D), dtype)
-  params = model.init(jax.random.key(0), x)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
 
   def loss(p, x):
     return jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
 
-  step, opt = _sgd_step(loss)
-  return step, (params, opt.init(params), x)
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), x)
 
 
 class LinenBlock(nn.Module):
@@ -119,13 +120,13 @@ def _lm_step(apply, params):
     logits = apply(p, tokens)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
 
-  step, opt = _sgd_step(loss)
-  return step, (params, opt.init(params), tokens)
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), tokens)
 
 
 def linen_transformer(mode="plain", general=False, tied=False, num_blocks=3):
   model = LinenTransformer(num_blocks=num_blocks, mode=mode, general=general, tied=tied)
-  params = model.init(jax.random.key(0), _tokens())
+  params = jax.eval_shape(model.init, jax.random.key(0), _tokens())
   return _lm_step(model.apply, params)
 
 
@@ -208,19 +209,19 @@ def _nnx_step(model, loss):
     updates, opt_state = opt.update(grads, opt_state, state)
     return optax.apply_updates(state, updates), opt_state
 
-  return step, (state, opt.init(state))
+  return step, (state, jax.eval_shape(opt.init, state))
 
 
 def nnx_mlp():
   x = _x((B, D))
-  step, args = _nnx_step(NnxMLP(nnx.Rngs(0)), lambda m, x: jnp.mean(m(x) ** 2))
+  step, args = _nnx_step(nnx.eval_shape(lambda: NnxMLP(nnx.Rngs(0))), lambda m, x: jnp.mean(m(x) ** 2))
   return step, args + (x,)
 
 
 def nnx_transformer(mode="plain", num_blocks=3):
   def loss(m, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(m(tokens), tokens).mean()
-  step, args = _nnx_step(NnxTransformer(num_blocks, mode, nnx.Rngs(0)), loss)
+  step, args = _nnx_step(nnx.eval_shape(lambda: NnxTransformer(num_blocks, mode, nnx.Rngs(0))), loss)
   return step, args + (_tokens(),)
 
 
@@ -244,8 +245,8 @@ def jax_mlp(dtype=jnp.float32):
       x = jax.nn.relu(x) if i < 2 else x
     return jnp.mean(x.astype(jnp.float32) ** 2)
 
-  step, opt = _sgd_step(loss)
-  return step, (params, opt.init(params), x)
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), x)
 
 
 def jax_scan_mlp(checkpoint=False, num_layers=4):

@@ -45,8 +45,11 @@ def _by_layer(a):
   return {k: sorted(v) for k, v in out.items()}
 
 
-def _func_of(value):
-  op = value.owner.owner if isinstance(value.owner, ir.Block) else value.owner
+def _func_of(value_or_op):
+  """The name of the function that holds a value or an op."""
+  op = value_or_op
+  if isinstance(op, ir.Value):
+    op = op.owner.owner if isinstance(op.owner, ir.Block) else op.owner
   op = op.operation if hasattr(op, "operation") else op
   while op.name != "func.func":
     op = op.parent
@@ -75,12 +78,11 @@ def _check_block_values(a, module, num_stacked):
       assert s.num_stacked == num_stacked and s.block is None, s
       assert s.index in a.block_values, s
       value, entry = a.block_values[s.index]
-      assert ir.RankedTensorType(value.type).element_type == ir.IntegerType.get_signless(32) or \
-          "i64" in str(value.type), value.type
+      assert str(value.type) in ("tensor<i32>", "tensor<i64>"), value.type  # the scan's iteration counter
       if entry is None:
         assert _func_of(value) == s.func
-      else:
-        assert entry.name == "func.call"
+      else:  # the call that enters the scan body, in the function that holds the value
+        assert entry.name == "func.call" and ir.FlatSymbolRefAttr(entry.attributes["callee"]).value == s.func
         assert _func_of(value) == _func_of(entry)
     assert set(a.block_values) == {s.index for s in a.sites if s.role != "other" and s.func != "main"}
   assert a.num_blocks == num_stacked

@@ -141,8 +141,7 @@ void TestRandomBitsAndRht() {
     }
     Rht16(v, sign_quarter);  // H16 (4 e0) = 4 (1, ..., 1), times s / 4
     for (int j = 0; j < kBlock; ++j) CHECK_BITS_EQ(v[j], signs[j]);
-    // Applying it twice gives back x (H16 H16 = 16 I, and (s/4)^2 = 1/16) for x = e0 with the same signs... only
-    // when the signs are folded before the second transform; check the energy instead: sum v^2 = 16 / 16 * 16.
+    // The transform is orthogonal: ||v||^2 = ||4 e0||^2 = 16.
     float energy = 0.0f;
     for (int j = 0; j < kBlock; ++j) energy += v[j] * v[j];
     CHECK_BITS_EQ(energy, 16.0f);

@@ -15,13 +15,25 @@ How (DESIGN.md §4):
   carry names relative to their call site, so the call site's name stack is prefixed (the first call site wins).
 - phase: backward iff the name stack holds `transpose(` outside a `rematted_computation` (remat recomputation is
   forward work).
-- weight: an operand that traces back to a @main argument through layout/convert/slice/barrier/sharding ops, calls and
-  while-loop carries. For a forward dot with such an operand it is fprop. A backward dot pairs with the forward dots of
-  the same source frame: it is dgrad when an operand traces to the same argument as the forward weight, else wgrad.
-  Without a forward partner (custom_vjp, hand-written backward) the dot is `other`: the conservative choice.
-- block: an integer in the layer path (`block_3`, `layers_3`) or the weight's argument name (`['layers'][3]`); in
+- weight: an operand that traces back to a @main argument through layout/convert/slice/barrier/sharding ops, calls,
+  while-loop carries and shard_map (`sdy.manual_computation`) bodies. A forward dot with such an operand is fprop.
+- pairing: a backward dot pairs with the fprops of the same source frame (the innermost frame equal, the shorter frame
+  list a subsequence of the longer: backward and remat copies carry more outer frames) and, where the name stack names
+  the layer (linen, named scopes), of the same layer path. It is dgrad when an operand traces to the fprop's weight
+  argument; wgrad when its result has the weight's shape (up to a permutation) and it shares the gradient operand with
+  that layer's dgrad or the activation with the fprop (values compared through pass-through ops and single-call-site
+  functions), else the last not yet paired fprop of that shape (JAX transposes in reverse program order). Without a
+  forward partner (custom_vjp, hand-written backward) the dot is `other`: the conservative choice.
+- layer: the name-stack path without transforms, noise scopes and einsum specs; where it does not name the weight's
+  module (Flax NNX, plain pytrees: locations carry no module names) the weight's argument path is appended
+  (`state['layers'][3]['q']['kernel'].value` -> `layers/3/q`).
+- block: an integer in the layer path (`block_3`, `layers/3`) or the weight's argument name (`['layers'][3]`); in
   scanned stacks the weight comes from a dynamic_slice of a stacked parameter, whose start index is the block index
-  of the current iteration (recorded as `block_value` so that the rewrite can select per iteration).
+  of the current iteration: `Analysis.block_values[i] = (value, entry_call)`, the value visible in the scope of
+  `entry_call` (the func.call that enters the dot's function; None when the dot sees the value itself). A wgrad takes
+  the value from a dot of its own function that slices the same (or a same-sized) stack. Nested scans (a slice of a
+  slice) give no value: the flat layer index exists nowhere in the program, so only `num_stacked` (the product) is set.
+- head: the layer name (`head`, `logits`, ...) or a weight that also feeds a gather (a tied embedding, `Embed.attend`).
 
 The jaxlib 0.10 MLIR bindings expose no accessors for location structure, so names are read from the printed
 location (`loc("name"(child))`): only the leading quoted NameLoc name is taken.
@@ -127,7 +139,8 @@ def layer_path(name_stack: str) -> str:
     if c.startswith(("jit(", "pjit(")):
       continue
     c = _strip_transform(c)
-    if c and c not in _NOISE and not c.startswith(("branch_", "jit:")) and "->" not in c and (not parts or parts[-1] != c):
+    if c and c not in _NOISE and not c.startswith(("branch_", "jit:")) and "->" not in c and \
+        (not parts or parts[-1] != c):
       # Dropped: einsum specs (jnp.einsum's own scope) and repeats (nn.scan names the lifted module and the
       # scanned one alike).
       parts.append(c)
@@ -138,7 +151,8 @@ def _path_from_arg(arg_name: str) -> str:
   """p['params']['block_0']['fc1']['kernel'] -> block_0/fc1 (the layer of a weight, for NNX and plain pytrees)."""
   keys = re.findall(r"\[\s*'?([^'\]]+)'?\s*\]|\.(\w+)", arg_name)
   parts = [a or b for a, b in keys]
-  parts = [p for p in parts if p not in ("params", "kernel", "value", "w", "weight", "weights", "embedding", "raw_value")]
+  parts = [p for p in parts
+           if p not in ("params", "kernel", "value", "w", "weight", "weights", "embedding", "raw_value")]
   return "/".join(parts)
 
 
@@ -375,16 +389,21 @@ def _pair_backward(dots):
   is the fprop's weight; wgrad when the result has the weight's shape and the dot shares the gradient with the layer's
   dgrad, or the activation with the fprop (value identity through pass-through ops); with no dataflow link, the last
   not yet paired fprop of that shape (JAX transposes in reverse program order). Anything else stays `other`."""
-  fprops = [j for j, d in enumerate(dots) if d.role == "fprop"]
+  forward = {}  # innermost frame -> forward dots
+  for j, d in enumerate(dots):
+    if d.phase == "forward" and d.frames:
+      forward.setdefault(d.frames[0], []).append(j)
   backward = [i for i, d in enumerate(dots) if d.phase == "backward"]
-
-  def candidates(i):
+  cands = {}
+  for i in backward:
     d = dots[i]
-    same_frame = [j for j in fprops if _same_frame(d.frames, dots[j].frames)]
+    same_frame = [j for j in forward.get(d.frames[0] if d.frames else None, ())
+                  if _same_frame(d.frames, dots[j].frames)]
     # Where a forward dot of the frame carries the same layer path (linen, named scopes), only that layer pairs.
-    if d.path and any(f.phase == "forward" and f.path == d.path and _same_frame(d.frames, f.frames) for f in dots):
-      return [j for j in same_frame if dots[j].path == d.path]
-    return same_frame
+    if d.path and any(dots[j].path == d.path for j in same_frame):
+      same_frame = [j for j in same_frame if dots[j].path == d.path]
+    cands[i] = [j for j in same_frame if dots[j].role == "fprop"]
+  candidates = cands.__getitem__
 
   for i in backward:
     d = dots[i]
