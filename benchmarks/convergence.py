@@ -57,6 +57,7 @@ All runs share flags, seed and data; only the `XLA_FP4*` environment differs. Re
 `python benchmarks/convergence.py` (the table below is rewritten; the rest of this file is kept).
 
 {BEGIN}
+_No results yet: run `python benchmarks/convergence.py`._
 {END}
 
 ## Analysis

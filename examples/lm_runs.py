@@ -118,13 +118,16 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
     def num(v, fmt):
         return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
+    def pct(v):
+        return "n/a" if num(v, "+.2f") == "n/a" else num(v, "+.2f") + "%"
+
     header = ["run", "train loss", "val loss", "val gap vs baseline", "step time", "step time ratio",
               "first step (compile)", "NVFP4 share of GEMM FLOPs"]
     body = []
     for r in rows:
         steps = "" if r["completed_steps"] == r["steps"] else f" (diverged at step {r['completed_steps']})"
         body.append([r["run"] + steps, num(r["final_train_loss"], ".4f"), num(r["final_val_loss"], ".4f"),
-                     "-" if r["run"] == "baseline" else num(r["val_gap_pct"], "+.2f") + ("%" if r["val_gap_pct"] is not None else ""),
+                     "-" if r["run"] == "baseline" else pct(r["val_gap_pct"]),
                      num(1e3 * r["step_time_s"], ".0f") + " ms", num(r["step_time_ratio"], ".2f") + "x",
                      num(r["first_step_s"], ".1f") + " s",
                      "n/a" if r["nvfp4_flop_share"] is None else f"{100 * r['nvfp4_flop_share']:.1f}%"])

@@ -295,6 +295,7 @@ def main(argv=None) -> dict:
     bar.close()
     wall = time.perf_counter() - t_start
 
+    diverged = len(train_losses) < args.steps
     tail = max(1, min(20, len(train_losses) // 10))
     timed = step_times[TIMING_SKIP_STEPS:] or step_times
     result = {
@@ -307,7 +308,8 @@ def main(argv=None) -> dict:
         "val_loss": val_losses,
         "final_train_loss": float(np.mean(train_losses[-tail:])),
         "final_train_loss_window": tail,
-        "final_val_loss": val_losses[-1]["loss"] if val_losses else float("nan"),
+        # A run that diverged has no final validation loss (its last evaluation predates the blow-up).
+        "final_val_loss": val_losses[-1]["loss"] if val_losses and not diverged else float("nan"),
         "mean_step_time_s": float(np.mean(timed)),
         "first_step_time_s": step_times[0],
         "timing_skip_steps": TIMING_SKIP_STEPS,

@@ -98,6 +98,15 @@ def registered(platform):
   return ("CUDA" if platform.lower() in ("cuda", "gpu") else platform.lower()) in _registered
 
 
+def fp4_gemm_supported():
+  """(True, reason) when an FP4 tensor-core GEMM can run here (CUDA build, compute capability 10.x, cuBLASLt >= 12.8)."""
+  if _ext is None:
+    return False, _reason
+  if not hasattr(_ext, "fp4_gemm_supported"):
+    return False, "the xla_fp4 extension was built without CUDA (see docs/cuda.md)"
+  return tuple(_ext.fp4_gemm_supported())
+
+
 def register_cuda():
   """Register the CUDA targets if the extension was built with them (idempotent); returns whether it was."""
   ext = extension()

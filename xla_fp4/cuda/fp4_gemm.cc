@@ -7,8 +7,8 @@
 //
 // Plans (matrix layouts, the heuristic's algorithm, a device zero for beta) are cached per (device, M, N, K, output
 // type) in one process-wide, mutex-guarded cache rather than in per-instance FFI state: a transformer has a few GEMM
-// shapes repeated over dozens of layers, so call sites share plans and one cuBLASLt handle, and nothing needs an FFI
-// type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built per
+// shapes repeated over dozens of layers, so call sites share plans and a cuBLASLt handle per device, and nothing needs
+// an FFI type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built per
 // call (host-only, microseconds) to keep concurrent calls from different threads independent.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -77,38 +77,56 @@ struct Plan {
   Layout a, b, c;  // cuBLASLt's A = our b (K x N), B = our a (K x M), C = D (N x M), all column-major
   cublasLtMatmulAlgo_t algo;
   size_t workspace_bytes;
-  float* beta_zero;  // POINTER_MODE_DEVICE applies to beta too
+  float* beta_zero = nullptr;  // POINTER_MODE_DEVICE applies to beta too
 };
 
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, cudaDataType>;
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, cudaDataType>;  // device, M, N, K, output type
+
+// Runs f with `device` current (cuBLASLt's handle and heuristic, and cudaMalloc, follow the current device), then
+// restores the caller's device. Inside an XLA custom call the stream's device is normally current already.
+template <typename F>
+ffi::Error OnDevice(int device, F&& f) {
+  int previous;
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&previous), "cudaGetDevice"));
+  if (previous == device) return f();
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
+  ffi::Error status = f();
+  cudaSetDevice(previous);
+  return status;
+}
 
 class PlanCache {
  public:
-  // Returns the plan for the key, building it on first use. The cache is never destroyed: tearing down cuBLASLt and
-  // device memory in static destructors races with the CUDA driver's own shutdown.
+  // The cache is never destroyed: tearing down cuBLASLt and device memory in static destructors races with the CUDA
+  // driver's own shutdown.
   static PlanCache& Get() {
     static PlanCache* cache = new PlanCache();
     return *cache;
   }
 
-  ffi::Error Lookup(const PlanKey& key, cublasLtHandle_t& handle, const Plan*& plan) {
+  // The device's handle and the plan for `key`, built on first use (then once, synchronizing `stream`).
+  ffi::Error Lookup(const PlanKey& key, cudaStream_t stream, cublasLtHandle_t& handle, const Plan*& plan) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (handle_ == nullptr) {
-      XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&handle_), "cublasLtCreate"));
-    }
-    handle = handle_;
-    auto it = plans_.find(key);
-    if (it == plans_.end()) {
-      auto built = std::make_unique<Plan>();
-      XLA_FP4_RETURN_IF_ERROR(Build(key, *built));
-      it = plans_.emplace(key, std::move(built)).first;
-    }
-    plan = it->second.get();
-    return ffi::Error::Success();
+    const int device = std::get<0>(key);
+    return OnDevice(device, [&]() -> ffi::Error {
+      cublasLtHandle_t& device_handle = handles_[device];
+      if (device_handle == nullptr) {
+        XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&device_handle), "cublasLtCreate"));
+      }
+      handle = device_handle;
+      auto it = plans_.find(key);
+      if (it == plans_.end()) {
+        auto built = std::make_unique<Plan>();
+        XLA_FP4_RETURN_IF_ERROR(Build(key, handle, stream, *built));
+        it = plans_.emplace(key, std::move(built)).first;
+      }
+      plan = it->second.get();
+      return ffi::Error::Success();
+    });
   }
 
  private:
-  ffi::Error Build(const PlanKey& key, Plan& plan) {
+  static ffi::Error Build(const PlanKey& key, cublasLtHandle_t handle, cudaStream_t stream, Plan& plan) {
     auto [device, m, n, k, out_type] = key;
     XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, n, plan.a));
     XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, m, plan.b));
@@ -124,7 +142,7 @@ class PlanCache {
         "cublasLtMatmulPreferenceSetAttribute"));
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
-    XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulAlgoGetHeuristic(handle_, desc.get(), plan.a.get(), plan.b.get(),
+    XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), plan.a.get(), plan.b.get(),
                                                                     plan.c.get(), plan.c.get(), raw_pref, 1, &result,
                                                                     &found),
                                      "cublasLtMatmulAlgoGetHeuristic"));
@@ -136,19 +154,15 @@ class PlanCache {
     }
     plan.algo = result.algo;
     plan.workspace_bytes = result.workspaceSize;
-    // One allocation per plan, at plan creation only (plans are few: one per GEMM shape and device), on the stream's
-    // device; the caller's current device is restored.
-    int current;
-    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&current), "cudaGetDevice"));
-    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
-    ffi::Error status = CudaStatus(cudaMalloc(&plan.beta_zero, sizeof(float)), "cudaMalloc(beta)");
-    if (status.success()) status = CudaStatus(cudaMemset(plan.beta_zero, 0, sizeof(float)), "cudaMemset(beta)");
-    cudaSetDevice(current);
-    return status;
+    // Plans are few (one per GEMM shape and device), so one small allocation and one synchronization each are cheap;
+    // the sync makes the zero visible to every stream that later uses the plan.
+    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&plan.beta_zero, sizeof(float)), "cudaMalloc(beta)"));
+    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(plan.beta_zero, 0, sizeof(float), stream), "cudaMemsetAsync"));
+    return CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   }
 
   std::mutex mu_;
-  cublasLtHandle_t handle_ = nullptr;
+  std::map<int, cublasLtHandle_t> handles_;
   std::map<PlanKey, std::unique_ptr<Plan>> plans_;
 };
 
@@ -179,7 +193,7 @@ ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));
   cublasLtHandle_t handle = nullptr;
   const Plan* plan = nullptr;
-  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup({device, m, n, k, out_type}, handle, plan));
+  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup({device, m, n, k, out_type}, stream, handle, plan));
   MatmulDesc desc;
   XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,

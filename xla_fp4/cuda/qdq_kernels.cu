@@ -37,7 +37,7 @@ __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
   StoreBlock(y, g, b, v);
 }
 
-// Validates the axis and views `dims` as (outer, K, inner) around it (numerics.quantize.canonical_axis).
+// Validates the axis and views `dims` as (outer, K, inner) around it (numerics.nvfp4.canonical_axis).
 ffi::Error AxisView(ffi::Span<const int64_t> dims, int64_t axis, int64_t& outer, int64_t& k, int64_t& inner) {
   const int64_t rank = dims.size();
   if (rank == 0 || axis < -rank || axis >= rank) {

@@ -56,6 +56,21 @@ def _kernels_for(platform, module):
   return rewrite_mod.ReferenceKernels(module)
 
 
+def _use_native(backend, platform, kernel_set):
+  """native: packed operands + FP4 GEMM. auto picks it only where an FP4 GEMM runs in hardware (sm_100+)."""
+  if backend == "emulate":
+    return False
+  has_packed = isinstance(kernel_set, rewrite_mod.FfiKernels)
+  if backend == "native":
+    if not has_packed:
+      raise RuntimeError(f"XLA_FP4_BACKEND=native needs the compiled kernels for platform {platform!r}; "
+                         "build them (see docs/cuda.md) or use XLA_FP4_BACKEND=emulate")
+    return True
+  from xla_fp4 import kernels
+  return has_packed and platform is not None and platform.lower() in ("cuda", "gpu") and \
+      kernels.fp4_gemm_supported()[0]
+
+
 def _visible(value, op):
   """Whether `value` can be used at `op` (defined in an enclosing block, and before `op` if in the same block)."""
   if isinstance(value.owner, ir.Block):
@@ -89,6 +104,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     notes = {}
     if selected:
       kernel_set = kernels(new) if kernels else _kernels_for(platform, new)
+      use_native = _use_native(config.backend, platform, kernel_set)
       emitter = rewrite_mod.Emitter(kernel_set, config.seed)
       plumbed = {}  # (func name, id of the original entry call) -> block value inside the function
       for d in selected:
@@ -107,7 +123,10 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
             block_value = plumbed[key] = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
           else:
             notes[d.index] = "block index unavailable per iteration: every iteration runs in NVFP4"
-        y = emitter.emit_emulated(dot, site, d, block_value)
+        native = use_native and rewrite_mod.native_eligible(site)
+        if use_native and not native:
+          notes[d.index] = "; ".join(filter(None, [notes.get(d.index), "native GEMM needs 2D operands: emulated"]))
+        y = emitter.emit(dot, site, d, block_value, native=native)
         if block_value is not None:  # the select still reads the original dot
           dot.results[0].replace_all_uses_except(y, y.owner.operation)
         else:

@@ -18,8 +18,10 @@ In a scanned stack with high-precision blocks the original dot stays and `select
 picks per iteration; the block index is passed into the scan body function as an extra argument when needed.
 
 Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
-calls to private functions lowered from the pure-JAX reference (platforms without compiled kernels). A native
-emitter (packed operands + FP4 GEMM) plugs in beside `emit_emulated`, sharing the operand analysis.
+calls to private functions lowered from the pure-JAX reference (platforms without compiled kernels).
+The `native` backend is a second GEMM emitter in the same `Emitter.emit`: operands are made K-major, quantized to the
+packed format (`xla_fp4_quantize_packed`) and multiplied by `xla_fp4_gemm_packed` (cuBLASLt FP4 on sm_100+, the C++
+reference GEMM on CPU) with alpha = s_dec_a * s_dec_b; scales, keys, RHT and the per-iteration select are shared.
 """
 
 import hashlib
@@ -111,6 +113,21 @@ class FfiKernels:
     return self._call(self.targets.QDQ_TARGET, x.type, [x, s_dec, key], axis=axis, block_2d=block_2d,
                       stochastic=stochastic, rht=rht, rht_seed=rht_seed, apply_global_scale=False)
 
+  def quantize_packed(self, x, s_dec, key, **attrs):
+    """(rows, K) -> (data u8 (rows, K/2), swizzled scales u8)."""
+    from xla_fp4.numerics.packing import padded_scale_shape
+    rows, k = _tensor_type(x).shape
+    u8 = ir.IntegerType.get_unsigned(8)
+    types = [ir.RankedTensorType.get([rows, k // 2], u8),
+             ir.RankedTensorType.get([int(np.prod(padded_scale_shape(rows, k)))], u8)]
+    config = self.targets.custom_call_backend_config(self.targets.QUANTIZE_PACKED_TARGET, attrs)
+    op = mlir.custom_call(self.targets.QUANTIZE_PACKED_TARGET, result_types=types, operands=[x, s_dec, key],
+                          api_version=4, backend_config={config[i].name: config[i].attr for i in range(len(config))})
+    return op.results[0], op.results[1]
+
+  def gemm_packed(self, a, b, alpha, result_type):
+    return self._call(self.targets.GEMM_PACKED_TARGET, result_type, [a[0], a[1], b[0], b[1], alpha])
+
 
 def _ref_rht(x, *, axis, seed):
   return rht_f32(x.astype(jnp.float32), axis, seed)
@@ -174,8 +191,8 @@ class Emitter:
     self.kernels = kernels
     self.seed = seed
 
-  def _operand(self, x, axis, recipe, site_id):
-    """-> (q·scale in x's dtype, s_dec f32 scalar)."""
+  def _scale_and_key(self, x, axis, recipe, site_id):
+    """amax (after the RHT where it applies) as a plain reduce -> s_dec; the stochastic-rounding key."""
     f32 = _f32()
     if recipe.rht:
       src = self.kernels.rht(x, axis, self.seed)
@@ -186,32 +203,58 @@ class Emitter:
     stochastic = recipe.rounding == "stochastic"
     salt = int(formats.fold_in(np.uint32(self.seed), np.uint32(site_id), np))
     key = hlo.XorOp(_digest(x), _const(salt, _u32())).result if stochastic else _const(salt, _u32())
+    return s_dec, key, stochastic
+
+  def _operand(self, x, axis, recipe, site_id):
+    """-> (q·scale in x's dtype, s_dec f32 scalar)."""
+    s_dec, key, stochastic = self._scale_and_key(x, axis, recipe, site_id)
     q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic, rht=recipe.rht,
                          rht_seed=self.seed)
     return q, s_dec
 
-  def emit_emulated(self, dot, site, decision, block_value=None):
-    """Insert the pattern before `dot`; returns the value that replaces its result."""
-    lhs, rhs = dot.operands[0], dot.operands[1]
-    (lc, rc), _ = site.contracting, site.batch
+  def emit(self, dot, site, decision, block_value=None, native=False):
+    """Insert the pattern for `dot`; returns the value that replaces its result (same type)."""
     # With a per-iteration select the original dot stays and is read by the select: emit after it.
     anchor = _next_op(dot) if decision.keep_blocks and block_value is not None else dot
     with ir.InsertionPoint(anchor), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
-      qa, sa = self._operand(lhs, lc[0], decision.lhs, 2 * site.index)
-      qb, sb = self._operand(rhs, rc[0], decision.rhs, 2 * site.index + 1)
+      acc, alpha = (self._native_gemm if native else self._emulated_gemm)(dot, site, decision)
       out_type = _tensor_type(dot.results[0])
-      acc_type = ir.RankedTensorType.get(out_type.shape, _f32())
-      kwargs = {}
-      if "precision_config" in dot.attributes:
-        kwargs["precision_config"] = dot.attributes["precision_config"]
-      acc = hlo.DotGeneralOp(acc_type, qa, qb, dot.attributes["dot_dimension_numbers"], **kwargs).result
-      alpha = hlo.MulOp(sa, sb).result
-      y = hlo.MulOp(acc, _broadcast(alpha, acc_type)).result
+      y = hlo.MulOp(acc, _broadcast(alpha, _tensor_type(acc))).result  # fold both s_dec into the f32 output
       if out_type.element_type != _f32():
         y = hlo.ConvertOp(out_type, y).result
       if decision.keep_blocks and block_value is not None:
         y = self._select_high_precision(block_value, decision.keep_blocks, dot.results[0], y)
     return y
+
+  def _emulated_gemm(self, dot, site, decision):
+    """The original dot_general on q·scale operands, accumulated in f32 -> (acc, s_dec_a * s_dec_b)."""
+    (lc, rc) = site.contracting
+    qa, sa = self._operand(dot.operands[0], lc[0], decision.lhs, 2 * site.index)
+    qb, sb = self._operand(dot.operands[1], rc[0], decision.rhs, 2 * site.index + 1)
+    acc_type = ir.RankedTensorType.get(_tensor_type(dot.results[0]).shape, _f32())
+    kwargs = {}
+    if "precision_config" in dot.attributes:
+      kwargs["precision_config"] = dot.attributes["precision_config"]
+    acc = hlo.DotGeneralOp(acc_type, qa, qb, dot.attributes["dot_dimension_numbers"], **kwargs).result
+    return acc, hlo.MulOp(sa, sb).result
+
+  def _native_gemm(self, dot, site, decision):
+    """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM -> (acc (M, N) f32, alpha)."""
+    (lc, rc) = site.contracting
+    a = _k_last(dot.operands[0], lc[0])  # (M, K)
+    b = _k_last(dot.operands[1], rc[0])  # (N, K)
+    pa, sa = self._packed(a, decision.lhs, 2 * site.index)
+    pb, sb = self._packed(b, decision.rhs, 2 * site.index + 1)
+    alpha = hlo.MulOp(sa, sb).result
+    m, n = _tensor_type(a).shape[0], _tensor_type(b).shape[0]
+    acc = self.kernels.gemm_packed(pa, pb, alpha, ir.RankedTensorType.get([m, n], _f32()))
+    return acc, _const(1.0, _f32())  # alpha is applied inside the GEMM, as cuBLASLt does
+
+  def _packed(self, x, recipe, site_id):
+    s_dec, key, stochastic = self._scale_and_key(x, 1, recipe, site_id)
+    packed = self.kernels.quantize_packed(x, s_dec, key, block_2d=recipe.block_2d, stochastic=stochastic,
+                                          rht=recipe.rht, rht_seed=self.seed)
+    return packed, s_dec
 
   def _select_high_precision(self, block, keep_blocks, original, nvfp4):
     etype = _tensor_type(block).element_type
@@ -223,6 +266,18 @@ class Emitter:
     mask = hlo.BroadcastInDimOp(ir.RankedTensorType.get(t.shape, ir.IntegerType.get_signless(1)), pred,
                                 ir.DenseI64ArrayAttr.get([])).result
     return hlo.SelectOp(mask, original, nvfp4).result
+
+
+def _k_last(x, k_axis):
+  """A rank-2 operand with its contraction dim last."""
+  if k_axis == 1:
+    return x
+  return hlo.TransposeOp(x, ir.DenseI64ArrayAttr.get([1, 0])).result
+
+
+def native_eligible(site):
+  """The packed FP4 GEMM takes plain matrices: rank-2 operands without batch dims."""
+  return len(site.lhs_shape) == 2 and len(site.rhs_shape) == 2 and not site.batch[0]
 
 
 def _next_op(op):
