@@ -141,7 +141,9 @@ class NnxMLP(nnx.Module):
     self.head = nnx.Linear(H, D, rngs=rngs)
 
   def __call__(self, x):
-    return self.head(nnx.relu(self.fc2(nnx.relu(self.fc1(x)))))
+    with jax.named_scope("trunk"):  # named scopes reach the locations (NNX module names do not)
+      x = nnx.relu(self.fc2(nnx.relu(self.fc1(x))))
+    return self.head(x)
 
 
 class NnxBlock(nnx.Module):

@@ -7,6 +7,7 @@ attention QK^T and scores.V are `other` (2 forward and 4 backward dots per block
 """
 
 import collections
+import dataclasses
 import functools
 import json
 import os
@@ -94,13 +95,15 @@ def _check_block_values(a, module, num_stacked):
 @pytest.mark.parametrize("builder,kwargs,prefix,head", [
     ("linen_mlp", {}, "LinenMLP/", "head"),
     ("linen_mlp", {"dtype": jnp.bfloat16}, "LinenMLP/", "head"),
-    ("nnx_mlp", {}, "", "head"),
+    ("nnx_mlp", {}, "", "head"),  # fc1/fc2 under jax.named_scope("trunk"): see test_nnx_named_scope
     ("jax_mlp", {}, "", None),
     ("jax_mlp", {"dtype": jnp.bfloat16}, "", None),
 ], ids=["linen", "linen-bf16", "nnx", "jax", "jax-bf16"])
 def test_mlp(builder, kwargs, prefix, head):
   _, a = _analysis(builder, **kwargs)
   assert _roles(a) == {"fprop": 3, "dgrad": 2, "wgrad": 3}  # the batch input has no gradient: no dgrad for layer 0
+  if builder == "nnx_mlp":
+    a = dataclasses.replace(a, sites=[dataclasses.replace(s, layer=s.layer.removeprefix("trunk/")) for s in a.sites])
   names = ["fc1", "fc2", "head"] if head else ["layer_0", "layer_1", "layer_2"]
   first = prefix + names[0]
   assert _by_layer(a) == {**{prefix + n: ["dgrad", "fprop", "wgrad"] for n in names}, first: ["fprop", "wgrad"]}
@@ -113,6 +116,14 @@ def test_mlp(builder, kwargs, prefix, head):
   dtype = "bf16" if kwargs.get("dtype") == jnp.bfloat16 else "f32"
   assert {s.dtype for s in a.sites} == {dtype}
   _check_consistent(a)
+
+
+def test_nnx_named_scope():
+  """NNX: the layer is the named scope from the location plus the weight's argument path."""
+  _, a = _analysis("nnx_mlp")
+  assert _by_layer(a) == {"trunk/fc1": ["fprop", "wgrad"], "trunk/fc2": ["dgrad", "fprop", "wgrad"],
+                          "head": ["dgrad", "fprop", "wgrad"]}
+  assert {s.weight_arg for s in a.sites} == {f"state['{n}']['kernel'].value" for n in ("fc1", "fc2", "head")}
 
 
 # ---------------------------------------------------------------------------------------------------- transformers

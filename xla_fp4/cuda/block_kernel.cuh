@@ -2,8 +2,8 @@
 //
 // A tensor is viewed as (outer, K, inner) around the quantization axis (numerics/nvfp4.py). Threads walk the
 // dimension that a 2D tile spans fastest (inner, or outer when inner == 1), padded to a multiple of 16, so the 16
-// blocks of a tile sit in one aligned half-warp and their amax is a 4-step shuffle reduction. The numbers themselves come from
-// nvfp4_format.h, shared with the CPU kernels.
+// blocks of a tile sit in one aligned half-warp and their amax is a 4-step shuffle reduction. The numbers themselves
+// come from nvfp4_format.h, shared with the CPU kernels.
 #ifndef XLA_FP4_CUDA_BLOCK_KERNEL_CUH_
 #define XLA_FP4_CUDA_BLOCK_KERNEL_CUH_
 

@@ -8,8 +8,8 @@
 // Plans (matrix layouts, the heuristic's algorithm, a device zero for beta) are cached per (device, M, N, K, output
 // type) in one process-wide, mutex-guarded cache rather than in per-instance FFI state: a transformer has a few GEMM
 // shapes repeated over dozens of layers, so call sites share plans and a cuBLASLt handle per device, and nothing needs
-// an FFI type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built per
-// call (host-only, microseconds) to keep concurrent calls from different threads independent.
+// an FFI type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built
+// per call (host-only, microseconds) to keep concurrent calls from different threads independent.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>

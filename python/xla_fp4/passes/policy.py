@@ -115,6 +115,8 @@ def decide(analysis: Analysis, config: Config, rules=None):
       keep_blocks = tuple(sorted(b for b in ctx.kept_blocks if b < (site.num_stacked or 0)))
       if keep_blocks:
         reason += f"; scanned stack: blocks {list(keep_blocks)} select the high-precision result"
+    elif site.num_stacked and ctx.kept_blocks:
+      reason += "; nested scanned stack without a per-iteration block index: every iteration runs in NVFP4"
     decisions.append(Decision(index=site.index, decision="nvfp4", rule=rule.name, reason=reason, lhs=lhs, rhs=rhs,
                               keep_blocks=keep_blocks))
   unmatched = [r.name for r in rules if r.name not in used]
