@@ -300,7 +300,7 @@ struct Recipe {
 // Quantizes a loaded tile in place: v[c][j] becomes the E2M1 value q; scales[c] is column c's block scale.
 template <bool kAxisLast, bool kStochastic>
 inline void QuantizeTile(const Geometry& g, const Tile& tile, const Recipe& r, TileValues& tv, BlockScale* scales) {
-  float amax[kBlock];
+  float amax[kBlock] = {};  // columns past ncols stay 0 so that the scale loop below can run over all 16
   for (int c = 0; c < tile.ncols; ++c) {
     float m = 0.0f;
     bool nan = false;
@@ -316,10 +316,10 @@ inline void QuantizeTile(const Geometry& g, const Tile& tile, const Recipe& r, T
     for (int c = 1; c < tile.ncols; ++c) m = (amax[c] > m || IsNan(amax[c])) ? amax[c] : m;
     for (int c = 0; c < tile.ncols; ++c) amax[c] = m;
   }
+  for (int c = 0; c < kBlock; ++c) scales[c] = MakeBlockScale(amax[c], r.scale);  // a fixed trip count vectorizes
   const int64_t sj = StrideJ<kAxisLast>(g), sc = StrideC<kAxisLast>(g);
   for (int c = 0; c < tile.ncols; ++c) {
-    const BlockScale b = MakeBlockScale(amax[c], r.scale);
-    scales[c] = b;
+    const BlockScale b = scales[c];
     const uint32_t index0 = static_cast<uint32_t>(tile.base + c * sc);  // < 2**32 when stochastic (checked)
     for (int j = 0; j < kBlock; ++j) {
       const float u = kStochastic ? UniformFromBits(RandomBits(r.mixed_key, index0 + static_cast<uint32_t>(j * sj)))

@@ -8,6 +8,9 @@
 #include "xla_fp4/cpu_kernels.h"
 #include "xla_fp4/ffi_targets.h"
 #include "xla_fp4/nvfp4_format.h"
+#ifdef XLA_FP4_WITH_CUDA
+#include "xla_fp4/cuda/bindings.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -38,6 +41,9 @@ NB_MODULE(_xla_fp4_ext, m) {
     d[xla_fp4::kGemmPackedTarget] = Handler(XlaFp4GemmPackedCpu);
     return d;
   }, "Target name -> PyCapsule of the CPU FFI handler.");
+#ifdef XLA_FP4_WITH_CUDA
+  xla_fp4::cuda::AddCudaBindings(m);  // cuda_registrations(), fp4_gemm_supported()
+#endif
 
   nb::module_ f = m.def_submodule("format", "nvfp4_format.h helpers, element-wise into a caller-provided output.");
   f.attr("INV_E2M1_MAX") = xla_fp4::kInvE2M1Max;

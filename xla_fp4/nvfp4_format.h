@@ -57,6 +57,12 @@ XLA_FP4_HOST_DEVICE inline float CopySign(float magnitude, float sign) {
 }
 XLA_FP4_HOST_DEVICE inline bool IsNan(float v) { return v != v; }
 
+// c ? a : b without a branch: the element loops then vectorize, and random data cannot mispredict.
+XLA_FP4_HOST_DEVICE inline float Select(bool c, float a, float b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return FloatOf((BitsOf(a) & mask) | (BitsOf(b) & ~mask));
+}
+
 // Round to the nearest integer, ties to even, for 0 <= t < 2**23 (or NaN). The magic-number form vectorizes with SSE2,
 // where rintf would be a library call; it is exact because the sum lands in [2**23, 2**24), spacing 1.
 XLA_FP4_HOST_DEVICE inline float RintSmall(float t) {
@@ -70,11 +76,11 @@ XLA_FP4_HOST_DEVICE inline float RintSmall(float t) {
 // ---- E2M1 ----
 
 // Grid spacing at magnitude a: 0.5 below 2, 1 below 4, else 2; returned with its exact reciprocal.
-XLA_FP4_HOST_DEVICE inline float E2M1Step(float a) { return a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f); }
-XLA_FP4_HOST_DEVICE inline float E2M1InvStep(float a) { return a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f); }
+XLA_FP4_HOST_DEVICE inline float E2M1Step(float a) { return Select(a < 2.0f, 0.5f, Select(a < 4.0f, 1.0f, 2.0f)); }
+XLA_FP4_HOST_DEVICE inline float E2M1InvStep(float a) { return Select(a < 2.0f, 2.0f, Select(a < 4.0f, 1.0f, 0.5f)); }
 
 // A compare instead of min() so that NaN stays NaN.
-XLA_FP4_HOST_DEVICE inline float SaturateE2M1(float a) { return a > kE2M1Max ? kE2M1Max : a; }
+XLA_FP4_HOST_DEVICE inline float SaturateE2M1(float a) { return Select(a > kE2M1Max, kE2M1Max, a); }
 
 // Nearest-even rounding to the E2M1 grid, saturating at +-6; NaN stays NaN, the sign of zero is kept.
 XLA_FP4_HOST_DEVICE inline float RoundE2M1Nearest(float v) {
@@ -88,9 +94,9 @@ XLA_FP4_HOST_DEVICE inline float RoundE2M1Stochastic(float v, float u) {
   const float step = E2M1Step(a);
   const float t = a * E2M1InvStep(a);
   const float r = RintSmall(t);
-  const float lo = (r > t ? r - 1.0f : r) * step;  // floor(t) * step; NaN stays NaN
+  const float lo = Select(r > t, r - 1.0f, r) * step;  // floor(t) * step; NaN stays NaN
   const float frac = (a - lo) * E2M1InvStep(a);   // exact (Sterbenz)
-  return CopySign(u < frac ? lo + step : lo, v);
+  return CopySign(Select(u < frac, lo + step, lo), v);
 }
 
 // 4-bit code of an E2M1 value: sign in bit 3, magnitude index 0..7 in bits 0..2. NaN (which E2M1 lacks) encodes 0.
@@ -112,28 +118,25 @@ XLA_FP4_HOST_DEVICE inline float E2M1Decode(uint8_t code) {
 // Float32 -> E4M3 code, round to nearest even. Positive values saturate at 448 first (as the reference does); any
 // other magnitude that rounds past 448 is NaN, as in ml_dtypes. Subnormals are m * 2**-9.
 XLA_FP4_HOST_DEVICE inline uint8_t E4M3Encode(float v) {
-  if (v > kE4M3Max) v = kE4M3Max;
+  v = Select(v > kE4M3Max, kE4M3Max, v);
   const uint32_t sign = (BitsOf(v) >> 24) & 0x80u;
   const float a = Abs(v);
-  if (IsNan(a)) return static_cast<uint8_t>(sign | 0x7Fu);
-  if (a < 0x1p-6f) return static_cast<uint8_t>(sign | static_cast<uint32_t>(RintSmall(a * 0x1p9f)));  // 8 -> 0x08
+  const bool subnormal = a < 0x1p-6f;  // false for NaN
+  // Both candidates are computed without branches (they vectorize): subnormals are m * 2**-9 (8 -> 0x08, the
+  // smallest normal); normals keep 3 mantissa bits, ties to even, rebiased from 127 to 7.
+  const uint32_t sub = static_cast<uint32_t>(RintSmall(Select(subnormal, a, 0.0f) * 0x1p9f));
   const uint32_t bits = BitsOf(a);
-  const uint32_t rounded = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;  // keep 3 mantissa bits, ties to even
-  const uint32_t code = rounded - (120u << 3);                            // rebias the exponent: 127 -> 7
-  return static_cast<uint8_t>(sign | (code > 0x7Eu ? 0x7Fu : code));
+  const uint32_t normal = ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
+  const uint32_t code = IsNan(a) ? 0x7Fu : (subnormal ? sub : (normal > 0x7Eu ? 0x7Fu : normal));
+  return static_cast<uint8_t>(sign | code);
 }
 
 XLA_FP4_HOST_DEVICE inline float E4M3Decode(uint8_t code) {
   const uint32_t exponent = (code >> 3) & 15u, mantissa = code & 7u;
-  float a;
-  if (exponent == 15u && mantissa == 7u) {
-    a = FloatOf(0x7FC00000u);
-  } else if (exponent == 0u) {
-    a = static_cast<float>(mantissa) * 0x1p-9f;
-  } else {
-    a = FloatOf(((exponent + 120u) << 23) | (mantissa << 20));
-  }
-  return (code & 0x80u) ? -a : a;
+  float a = Select(exponent == 0u, static_cast<float>(mantissa) * 0x1p-9f,
+                   FloatOf(((exponent + 120u) << 23) | (mantissa << 20)));
+  a = Select((code & 0x7Fu) == 0x7Fu, FloatOf(0x7FC00000u), a);
+  return CopySign(a, FloatOf(static_cast<uint32_t>(code & 0x80u) << 24));
 }
 
 // ---- counter-based random bits (formats.mix32 / random_bits / uniform_from_bits) ----
@@ -211,7 +214,7 @@ XLA_FP4_HOST_DEVICE inline BlockScale MakeBlockScale(float block_amax, TensorSca
 XLA_FP4_HOST_DEVICE inline float QuantizeElement(float x, BlockScale b, bool stochastic, float u) {
   const float v = x * b.inv_denom;
   const float q = stochastic ? RoundE2M1Stochastic(v, u) : RoundE2M1Nearest(v);
-  return b.zero ? 0.0f : q;
+  return Select(b.zero, 0.0f, q);
 }
 
 // (q * scale) * s_dec: the first product is exact, so there is one rounding.

@@ -51,7 +51,7 @@ def gpu():
 
 @pytest.fixture(scope="module")
 def fp4_gemm(gpu):
-  supported, reason = kernels.extension().fp4_gemm_supported()
+  supported, reason = kernels.fp4_gemm_supported()
   if not supported:
     pytest.skip(reason)
   return gpu
@@ -175,8 +175,8 @@ def test_qdq_rejects_a_bad_contract(gpu):
 
 
 def test_fp4_gemm_gate_gives_a_reason():
-  supported, reason = _built_with_cuda().fp4_gemm_supported()
-  assert isinstance(supported, bool) and (supported or reason), (supported, reason)
+  supported, reason = kernels.fp4_gemm_supported()
+  assert isinstance(supported, bool) and isinstance(reason, str) and (supported or reason), (supported, reason)
 
 
 def _gemm_operands(m, n, k):
@@ -203,8 +203,7 @@ def test_fp4_gemm_matches_dot_general(fp4_gemm, m, n, k, dtype):
 
 
 def test_fp4_gemm_fails_loudly_where_unsupported(gpu):
-  supported, reason = kernels.extension().fp4_gemm_supported()
-  if supported:
+  if kernels.fp4_gemm_supported()[0]:
     pytest.skip("the FP4 GEMM is supported on this device")
   _, _, (a_data, a_scales), (b_data, b_scales), alpha = _gemm_operands(128, 128, 128)
   with pytest.raises(Exception, match="cuBLASLt|cublasLt"):
