@@ -106,8 +106,6 @@ def test_nvfp4_learns(baseline, nvfp4):
     assert abs(result["final_val_loss"] - baseline["final_val_loss"]) < 0.25 * baseline["final_val_loss"]
 
 
-@pytest.mark.xfail(strict=True, reason="the pass does not rewrite wgrads with several contracting dims "
-                   "(batch and sequence) yet: remove this mark when it does")
 def test_nvfp4_covers_wgrad(nvfp4):
     """Every GEMM of an MLP layer of the first block runs in NVFP4 (2 blocks: none is kept by default)."""
     _, rows, _ = nvfp4

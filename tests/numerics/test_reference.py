@@ -191,3 +191,13 @@ def test_negative_zero_keeps_its_sign():
   y = np.asarray(qdq(x))
   assert y[0, 3] == 0 and np.signbit(y[0, 3])
   assert np.signbit(np.asarray(quantize(x).values.astype(jnp.float32))[0, 3])
+
+
+def test_nan_propagates_through_amax_in_every_layout():
+  """XLA CPU's max reduction drops NaN for some layouts; the reference must not (regression)."""
+  x = np.array(_normal((16, 16, 16), 14))
+  x[14, 5, 7] = np.nan
+  assert np.isnan(jax.jit(nv.amax)(x))
+  t = quantize(x)
+  assert np.isnan(np.asarray(t.scales.astype(jnp.float32))[14, 5, 0])
+  assert np.isnan(np.asarray(dequantize(t))[14, 5]).all()

@@ -13,7 +13,7 @@ import xla_fp4
 from xla_fp4 import numerics as nv
 from xla_fp4.passes import pipeline
 
-D_IN, D_HID, D_OUT, BATCH = 64, 128, 32, 64
+D_IN, D_HID, D_OUT, BATCH, SEQ = 64, 128, 32, 4, 16  # 3-D activations: the wgrads contract over (batch, seq)
 
 
 class MLP(nn.Module):
@@ -25,8 +25,8 @@ class MLP(nn.Module):
 
 
 def _data():
-  x = jax.random.normal(jax.random.key(1), (BATCH, D_IN))
-  t = jax.random.normal(jax.random.key(2), (BATCH, D_OUT))
+  x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D_IN))
+  t = jax.random.normal(jax.random.key(2), (BATCH, SEQ, D_OUT))
   params = MLP().init(jax.random.key(0), x)
   return params, x, t
 
@@ -59,12 +59,9 @@ def _grads(**options):
 FPROP = (nv.OperandRecipe(), nv.OperandRecipe(block_2d=True))
 DGRAD = (nv.OperandRecipe(), nv.OperandRecipe(block_2d=True))  # stochastic rounding off: keys are the pass's own
 WGRAD = (nv.OperandRecipe(rht=True), nv.OperandRecipe(rht=True))
-NN = (((1,), (0,)), ((), ()))
-
-
 @jax.custom_vjp
 def nvfp4_linear(x, w):
-  return nv.dot_general(x, w, NN, a_recipe=FPROP[0], b_recipe=FPROP[1])
+  return nv.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), a_recipe=FPROP[0], b_recipe=FPROP[1])
 
 
 def _fwd(x, w):
@@ -73,8 +70,9 @@ def _fwd(x, w):
 
 def _bwd(res, g):
   x, w = res
-  dx = nv.dot_general(g, w, (((1,), (1,)), ((), ())), a_recipe=DGRAD[0], b_recipe=DGRAD[1])
-  dw = nv.dot_general(g, x, (((0,), (0,)), ((), ())), a_recipe=WGRAD[0], b_recipe=WGRAD[1]).T
+  tokens = tuple(range(g.ndim - 1))
+  dx = nv.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), a_recipe=DGRAD[0], b_recipe=DGRAD[1])
+  dw = nv.dot_general(g, x, ((tokens, tokens), ((), ())), a_recipe=WGRAD[0], b_recipe=WGRAD[1]).T
   return dx, dw
 
 

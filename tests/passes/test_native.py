@@ -17,7 +17,7 @@ def _loss(w, x):
 
 
 def _run(**options):
-  x = jax.random.normal(jax.random.key(0), (32, 64))
+  x = jax.random.normal(jax.random.key(0), (2, 16, 64))  # the wgrad contracts over two dims
   w = jax.random.normal(jax.random.key(1), (64, 48))
   xla_fp4.enable(strict=True, **options)
   try:

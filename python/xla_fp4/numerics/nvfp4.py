@@ -59,6 +59,12 @@ def _check_float(x):
     raise TypeError(f"NVFP4 quantization takes float32, bfloat16 or float16 tensors, got {x.dtype}")
 
 
+def _max(a, axis=None, keepdims=False):
+  """jnp.max that always propagates NaN: XLA CPU's max reduction drops NaN in some layouts (measured on jax 0.10.2)."""
+  m = jnp.max(a, axis=axis, keepdims=keepdims)
+  return jnp.where(jnp.isnan(a).any(axis=axis, keepdims=keepdims), jnp.float32(jnp.nan), m)
+
+
 def _tile_max(a, axis):
   """Max over groups of 16 consecutive positions along `axis` of `a`, broadcast back to every position."""
   n = a.shape[axis]
@@ -66,7 +72,7 @@ def _tile_max(a, axis):
   pad = -n % BLOCK
   a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])  # |x| >= 0, so zero padding never raises a max
   g = a.reshape(a.shape[:-1] + (a.shape[-1] // BLOCK, BLOCK))
-  g = jnp.broadcast_to(jnp.max(g, axis=-1, keepdims=True), g.shape)
+  g = jnp.broadcast_to(_max(g, axis=-1, keepdims=True), g.shape)
   return jnp.moveaxis(g.reshape(a.shape)[..., :n], -1, axis)
 
 
@@ -77,7 +83,7 @@ def global_decode_scale(amax):
 
 def amax(x):
   """max |x| over the whole tensor as float32 (NaN propagates)."""
-  return jnp.max(jnp.abs(x.astype(jnp.float32)))
+  return _max(jnp.abs(x.astype(jnp.float32)))
 
 
 def _encode(x32, axis, block_2d, rounding, key, s_dec):
@@ -85,7 +91,7 @@ def _encode(x32, axis, block_2d, rounding, key, s_dec):
   16, inner) and scales float8_e4m3fn shaped (outer, K/16, inner)."""
   axis, outer, k, inner = canonical_axis(x32.shape, axis)
   xb = x32.reshape(outer, k // BLOCK, BLOCK, inner)
-  block_amax = jnp.max(jnp.abs(xb), axis=2)
+  block_amax = _max(jnp.abs(xb), axis=2)
   if block_2d:
     block_amax = _tile_max(block_amax, 2 if inner > 1 else 0)
   s_dec = jnp.asarray(s_dec, jnp.float32)

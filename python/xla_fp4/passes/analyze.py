@@ -40,10 +40,10 @@ location (`loc("name"(child))`): only the leading quoted NameLoc name is taken.
 """
 
 import dataclasses
+import math
 import re
 from typing import Any, Optional
 
-import numpy as np
 from jax._src.lib.mlir import ir
 
 _NAME_LOC_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"(\(|\)$)')
@@ -397,11 +397,12 @@ def _pair_backward(dots):
   cands = {}
   for i in backward:
     d = dots[i]
-    same_frame = [j for j in forward.get(d.frames[0] if d.frames else None, ())
-                  if _same_frame(d.frames, dots[j].frames)]
+    bucket = forward.get(d.frames[0] if d.frames else None, ())
     # Where a forward dot of the frame carries the same layer path (linen, named scopes), only that layer pairs.
-    if d.path and any(dots[j].path == d.path for j in same_frame):
-      same_frame = [j for j in same_frame if dots[j].path == d.path]
+    same_path = [j for j in bucket if d.path and dots[j].path == d.path]
+    same_frame = [j for j in same_path if _same_frame(d.frames, dots[j].frames)]
+    if not same_frame:
+      same_frame = [j for j in bucket if _same_frame(d.frames, dots[j].frames)]
     cands[i] = [j for j in same_frame if dots[j].role == "fprop"]
   candidates = cands.__getitem__
 
@@ -481,10 +482,10 @@ def analyze(module) -> Analysis:
     (lc, rc), (lb, rb) = _dot_dims(op)
     ls, rs = _shape(op.operands[0]), _shape(op.operands[1])
     out = d.out_shape
-    k = int(np.prod([ls[x] for x in lc], dtype=np.int64))
-    batch = int(np.prod([ls[x] for x in lb], dtype=np.int64))
-    m = batch * int(np.prod([ls[x] for x in range(len(ls)) if x not in lc and x not in lb], dtype=np.int64))
-    n = int(np.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb], dtype=np.int64))
+    k = int(math.prod([ls[x] for x in lc]))
+    batch = int(math.prod([ls[x] for x in lb]))
+    m = batch * int(math.prod([ls[x] for x in range(len(ls)) if x not in lc and x not in lb]))
+    n = int(math.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb]))
     block = _static_block(layer, arg_name)
     stacked = None
     if src is not None and src.stacked is not None:
@@ -498,7 +499,7 @@ def analyze(module) -> Analysis:
         weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, block=block,
         num_stacked=stacked, is_head=is_head, excluded_scope=EXCLUDE_SCOPE in d.stack, lhs_shape=ls, rhs_shape=rs,
         out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type), m=m, n=n, k=k,
-        flops=2 * int(np.prod(out, dtype=np.int64)) * k, contracting=(lc, rc), batch=(lb, rb)))
+        flops=2 * int(math.prod(out)) * k, contracting=(lc, rc), batch=(lb, rb)))
     ops[i] = op
   static = [s.block for s in sites if s.block is not None and s.role != "other"]
   stacks = [s.num_stacked for s in sites if s.num_stacked]

@@ -71,21 +71,6 @@ def _use_native(backend, platform, kernel_set):
       kernels.fp4_gemm_supported()[0]
 
 
-def _visible(value, op):
-  """Whether `value` can be used at `op` (defined in an enclosing block, and before `op` if in the same block)."""
-  if isinstance(value.owner, ir.Block):
-    vblock, vop = value.owner, None
-  else:
-    vop = value.owner.operation if hasattr(value.owner, "operation") else value.owner
-    vblock = vop.block
-  cur = op
-  while cur is not None:
-    if cur.block == vblock:
-      return vop is None or vop.is_before_in_block(cur)
-    cur = cur.parent
-  return False
-
-
 def decisions(module: ir.Module, config: Config):
   """Analyze and decide only: (decision rows, unmatched rule names)."""
   with module.context, ir.Location.unknown():
@@ -115,9 +100,9 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
           key = (site.func, id(entry))
           if key in plumbed:
             block_value = plumbed[key]
-          elif entry is None and _visible(value, dot):
+          elif entry is None and rewrite_mod.visible(value, dot):
             block_value = value
-          elif entry is not None and value is not None and _visible(value, entry):
+          elif entry is not None and value is not None and rewrite_mod.visible(value, entry):
             func_op = next(op for op in new.body.operations if op.operation.name == "func.func" and
                            ir.StringAttr(op.attributes["sym_name"]).value == site.func)
             block_value = plumbed[key] = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
@@ -125,7 +110,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
             notes[d.index] = "block index unavailable per iteration: every iteration runs in NVFP4"
         native = use_native and rewrite_mod.native_eligible(site)
         if use_native and not native:
-          notes[d.index] = "; ".join(filter(None, [notes.get(d.index), "native GEMM needs 2D operands: emulated"]))
+          notes[d.index] = "; ".join(filter(None, [notes.get(d.index), "the packed GEMM takes no batch dims: emulated"]))
         y = emitter.emit(dot, site, d, block_value, native=native)
         if block_value is not None:  # the select still reads the original dot
           dot.results[0].replace_all_uses_except(y, y.owner.operation)

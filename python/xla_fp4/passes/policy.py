@@ -53,10 +53,6 @@ def kept_blocks(config: Config, num_blocks: int) -> frozenset:
   return frozenset(range(first)) | frozenset(range(num_blocks - last, num_blocks))
 
 
-def _multi_contracting(site):
-  return len(site.contracting[0]) != 1
-
-
 def default_rules(config: Config):
   exclude = re.compile(config.exclude) if config.exclude else None
   return (
@@ -68,9 +64,6 @@ def default_rules(config: Config):
            when=lambda s, c: exclude is not None and bool(exclude.search(s.layer))),
       Rule(name="contraction_not_16", decision="keep", reason="contraction size is not a multiple of 16",
            when=lambda s, c: s.k % 16 != 0),
-      Rule(name="multi_contracting", decision="keep",
-           reason="several contracting dims (merging them is not implemented yet)",
-           when=lambda s, c: _multi_contracting(s)),
       Rule(name="tiny", decision="keep", reason=f"M, N or K below XLA_FP4_MIN_DIM={config.min_dim}",
            when=lambda s, c: min(s.m, s.n, s.k) < c.config.min_dim),
       Rule(name="head", decision="keep", reason="output head (logits) kept in high precision",

@@ -25,6 +25,7 @@ reference GEMM on CPU) with alpha = s_dec_a * s_dec_b; scales, keys, RHT and the
 """
 
 import hashlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -190,6 +191,7 @@ class Emitter:
   def __init__(self, kernels, seed):
     self.kernels = kernels
     self.seed = seed
+    self._weights = []  # (weight value, its quantized value, s_dec): 2D-tiled weights already quantized
 
   def _scale_and_key(self, x, axis, recipe, site_id):
     """amax (after the RHT where it applies) as a plain reduce -> s_dec; the stochastic-rounding key."""
@@ -205,11 +207,22 @@ class Emitter:
     key = hlo.XorOp(_digest(x), _const(salt, _u32())).result if stochastic else _const(salt, _u32())
     return s_dec, key, stochastic
 
-  def _operand(self, x, axis, recipe, site_id):
-    """-> (q·scale in x's dtype, s_dec f32 scalar)."""
+  def _operand(self, x, axis, recipe, site_id, user):
+    """-> (q·scale in x's dtype, s_dec f32 scalar).
+
+    A 16x16-tiled, nearest-rounded weight quantizes to the same values along either axis, so the dgrad reuses the
+    fprop's quantized weight when it is visible there (the recipe's "same quantized values as in fprop", and one
+    kernel call less per layer and step)."""
+    reusable = recipe.block_2d and recipe.rounding == "nearest" and not recipe.rht
+    if reusable:
+      for (value, q, s_dec) in self._weights:
+        if value == x and visible(q, user):
+          return q, s_dec
     s_dec, key, stochastic = self._scale_and_key(x, axis, recipe, site_id)
     q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic, rht=recipe.rht,
                          rht_seed=self.seed)
+    if reusable:
+      self._weights.append((x, q, s_dec))
     return q, s_dec
 
   def emit(self, dot, site, decision, block_value=None, native=False):
@@ -227,27 +240,42 @@ class Emitter:
     return y
 
   def _emulated_gemm(self, dot, site, decision):
-    """The original dot_general on q·scale operands, accumulated in f32 -> (acc, s_dec_a * s_dec_b)."""
-    (lc, rc) = site.contracting
-    qa, sa = self._operand(dot.operands[0], lc[0], decision.lhs, 2 * site.index)
-    qb, sb = self._operand(dot.operands[1], rc[0], decision.rhs, 2 * site.index + 1)
+    """The dot_general on q·scale operands, accumulated in f32 -> (acc, s_dec_a * s_dec_b).
+
+    With one contracting dim per operand the kernels quantize along it in place. With several (a wgrad over batch and
+    sequence, an einsum over heads) each operand is first made (batch, free, K) with the contracting dims merged."""
+    (lc, rc), (lb, rb) = site.contracting, site.batch
+    lhs, rhs = dot.operands[0], dot.operands[1]
+    dims = dot.attributes["dot_dimension_numbers"]
+    if len(lc) == 1:
+      la, ra = lc[0], rc[0]
+    else:
+      lhs, rhs = _canonical(lhs, lb, lc), _canonical(rhs, rb, rc)
+      la, ra = len(_tensor_type(lhs).shape) - 1, len(_tensor_type(rhs).shape) - 1
+      batch = list(range(len(lb)))
+      dims = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=batch, rhs_batching_dimensions=batch,
+                                         lhs_contracting_dimensions=[la], rhs_contracting_dimensions=[ra])
+    qa, sa = self._operand(lhs, la, decision.lhs, 2 * site.index, dot)
+    qb, sb = self._operand(rhs, ra, decision.rhs, 2 * site.index + 1, dot)
     acc_type = ir.RankedTensorType.get(_tensor_type(dot.results[0]).shape, _f32())
     kwargs = {}
     if "precision_config" in dot.attributes:
       kwargs["precision_config"] = dot.attributes["precision_config"]
-    acc = hlo.DotGeneralOp(acc_type, qa, qb, dot.attributes["dot_dimension_numbers"], **kwargs).result
+    acc = hlo.DotGeneralOp(acc_type, qa, qb, dims, **kwargs).result
     return acc, hlo.MulOp(sa, sb).result
 
   def _native_gemm(self, dot, site, decision):
-    """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM -> (acc (M, N) f32, alpha)."""
-    (lc, rc) = site.contracting
-    a = _k_last(dot.operands[0], lc[0])  # (M, K)
-    b = _k_last(dot.operands[1], rc[0])  # (N, K)
+    """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM -> (acc f32 in the dot's shape, alpha)."""
+    (lc, rc), _ = site.contracting, site.batch
+    a = _matrix(_canonical(dot.operands[0], (), lc))  # (M, K)
+    b = _matrix(_canonical(dot.operands[1], (), rc))  # (N, K)
     pa, sa = self._packed(a, decision.lhs, 2 * site.index)
     pb, sb = self._packed(b, decision.rhs, 2 * site.index + 1)
     alpha = hlo.MulOp(sa, sb).result
     m, n = _tensor_type(a).shape[0], _tensor_type(b).shape[0]
     acc = self.kernels.gemm_packed(pa, pb, alpha, ir.RankedTensorType.get([m, n], _f32()))
+    out_shape = _tensor_type(dot.results[0]).shape
+    acc = hlo.ReshapeOp(ir.RankedTensorType.get(out_shape, _f32()), acc).result
     return acc, _const(1.0, _f32())  # alpha is applied inside the GEMM, as cuBLASLt does
 
   def _packed(self, x, recipe, site_id):
@@ -268,16 +296,47 @@ class Emitter:
     return hlo.SelectOp(mask, original, nvfp4).result
 
 
-def _k_last(x, k_axis):
-  """A rank-2 operand with its contraction dim last."""
-  if k_axis == 1:
+def visible(value, op):
+  """Whether `value` can be used at `op`: defined in an enclosing block, and before `op` if in the same block."""
+  if isinstance(value.owner, ir.Block):
+    vblock, vop = value.owner, None
+  else:
+    vop = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+    vblock = vop.block
+  cur = op
+  while cur is not None:
+    if cur.block == vblock:
+      return vop is None or vop.is_before_in_block(cur)
+    cur = cur.parent
+  return False
+
+
+def _canonical(x, batch, contract):
+  """Transpose to (batch, free, contract) and merge the contracting dims into one trailing dim K."""
+  t = _tensor_type(x)
+  rank = len(t.shape)
+  free = [d for d in range(rank) if d not in batch and d not in contract]
+  perm = list(batch) + free + list(contract)
+  if perm != list(range(rank)):
+    x = hlo.TransposeOp(x, ir.DenseI64ArrayAttr.get(perm)).result
+  if len(contract) != 1:
+    kept = [t.shape[d] for d in list(batch) + free]
+    x = hlo.ReshapeOp(ir.RankedTensorType.get(kept + [math.prod(t.shape[d] for d in contract)], t.element_type),
+                      x).result
+  return x
+
+
+def _matrix(x):
+  """(free..., K) -> (prod(free), K)."""
+  t = _tensor_type(x)
+  if len(t.shape) == 2:
     return x
-  return hlo.TransposeOp(x, ir.DenseI64ArrayAttr.get([1, 0])).result
+  return hlo.ReshapeOp(ir.RankedTensorType.get([math.prod(t.shape[:-1]), t.shape[-1]], t.element_type), x).result
 
 
 def native_eligible(site):
-  """The packed FP4 GEMM takes plain matrices: rank-2 operands without batch dims."""
-  return len(site.lhs_shape) == 2 and len(site.rhs_shape) == 2 and not site.batch[0]
+  """The packed FP4 GEMM multiplies plain matrices: any dot without batch dims (free and contracting dims merge)."""
+  return not site.batch[0]
 
 
 def _next_op(op):
