@@ -49,7 +49,7 @@ from jax._src.lib.mlir import ir
 _NAME_LOC_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"(\(|\)$)')
 _FILE_LOC_RE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
 _TRANSFORM_RE = re.compile(r"^[\w.]+\((.*)\)$")  # jvp(MLP), transpose(jvp(MLP)), vmap(f), jit(step)
-_NOISE = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "remat2",
+_NOISE = {"while", "body", "eval_jaxpr", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "remat2",
           "core_call", "custom_jvp_call", "custom_vjp_call", "pjit", "shard_map", "scan", "xla_fp4_exclude_end"}
 _BLOCK_RE = re.compile(r"(?:^|[/.\['_])(?:blocks?|layers?|h|transformer_?blocks?|encoder_?blocks?|decoder_?blocks?)"
                        r"[_'\]\[/]*(\d+)", re.I)
@@ -435,16 +435,18 @@ def _pair_backward(dots):
       partner = (free or shaped)[-1]
     claimed.add(partner)
     d.role, d.partner = "wgrad", partner
-    d.src = _local_source(dots, d.fname, dots[partner].src)
+    d.src = _local_source(dots, d, dots[partner].src)
 
 
-def _local_source(dots, fname, src):
-  """The weight source of a wgrad, with a per-iteration block value that lives in the wgrad's own function: the
-  wgrad has no weight operand, so take it from a dot of the same function that slices the same stacked weight, or
-  another stacked weight of the same size (one scan iteration slices every stacked weight at the same index)."""
+def _local_source(dots, wgrad, src):
+  """The weight source of a wgrad, with a per-iteration block value from the wgrad's own loop body: the wgrad has no
+  weight operand, so take it from a dot in the same block (the same outlined scan function on jax 0.10, the same
+  while body on jax 0.12, which inlines scan bodies) that slices the same stacked weight, or another stacked weight
+  of the same size (one scan iteration slices every stacked weight at the same index)."""
   if src.stacked is None:
     return src
-  local = [s for d in dots if d.fname == fname for s in d.sources if s is not None and s.index is not None]
+  local = [s for d in dots if d.fname == wgrad.fname and d.op.block == wgrad.op.block
+           for s in d.sources if s is not None and s.index is not None]
   for s in local:
     if s.arg == src.arg:
       return s
