@@ -169,3 +169,16 @@ def test_explain_returns_decisions_without_running(capsys):
   roles = sorted((r["layer"].split("/")[-1], r["role"], r["decision"]) for r in rows)
   assert ("head", "fprop", "keep") in roles and ("fc2", "wgrad", "nvfp4") in roles
   assert "output head" in out and "% of dot FLOPs" in out
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_and_inf_in_an_operand_reach_the_output(bad):
+  x = np.array(jax.random.normal(jax.random.key(0), (16, 16, 64)))
+  x[14, 5, 3] = bad  # a layout in which XLA CPU's plain max reduction drops NaN
+  w = jax.random.normal(jax.random.key(1), (64, 64))
+  xla_fp4.enable(strict=True)
+  try:
+    y = jax.jit(lambda x, w: x @ w)(x, w)
+  finally:
+    xla_fp4.disable()
+  assert np.isnan(np.asarray(y)).all()  # a non-finite global scale poisons the tensor, as it would on the GPU

@@ -79,6 +79,23 @@ def _reduce(x, op_cls, init, elem_type):
   return red.result
 
 
+def _amax(x):
+  """max |x| as a plain reduce whose body propagates NaN explicitly: XLA CPU's vectorized max reduction can drop a
+  NaN, and NaN/Inf in a GEMM operand must reach its output (DESIGN.md §2)."""
+  f32 = _f32()
+  scalar = _scalar(f32)
+  x = hlo.AbsOp(x).result
+  red = hlo.ReduceOp([scalar], [x], [_const(0.0, f32)], list(range(len(_tensor_type(x).shape))))
+  block = red.regions[0].blocks.append(scalar, scalar)
+  with ir.InsertionPoint(block):
+    a, b = block.arguments
+    ne = hlo.ComparisonDirectionAttr.get("NE")
+    m = hlo.MaxOp(a, b).result
+    m = hlo.SelectOp(hlo.CompareOp(b, b, ne).result, b, m).result
+    hlo.ReturnOp([hlo.SelectOp(hlo.CompareOp(a, a, ne).result, a, m).result])
+  return red.result
+
+
 def _broadcast(scalar, like_type):
   return hlo.BroadcastInDimOp(like_type, scalar, ir.DenseI64ArrayAttr.get([])).result
 
@@ -200,7 +217,7 @@ class Emitter:
       src = self.kernels.rht(x, axis, self.seed)
     else:
       src = hlo.ConvertOp(ir.RankedTensorType.get(_tensor_type(x).shape, f32), x).result
-    amax = _reduce(hlo.AbsOp(src).result, hlo.MaxOp, _const(0.0, f32), f32)
+    amax = _amax(src)
     s_dec = hlo.DivOp(amax, _const(formats.GLOBAL_SCALE_DIVISOR, f32)).result
     stochastic = recipe.rounding == "stochastic"
     salt = int(formats.fold_in(np.uint32(self.seed), np.uint32(site_id), np))
