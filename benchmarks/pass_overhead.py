@@ -83,23 +83,26 @@ def _compile_seconds(step, args, fp4):
       xla_fp4.disable()
 
 
-def _step_seconds(compiled, args, steps):
-  params, state, tokens = args
-  params, state, l = compiled(params, state, tokens)  # warm up
-  l.block_until_ready()
-  times = []
-  for _ in range(steps):
-    t = time.perf_counter()
-    params, state, l = compiled(params, state, tokens)
-    l.block_until_ready()
-    times.append(time.perf_counter() - t)
-  return statistics.median(times)
+def _interleaved_step_seconds(compiled, args, rounds):
+  """Median step time of each executable, timed in alternation so that background load hits all of them alike."""
+  states = [args for _ in compiled]
+  times = [[] for _ in compiled]
+  for r in range(rounds + 1):  # round 0 warms up
+    for i, c in enumerate(compiled):
+      params, state, tokens = states[i]
+      t = time.perf_counter()
+      params, state, l = c(params, state, tokens)
+      l.block_until_ready()
+      if r:
+        times[i].append(time.perf_counter() - t)
+      states[i] = (params, state, tokens)
+  return [statistics.median(t) for t in times]
 
 
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="benchmarks/results/pass_overhead.json")
-  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=10)
   args = ap.parse_args()
   results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__}}
 
@@ -128,7 +131,7 @@ def main():
   step, step_args = make_step(d=512, layers=2, batch=4, seq=128)
   _, base = _compile_seconds(step, step_args, fp4=False)
   _, fp4 = _compile_seconds(step, step_args, fp4=True)
-  tb, tf = _step_seconds(base, step_args, args.steps), _step_seconds(fp4, step_args, args.steps)
+  tb, tf = _interleaved_step_seconds([base, fp4], step_args, args.steps)
   results["step_time_d512"] = {"model": "GPT d_model=512, 2 blocks, batch 4 x 128 tokens",
                                "step_s_baseline": tb, "step_s_fp4": tf, "ratio": tf / tb, "ratio_target": 1.3}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -49,8 +49,7 @@ inline void Store(float* p, float v) { *p = v; }
 // Round to nearest even, as XLA's convert; NaN becomes the canonical quiet NaN with x's sign (XLA CPU does the same).
 inline void Store(Bf16* p, float v) {
   const uint32_t b = BitsOf(v);
-  p->bits = IsNan(v) ? static_cast<uint16_t>((b >> 16) | 0x7FC0u)
-                     : static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  p->bits = static_cast<uint16_t>(SelectBits(IsNan(v), (b >> 16) | 0x7FC0u, (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16));
 }
 // Round to nearest even; NaN keeps its payload's top bits and is quieted, as the x86 conversion instruction does.
 inline void Store(F16* p, float v) {

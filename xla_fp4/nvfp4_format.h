@@ -63,6 +63,12 @@ XLA_FP4_HOST_DEVICE inline float Select(bool c, float a, float b) {
   return FloatOf((BitsOf(a) & mask) | (BitsOf(b) & ~mask));
 }
 
+// c ? a : b on integers, without a branch.
+XLA_FP4_HOST_DEVICE inline uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return (a & mask) | (b & ~mask);
+}
+
 // Round to the nearest integer, ties to even, for 0 <= t < 2**23 (or NaN). The magic-number form vectorizes with SSE2,
 // where rintf would be a library call; it is exact because the sum lands in [2**23, 2**24), spacing 1.
 XLA_FP4_HOST_DEVICE inline float RintSmall(float t) {
@@ -127,7 +133,10 @@ XLA_FP4_HOST_DEVICE inline uint8_t E4M3Encode(float v) {
   const uint32_t sub = static_cast<uint32_t>(RintSmall(Select(subnormal, a, 0.0f) * 0x1p9f));
   const uint32_t bits = BitsOf(a);
   const uint32_t normal = ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);
-  const uint32_t code = IsNan(a) ? 0x7Fu : (subnormal ? sub : (normal > 0x7Eu ? 0x7Fu : normal));
+  // NaN needs no case of its own: its bits make `normal` exceed 0x7E (and `subnormal` is false). Mask selects rather
+  // than branches, so that loops over blocks vectorize.
+  const uint32_t saturated = SelectBits(normal > 0x7Eu, 0x7Fu, normal);
+  const uint32_t code = SelectBits(subnormal, sub, saturated);
   return static_cast<uint8_t>(sign | code);
 }
 

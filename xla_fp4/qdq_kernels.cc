@@ -10,12 +10,141 @@ namespace {
 
 // ---- Impl: the work ----
 
+// ---- the fast path: x viewed as a row-major matrix (lines, cols), walked in 16x16 tiles of contiguous rows ----
+//
+// Every layout the kernel takes maps onto one of three tile shapes with memory-contiguous rows, so that loads, stores
+// and the element math run over fixed 16-wide rows the compiler vectorizes (no gather/scatter):
+//   kRow:  the blocks are the tile's rows (axis last, 1D: x is a flat run of blocks, cols = 16);
+//   kCol:  the blocks are the tile's columns (another axis, 1D: lines = outer * K, cols = inner);
+//   kTile: the whole 16x16 tile is one block (2D: axis last with lines = outer, cols = K, or another axis with
+//          lines = outer * K, cols = inner; K % 16 == 0, so no tile straddles two blocks).
+// Partial tiles are padded with zeros, which change no block amax; their results are not stored.
+enum class Blocks { kRow, kCol, kTile };
+
+// max |v| over values given as bits with the sign cleared: for non-negative floats the integer order is the float
+// order, and NaN sorts above +Inf, so a NaN anywhere gives a NaN amax, as jnp.max does (QuantizeTile's rule).
+inline float AmaxFromBits(uint32_t m) { return FloatOf(m > 0x7F800000u ? 0x7FC00000u : m); }
+
+template <Blocks kBlocks, bool kStochastic, bool kRht, typename T>
+void QdqTiles(const T* x, T* y, int64_t lines, int64_t cols, const Recipe& r, const float* sign_quarter,
+              float decode_scale, int64_t t_begin, int64_t t_end) {
+  const int64_t col_groups = (cols + kBlock - 1) / kBlock;
+  alignas(64) float v[kBlock][kBlock];
+  alignas(64) uint32_t am[kBlock];
+  alignas(64) float inv[kBlock], scale[kBlock];
+  alignas(64) uint32_t zero[kBlock];
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t l0 = t / col_groups * kBlock, c0 = t % col_groups * kBlock;
+    const int nl = static_cast<int>(std::min<int64_t>(kBlock, lines - l0));
+    const int nc = static_cast<int>(std::min<int64_t>(kBlock, cols - c0));
+    const int64_t base = l0 * cols + c0;
+    const bool full = nl == kBlock && nc == kBlock;
+    if (full) {
+      for (int i = 0; i < kBlock; ++i) {
+        const T* in = x + base + i * cols;
+        for (int j = 0; j < kBlock; ++j) v[i][j] = Load(in + j);
+      }
+    } else {
+      for (int i = 0; i < kBlock; ++i) {
+        for (int j = 0; j < kBlock; ++j) v[i][j] = (i < nl && j < nc) ? Load(x + base + i * cols + j) : 0.0f;
+      }
+    }
+    if constexpr (kRht) {
+      for (int i = 0; i < kBlock; ++i) Rht16(v[i], sign_quarter);
+    }
+    // Block amax, as bits.
+    if constexpr (kBlocks == Blocks::kRow) {
+      for (int i = 0; i < kBlock; ++i) {
+        uint32_t m = 0;
+        for (int j = 0; j < kBlock; ++j) {
+          const uint32_t a = BitsOf(v[i][j]) & 0x7FFFFFFFu;
+          m = a > m ? a : m;
+        }
+        am[i] = m;
+      }
+    } else {
+      for (int j = 0; j < kBlock; ++j) am[j] = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        for (int j = 0; j < kBlock; ++j) {
+          const uint32_t a = BitsOf(v[i][j]) & 0x7FFFFFFFu;
+          am[j] = a > am[j] ? a : am[j];
+        }
+      }
+      if constexpr (kBlocks == Blocks::kTile) {
+        uint32_t m = 0;
+        for (int j = 0; j < kBlock; ++j) m = am[j] > m ? am[j] : m;
+        for (int j = 0; j < kBlock; ++j) am[j] = m;
+      }
+    }
+    for (int b = 0; b < kBlock; ++b) {  // a fixed trip count vectorizes
+      const BlockScale s = MakeBlockScale(AmaxFromBits(am[b]), r.scale);
+      inv[b] = s.inv_denom;
+      scale[b] = s.scale;
+      zero[b] = s.zero ? 1u : 0u;
+    }
+    // Quantize and decode in place.
+    for (int i = 0; i < kBlock; ++i) {
+      const uint32_t index0 = static_cast<uint32_t>(base + i * cols);  // < 2**32 when stochastic (checked)
+      for (int j = 0; j < kBlock; ++j) {
+        const int b = kBlocks == Blocks::kRow ? i : (kBlocks == Blocks::kCol ? j : 0);
+        BlockScale s;
+        s.code = 0;
+        s.scale = scale[b];
+        s.inv_denom = inv[b];
+        s.zero = zero[b] != 0u;
+        const float u =
+            kStochastic ? UniformFromBits(RandomBits(r.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
+        v[i][j] = DecodeElement(QuantizeElement(v[i][j], s, kStochastic, u), s.scale, decode_scale);
+      }
+    }
+    if (full) {
+      for (int i = 0; i < kBlock; ++i) {
+        T* out = y + base + i * cols;
+        for (int j = 0; j < kBlock; ++j) Store(out + j, v[i][j]);
+      }
+    } else {
+      for (int i = 0; i < nl; ++i) {
+        for (int j = 0; j < nc; ++j) Store(y + base + i * cols + j, v[i][j]);
+      }
+    }
+  }
+}
+
 // With apply_global_scale off the result is q * scale, exact in every float dtype: the emulated GEMM then folds
 // both tensors' s_dec into its float32 output, as cuBLASLt's alpha does (DESIGN.md §2).
 template <typename T>
 void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const RhtSigns* rht,
              bool apply_global_scale) {
   const float decode_scale = apply_global_scale ? r.scale.s_dec : 1.0f;
+  if (g.axis_last() || rht == nullptr) {  // the fast path (the RHT runs along rows only)
+    const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
+    const int64_t lines = blocks == Blocks::kRow ? g.size() / kBlock : g.outer * (g.axis_last() ? 1 : g.k);
+    const int64_t cols = blocks == Blocks::kRow ? kBlock : (g.axis_last() ? g.k : g.inner);
+    const int64_t tiles = (lines + kBlock - 1) / kBlock * ((cols + kBlock - 1) / kBlock);
+    const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
+    auto run = [&](auto blocks_c, auto stochastic, auto use_rht) {
+      ParallelFor(pool, tiles, kBlock * kBlock, [&](int64_t begin, int64_t end) {
+        QdqTiles<decltype(blocks_c)::value, decltype(stochastic)::value, decltype(use_rht)::value>(
+            x, y, lines, cols, r, sq, decode_scale, begin, end);
+      });
+      return 0;
+    };
+    WithBool(r.stochastic, [&](auto stochastic) {
+      switch (blocks) {
+        case Blocks::kRow:
+          return WithBool(rht != nullptr, [&](auto use_rht) {
+            return run(std::integral_constant<Blocks, Blocks::kRow>{}, stochastic, use_rht);
+          });
+        case Blocks::kTile:
+          return WithBool(rht != nullptr, [&](auto use_rht) {
+            return run(std::integral_constant<Blocks, Blocks::kTile>{}, stochastic, use_rht);
+          });
+        default:
+          return run(std::integral_constant<Blocks, Blocks::kCol>{}, stochastic, std::false_type{});
+      }
+    });
+    return;
+  }
   ForEachTile(pool, x, g, rht != nullptr ? rht->sign_quarter : nullptr, &r,
               [&](auto axis_last, const Tile& tile, const TileValues& tv, const BlockScale* scales) {
                 const int64_t sj = StrideJ<decltype(axis_last)::value>(g), sc = StrideC<decltype(axis_last)::value>(g);

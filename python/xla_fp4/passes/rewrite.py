@@ -80,20 +80,17 @@ def _reduce(x, op_cls, init, elem_type):
 
 
 def _amax(x):
-  """max |x| as a plain reduce whose body propagates NaN explicitly: XLA CPU's vectorized max reduction can drop a
-  NaN, and NaN/Inf in a GEMM operand must reach its output (DESIGN.md §2)."""
+  """max |x| with NaN propagated. XLA CPU's vectorized max reduction can drop a NaN, and NaN/Inf in a GEMM operand
+  must reach its output (DESIGN.md §2); a custom reduction body would fix that but cannot become a cross-device
+  all-reduce. So: two plain max reductions (partitionable, fused by XLA), of |x| and of an isnan indicator."""
   f32 = _f32()
-  scalar = _scalar(f32)
-  x = hlo.AbsOp(x).result
-  red = hlo.ReduceOp([scalar], [x], [_const(0.0, f32)], list(range(len(_tensor_type(x).shape))))
-  block = red.regions[0].blocks.append(scalar, scalar)
-  with ir.InsertionPoint(block):
-    a, b = block.arguments
-    ne = hlo.ComparisonDirectionAttr.get("NE")
-    m = hlo.MaxOp(a, b).result
-    m = hlo.SelectOp(hlo.CompareOp(b, b, ne).result, b, m).result
-    hlo.ReturnOp([hlo.SelectOp(hlo.CompareOp(a, a, ne).result, a, m).result])
-  return red.result
+  t = ir.RankedTensorType.get(_tensor_type(x).shape, f32)
+  amax = _reduce(hlo.AbsOp(x).result, hlo.MaxOp, _const(0.0, f32), f32)
+  isnan = hlo.CompareOp(x, x, hlo.ComparisonDirectionAttr.get("NE")).result
+  flags = hlo.SelectOp(isnan, _broadcast(_const(1.0, f32), t), _broadcast(_const(0.0, f32), t)).result
+  any_nan = hlo.CompareOp(_reduce(flags, hlo.MaxOp, _const(0.0, f32), f32), _const(0.0, f32),
+                          hlo.ComparisonDirectionAttr.get("GT")).result
+  return hlo.SelectOp(any_nan, _const(float("nan"), f32), amax).result
 
 
 def _broadcast(scalar, like_type):
