@@ -23,7 +23,7 @@ enum class Blocks { kRow, kCol, kTile };
 
 // max |v| over values given as bits with the sign cleared: for non-negative floats the integer order is the float
 // order, and NaN sorts above +Inf, so a NaN anywhere gives a NaN amax, as jnp.max does (QuantizeTile's rule).
-inline float AmaxFromBits(uint32_t m) { return FloatOf(m > 0x7F800000u ? 0x7FC00000u : m); }
+inline float AmaxFromBits(uint32_t m) { return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m)); }
 
 template <Blocks kBlocks, bool kStochastic, bool kRht, typename T>
 void QdqTiles(const T* x, T* y, int64_t lines, int64_t cols, const Recipe& r, const float* sign_quarter,
@@ -33,6 +33,7 @@ void QdqTiles(const T* x, T* y, int64_t lines, int64_t cols, const Recipe& r, co
   alignas(64) uint32_t am[kBlock];
   alignas(64) float inv[kBlock], scale[kBlock];
   alignas(64) uint32_t zero[kBlock];
+  alignas(16) uint8_t code[kBlock];
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t l0 = t / col_groups * kBlock, c0 = t % col_groups * kBlock;
     const int nl = static_cast<int>(std::min<int64_t>(kBlock, lines - l0));
@@ -76,11 +77,13 @@ void QdqTiles(const T* x, T* y, int64_t lines, int64_t cols, const Recipe& r, co
         for (int j = 0; j < kBlock; ++j) am[j] = m;
       }
     }
-    for (int b = 0; b < kBlock; ++b) {  // a fixed trip count vectorizes
-      const BlockScale s = MakeBlockScale(AmaxFromBits(am[b]), r.scale);
-      inv[b] = s.inv_denom;
-      scale[b] = s.scale;
-      zero[b] = s.zero ? 1u : 0u;
+    // MakeBlockScale, split in two loops of fixed trip count that vectorize.
+    for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * r.scale.s_enc_over_6);
+    for (int b = 0; b < kBlock; ++b) {
+      scale[b] = E4M3Decode(code[b]);
+      const float denom = scale[b] * r.scale.s_dec;
+      inv[b] = 1.0f / denom;
+      zero[b] = denom == 0.0f ? 1u : 0u;
     }
     // Quantize and decode in place.
     for (int i = 0; i < kBlock; ++i) {

@@ -175,30 +175,29 @@ class _Module:
   def __init__(self, module):
     self.funcs = {}
     self.calls = {}  # callee -> [call ops], program order
-    self.func_of_op = {}
-    self.order = []  # (func name, op) for every op, program order
+    self.order = []  # (func name, op) for every dot_general and func.call, program order
     for op in module.body.operations:
       if op.operation.name == "func.func":
         name = ir.StringAttr(op.attributes["sym_name"]).value
         self.funcs[name] = op
     for name, f in self.funcs.items():
-      self._walk(name, f.operation)
+      self._collect(name, f.operation)
     main = self.funcs.get("main")
     self.main_args = []
     if main is not None:
       for a in main.regions[0].blocks[0].arguments:
         self.main_args.append(name_of(a.location) or f"arg{a.arg_number}")
 
-  def _walk(self, fname, op):
-    for region in op.regions:
-      for block in region.blocks:
-        for child in block.operations:
-          child = child.operation
-          self.order.append((fname, child))
-          if child.name == "func.call":
-            callee = ir.FlatSymbolRefAttr(child.attributes["callee"]).value
-            self.calls.setdefault(callee, []).append(child)
-          self._walk(fname, child)
+  def _collect(self, fname, func_op):
+    """Dots and calls of one function; the walk itself runs in C++ (a Python walk was a third of the pass time)."""
+    def visit(op):
+      if op.name in ("stablehlo.dot_general", "func.call"):
+        op = op.operation
+        self.order.append((fname, op))
+        if op.name == "func.call":
+          self.calls.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
+      return ir.WalkResult.ADVANCE
+    func_op.walk(visit, ir.WalkOrder.PRE_ORDER)
 
   def call_prefix(self, fname, seen=()):
     """Name stack of the first call site of `fname`, recursively; '' for main."""
