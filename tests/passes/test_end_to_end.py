@@ -182,3 +182,17 @@ def test_nan_and_inf_in_an_operand_reach_the_output(bad):
   finally:
     xla_fp4.disable()
   assert np.isnan(np.asarray(y)).all()  # a non-finite global scale poisons the tensor, as it would on the GPU
+
+
+def test_exclude_decorator_keeps_the_function_in_high_precision():
+  @xla_fp4.exclude
+  def router(x, w):
+    return x @ w
+
+  def f(x, w1, w2):
+    return router(x, w1) + x @ w2
+  args = [jax.random.normal(jax.random.key(i), (32, 64) if i == 0 else (64, 64)) for i in range(3)]
+  rows = xla_fp4.explain(f, *args)
+  assert sorted((r["decision"], r["rule"]) for r in rows) == [("keep", "exclude_scope"), ("nvfp4", "nvfp4")]
+  with pytest.raises(TypeError, match="decorates a function"):
+    xla_fp4.exclude(3)
