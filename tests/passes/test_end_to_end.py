@@ -1,6 +1,7 @@
 """End to end through the compile hook: a rewritten training step against an independent emulation of the recipe
 written with xla_fp4.numerics, against the f32 baseline, and the pass's safety properties."""
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -44,9 +45,19 @@ def fp4():
   xla_fp4.disable()
 
 
-def _grads(**options):
+@functools.lru_cache(maxsize=None)
+def _cached_grads(fp4, options):
+  return _grads_uncached(fp4, **dict(options))
+
+
+def _grads(fp4=True, **options):
+  """Gradients of one step, with the pass enabled with `options` or (fp4=False) the f32 baseline; memoized."""
+  return _cached_grads(fp4, tuple(sorted(options.items())))
+
+
+def _grads_uncached(fp4=True, **options):
   params, x, t = _data()
-  if options:
+  if fp4:
     xla_fp4.enable(**options)
   try:
     return jax.jit(jax.grad(_loss))(params, x, t)  # a fresh jit: compiled with the current hook state
@@ -99,7 +110,7 @@ def test_rewritten_step_equals_independent_emulation():
   got = _grads(stochastic_rounding=False)
   params, x, t = _data()
   want = jax.jit(jax.grad(_manual_loss))(params, x, t)
-  base = _grads()
+  base = _grads(fp4=False)
   for layer in ("fc1", "fc2", "head"):
     g, w, b = (tree["params"][layer]["kernel"] for tree in (got, want, base))
     assert _rel(g, w) < 1e-5, layer  # same recipe, only f32 summation order may differ
@@ -107,7 +118,7 @@ def test_rewritten_step_equals_independent_emulation():
 
 
 def test_stochastic_rounding_changes_gradients_but_stays_close():
-  sr, rn, base = _grads(), _grads(stochastic_rounding=False), _grads()
+  sr, rn, base = _grads(), _grads(stochastic_rounding=False), _grads(fp4=False)
   g_sr, g_rn, g_b = (t["params"]["fc1"]["kernel"] for t in (sr, rn, base))
   assert not jnp.array_equal(g_sr, g_rn)
   assert _cos(g_sr, g_b) > 0.8
@@ -136,10 +147,10 @@ def test_internal_failure_compiles_the_original_and_warns(monkeypatch):
     raise RuntimeError("injected")
   monkeypatch.setattr(pipeline, "transform", boom)
   monkeypatch.setitem(xla_fp4.hook._state, "warned", False)
-  base = _grads()
+  base = _grads(fp4=False)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    got = _grads(stochastic_rounding=False)
+    got = _grads_uncached(stochastic_rounding=False)
   assert any("injected" in str(w.message) and "XLA_FP4_STRICT" in str(w.message) for w in caught)
   for layer in ("fc1", "fc2", "head"):
     assert jnp.array_equal(got["params"][layer]["kernel"], base["params"][layer]["kernel"])
@@ -150,7 +161,7 @@ def test_strict_mode_raises(monkeypatch):
     raise RuntimeError("injected")
   monkeypatch.setattr(pipeline, "transform", boom)
   with pytest.raises(RuntimeError, match="injected"):
-    _grads(strict=True)
+    _grads_uncached(strict=True)
 
 
 def test_output_is_deterministic():
