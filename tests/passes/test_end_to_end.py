@@ -12,7 +12,7 @@ import pytest
 
 import xla_fp4
 from xla_fp4 import numerics as nv
-from xla_fp4.passes import pipeline
+from xla_fp4.passes import pipeline, rewrite
 
 D_IN, D_HID, D_OUT, BATCH, SEQ = 64, 128, 32, 4, 16  # 3-D activations: the wgrads contract over (batch, seq)
 
@@ -207,3 +207,13 @@ def test_exclude_decorator_keeps_the_function_in_high_precision():
   assert sorted((r["decision"], r["rule"]) for r in rows) == [("keep", "exclude_scope"), ("nvfp4", "nvfp4")]
   with pytest.raises(TypeError, match="decorates a function"):
     xla_fp4.exclude(3)
+
+
+def test_platforms_without_compiled_kernels_get_the_pure_jax_reference(monkeypatch):
+  """Where no FFI kernel is registered (e.g. a GPU without the CUDA build) the rewrite calls private functions lowered
+  from xla_fp4.numerics: the same numbers as the C++ kernels."""
+  ffi = _grads_uncached(stochastic_rounding=False)
+  monkeypatch.setattr(pipeline, "_kernels_for", lambda platform, module: rewrite.ReferenceKernels(module))
+  ref = _grads_uncached(stochastic_rounding=False)
+  for layer in ("fc1", "fc2", "head"):
+    assert jnp.array_equal(ffi["params"][layer]["kernel"], ref["params"][layer]["kernel"]), layer
