@@ -32,6 +32,12 @@ if ! "$PY" -c "$HAS_CUBLAS" 2>/dev/null; then
   "$PY" -m pip install --quiet "$CUBLAS_PACKAGE"
 fi
 
+# The venv that ./dev made has the runtime deps only; the build deps (pyproject's build-system) come from PyPI.
+if ! "$PY" -c "import nanobind, ninja" 2>/dev/null; then
+  "$PY" -m pip install --quiet nanobind ninja
+fi
+export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"  # the venv's ninja
+
 cmake -S . -B "$BUILD" -G Ninja -DXLA_FP4_ENABLE_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
   -DCMAKE_CUDA_ARCHITECTURES="90;100a" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')"
 cmake --build "$BUILD" -j "$(nproc)"
