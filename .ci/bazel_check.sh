@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export XLA_FP4_PYTHON=${XLA_FP4_PYTHON:-$("$PY" -c 'import sys; print(sys.executable)')}
+# The venv that ./dev made has the runtime deps only; the Bazel overlays read nanobind's sources from PyPI's package.
+"$XLA_FP4_PYTHON" -c "import nanobind" 2>/dev/null || "$XLA_FP4_PYTHON" -m pip install --quiet nanobind
 
 if ! command -v bazel >/dev/null; then
   echo "installing bazel-bootstrap"
