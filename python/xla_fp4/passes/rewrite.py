@@ -80,17 +80,14 @@ def _reduce(x, op_cls, init, elem_type):
 
 
 def _amax(x):
-  """max |x| with NaN propagated. XLA CPU's vectorized max reduction can drop a NaN, and NaN/Inf in a GEMM operand
-  must reach its output (DESIGN.md §2); a custom reduction body would fix that but cannot become a cross-device
-  all-reduce. So: two plain max reductions (partitionable, fused by XLA), of |x| and of an isnan indicator."""
+  """max |x| as one plain max reduction (partitionable into a cross-device all-reduce) in which NaN counts as +Inf:
+  XLA CPU's vectorized max reduction can drop a NaN, but never an Inf. Either way s_dec becomes Inf and the whole
+  tensor decodes to NaN (0 * Inf), so NaN/Inf in a GEMM operand reach its output (DESIGN.md §2)."""
   f32 = _f32()
   t = ir.RankedTensorType.get(_tensor_type(x).shape, f32)
-  amax = _reduce(hlo.AbsOp(x).result, hlo.MaxOp, _const(0.0, f32), f32)
   isnan = hlo.CompareOp(x, x, hlo.ComparisonDirectionAttr.get("NE")).result
-  flags = hlo.SelectOp(isnan, _broadcast(_const(1.0, f32), t), _broadcast(_const(0.0, f32), t)).result
-  any_nan = hlo.CompareOp(_reduce(flags, hlo.MaxOp, _const(0.0, f32), f32), _const(0.0, f32),
-                          hlo.ComparisonDirectionAttr.get("GT")).result
-  return hlo.SelectOp(any_nan, _const(float("nan"), f32), amax).result
+  magnitude = hlo.SelectOp(isnan, _broadcast(_const(float("inf"), f32), t), hlo.AbsOp(x).result).result
+  return _reduce(magnitude, hlo.MaxOp, _const(0.0, f32), f32)
 
 
 def _broadcast(scalar, like_type):
