@@ -1,6 +1,6 @@
 """The pass pipeline: clone → analyze → decide → rewrite → verify → dump. Entry point of the compile hook.
 
-`run` never mutates the module it is given (JAX keeps it for `Lowered.as_text()` and cache keys); it returns a fresh
+`transform` never mutates the module it is given (JAX keeps it for `Lowered.as_text()` and cache keys); it returns a fresh
 module, or the original when nothing was selected. Errors are the caller's business (hook.py falls back and warns).
 """
 
@@ -84,8 +84,8 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
   new = clone_module(module)
   with new.context, ir.Location.unknown():
     analysis = analyze_mod.analyze(new)
-    decisions, unmatched = policy_mod.decide(analysis, config)
-    selected = [d for d in decisions if d.decision == "nvfp4"]
+    decided, unmatched = policy_mod.decide(analysis, config)
+    selected = [d for d in decided if d.decision == "nvfp4"]
     notes = {}
     if selected:
       kernel_set = kernels(new) if kernels else _kernels_for(platform, new)
@@ -119,7 +119,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
           dot.erase()
       if not new.operation.verify():
         raise RuntimeError("xla_fp4 produced a module that does not verify")
-    rows = report.rows(analysis.sites, decisions, notes)
+    rows = report.rows(analysis.sites, decided, notes)
   return Result(module=new if selected else module, rows=rows, unmatched_rules=unmatched, changed=bool(selected))
 
 
