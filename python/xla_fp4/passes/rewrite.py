@@ -4,15 +4,16 @@ Before (fprop of a linear layer):
   %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<8x32xbf16>, tensor<32x64xbf16>) -> ...
 After (per operand: amax as a plain reduce, the decode scale, the fused quantize kernel returning q·scale, which is
 exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha):
-  %xa   = stablehlo.abs (convert %x)            ; for RHT operands: custom_call @xla_fp4_rht first
-  %amax = stablehlo.reduce(%xa) applies stablehlo.maximum
+  %xa   = select(isnan(%x), inf, abs(%x))      ; for RHT operands: custom_call @xla_fp4_rht first
+  %amax = stablehlo.reduce(%xa) applies stablehlo.maximum   ; plain, so XLA partitions it into an all-reduce
   %sx   = stablehlo.divide %amax, 2688          ; s_dec = amax / (6 * 448)
   %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
                                                               apply_global_scale = false}
   ... same for %w ...
   %acc  = stablehlo.dot_general %qx, %qw (same dims and precision) -> f32
   %y    = convert (%acc * (%sx * %sw))
-Stochastic-rounding keys are `digest(operand) ^ mix32(seed, site)`: the digest is a wrapping uint32 sum of the
+Operands with several contracting dims (a wgrad over batch and sequence) are first made (batch, free, K). A dgrad
+reuses its fprop's 16x16-quantized weight (the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ mix32(seed, site)`: the digest is a wrapping uint32 sum of the
 operand's bits, so keys change every step and differ between layers, yet are reproducible.
 In a scanned stack with high-precision blocks the original dot stays and `select(block in keep, original, nvfp4)`
 picks per iteration; the block index is passed into the scan body function as an extra argument when needed.
