@@ -21,6 +21,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_fp4/ffi_checks.h"
 #include "xla_fp4/nvfp4_format.h"
 
 namespace xla_fp4::cpu {
@@ -87,57 +88,6 @@ ffi::Error DispatchFloat(ffi::DataType dtype, const char* what, F&& f) {
 template <typename F>
 auto WithBool(bool b, F&& f) {
   return b ? f(std::true_type{}) : f(std::false_type{});
-}
-
-// ---- validation ----
-
-inline std::string ShapeString(ffi::Span<const int64_t> dims) {
-  std::string s = "(";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + (dims.size() == 1 ? ",)" : ")");
-}
-
-inline ffi::Error CheckScalar(const ffi::AnyBuffer& b, ffi::DataType dtype, const char* what) {
-  if (b.element_type() != dtype || b.dimensions().size() != 0) {
-    return ffi::Error::InvalidArgument(std::string(what) + " must be a " +
-                                       (dtype == ffi::DataType::F32 ? "float32" : "uint32") +
-                                       " scalar (rank 0), got dtype code " +
-                                       std::to_string(static_cast<int>(b.element_type())) + " and shape " +
-                                       ShapeString(b.dimensions()));
-  }
-  return ffi::Error::Success();
-}
-
-inline ffi::Error CheckShape(ffi::Span<const int64_t> got, std::initializer_list<int64_t> want, const char* what) {
-  if (!std::equal(got.begin(), got.end(), want.begin(), want.end())) {
-    return ffi::Error::InvalidArgument(std::string(what) + " must have shape " +
-                                       ShapeString(ffi::Span<const int64_t>(want.begin(), want.size())) + ", got " +
-                                       ShapeString(got));
-  }
-  return ffi::Error::Success();
-}
-
-inline ffi::Error CheckBlocks(int64_t k, const char* what) {
-  if (k % kBlock != 0) {
-    return ffi::Error::InvalidArgument(std::string("NVFP4 needs ") + what + " to be a multiple of 16 (blocks of 16 " +
-                                       "share a scale), got " + std::to_string(k));
-  }
-  return ffi::Error::Success();
-}
-
-inline ffi::Error CheckSeed(int64_t seed) {
-  if (seed < 0 || seed > int64_t{0xFFFFFFFF}) {
-    return ffi::Error::InvalidArgument("rht_seed must be in [0, 2**32), got " + std::to_string(seed));
-  }
-  return ffi::Error::Success();
-}
-
-// The first failing check, or success.
-inline ffi::Error FirstError(std::initializer_list<ffi::Error> errors) {
-  for (const ffi::Error& e : errors) {
-    if (e.failure()) return e;
-  }
-  return ffi::Error::Success();
 }
 
 // ---- parallel loop ----

@@ -88,18 +88,6 @@ ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const char* what) {
   return CheckBlocks(2 * data.dimensions()[1], (std::string("K = 2 * ") + what + ".shape[1]").c_str());
 }
 
-ffi::Error CheckPackedScales(const ffi::AnyBuffer& scales, int64_t rows, int64_t k, const char* what) {
-  const int64_t want = PaddedScaleCount(rows, k);
-  if (scales.element_type() != ffi::DataType::U8 || static_cast<int64_t>(scales.element_count()) != want) {
-    return ffi::Error::InvalidArgument(std::string(what) + " must be uint8 with " + std::to_string(want) +
-                                       " elements (the swizzled layout of " + std::to_string(rows) + " rows and K = " +
-                                       std::to_string(k) + "), got dtype code " +
-                                       std::to_string(static_cast<int>(scales.element_type())) + " and shape " +
-                                       ShapeString(scales.dimensions()));
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                              ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
                              bool stochastic, bool rht, int64_t rht_seed) {

@@ -185,8 +185,8 @@ ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     case ffi::F16: out_type = CUDA_R_16F; break;
     default: return InvalidArgument("xla_fp4_gemm_packed returns float32, bfloat16 or float16");
   }
-  XLA_FP4_RETURN_IF_ERROR(CheckScales(a_scales, m, k, "xla_fp4_gemm_packed: a_scales"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScales(b_scales, n, k, "xla_fp4_gemm_packed: b_scales"));
+  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(a_scales, m, k, "xla_fp4_gemm_packed: a_scales"));
+  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(b_scales, n, k, "xla_fp4_gemm_packed: b_scales"));
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) return CudaStatus(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "cudaMemsetAsync");
 

@@ -56,7 +56,7 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   if (dims.size() != 2) return InvalidArgument("x must be a matrix (rows, K) with K, the contraction axis, last");
   const int64_t rows = dims[0], k = dims[1];
   XLA_FP4_RETURN_IF_ERROR(CheckPackedData(data->dimensions(), data->element_type(), rows, k, "the data result"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScales(*scales, rows, k, "the scales result"));
+  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(*scales, rows, k, "the scales result"));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
   XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
@@ -87,7 +87,7 @@ ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBu
   if (dims.size() != 2) return InvalidArgument("xla_fp4_dequantize_packed returns a matrix (rows, K)");
   const int64_t rows = dims[0], k = dims[1];
   XLA_FP4_RETURN_IF_ERROR(CheckPackedData(data.dimensions(), data.element_type(), rows, k, "data"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScales(scales, rows, k, "scales"));
+  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(scales, rows, k, "scales"));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
   const BlockGrid g = BlockGrid::Make(rows, k, 1, /*block_2d=*/false);
   if (g.Threads() == 0) return ffi::Error::Success();
