@@ -40,8 +40,7 @@ def _scaled_operand(x, recipe, key, rht_seed):
   if recipe.rht:
     x32 = rht_f32(x32, -1, rht_seed)
   s_dec = qz.global_decode_scale(qz.amax(x32))
-  q, scales = qz._encode(x32, -1, recipe.block_2d, recipe.rounding, key, s_dec)
-  return (q * scales.astype(jnp.float32)[:, :, None, :]).reshape(x32.shape), s_dec
+  return qz.unscaled_values(x32, -1, recipe.block_2d, recipe.rounding, key, s_dec), s_dec
 
 
 def _emulated(a, b, dimension_numbers, a_recipe, b_recipe, rht_seed, out_dtype, key):

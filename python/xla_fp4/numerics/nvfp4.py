@@ -108,9 +108,21 @@ def _encode(x32, axis, block_2d, rounding, key, s_dec):
   return q, scales
 
 
+def _times_scale(q, scales):
+  """q * scale in float32 (exact: 2 x 4 significant bits), blocked shape."""
+  return q * scales.astype(jnp.float32)[:, :, None, :]
+
+
 def _decode(q, scales, s_dec):
   """(q * scale) * s_dec in float32: q*scale is exact, one rounding at the end."""
-  return (q * scales.astype(jnp.float32)[:, :, None, :]) * jnp.asarray(s_dec, jnp.float32)
+  return _times_scale(q, scales) * jnp.asarray(s_dec, jnp.float32)
+
+
+def unscaled_values(x32, axis, block_2d, rounding, key, s_dec):
+  """q * scale of float32 `x32` in its own shape, without the global decode scale: the operand of an emulated GEMM
+  that folds both tensors' s_dec into its output (the kernels' apply_global_scale=false)."""
+  q, scales = _encode(x32, axis, block_2d, rounding, key, s_dec)
+  return _times_scale(q, scales).reshape(x32.shape)
 
 
 def _scale_shape(shape, axis):

@@ -150,8 +150,8 @@ def _ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
   x32 = x.astype(jnp.float32)
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  q, scales = qz._encode(x32, axis, block_2d, "stochastic" if stochastic else "nearest", key, s_dec)
-  return (q * scales.astype(jnp.float32)[:, :, None, :]).reshape(x.shape).astype(x.dtype)
+  rounding = "stochastic" if stochastic else "nearest"
+  return qz.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
 
 
 class ReferenceKernels:
