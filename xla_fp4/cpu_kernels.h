@@ -6,6 +6,7 @@
 
 // qdq_kernels.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RhtCpu);
 // packed_kernels.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu);

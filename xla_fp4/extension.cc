@@ -35,6 +35,7 @@ NB_MODULE(_xla_fp4_ext, m) {
   m.def("registrations", [] {
     nb::dict d;
     d[xla_fp4::kQdqTarget] = Handler(XlaFp4QdqCpu);
+    d[xla_fp4::kQdqWithScaleTarget] = Handler(XlaFp4QdqWithScaleCpu);
     d[xla_fp4::kRhtTarget] = Handler(XlaFp4RhtCpu);
     d[xla_fp4::kQuantizePackedTarget] = Handler(XlaFp4QuantizePackedCpu);
     d[xla_fp4::kDequantizePackedTarget] = Handler(XlaFp4DequantizePackedCpu);
@@ -47,6 +48,7 @@ NB_MODULE(_xla_fp4_ext, m) {
 
   nb::module_ f = m.def_submodule("format", "nvfp4_format.h helpers, element-wise into a caller-provided output.");
   f.attr("INV_E2M1_MAX") = xla_fp4::kInvE2M1Max;
+  f.attr("INV_GLOBAL_SCALE_DIVISOR") = xla_fp4::kInvGlobalScaleDivisor;
   f.def("round_e2m1_nearest", [](Vector<const float> v, Vector<float> out) {
     Map<float, float>(xla_fp4::RoundE2M1Nearest, out, v);
   });

@@ -56,6 +56,13 @@ inline ffi::Error CheckSeed(int64_t seed) {
   return ffi::Error::Success();
 }
 
+inline ffi::Error CheckSalt(int64_t salt) {
+  if (salt < 0 || salt > int64_t{0xFFFFFFFF}) {
+    return ffi::Error::InvalidArgument("salt must be in [0, 2**32), got " + std::to_string(salt));
+  }
+  return ffi::Error::Success();
+}
+
 // The first failing check, or success.
 inline ffi::Error FirstError(std::initializer_list<ffi::Error> errors) {
   for (const ffi::Error& e : errors) {

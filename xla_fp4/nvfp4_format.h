@@ -22,6 +22,9 @@ inline constexpr int kBlock = 16;  // elements per block along the contraction a
 inline constexpr float kE2M1Max = 6.0f;
 inline constexpr float kE4M3Max = 448.0f;
 inline constexpr float kGlobalScaleDivisor = kE2M1Max * kE4M3Max;  // s_dec = amax / 2688
+// s_dec is computed as amax * (1 / 2688) rounded to float32, which is what XLA makes of a division by a constant; every
+// implementation (kernels, pure-JAX reference, the pass) uses this one form so that they agree bit for bit.
+inline constexpr float kInvGlobalScaleDivisor = 1.0f / kGlobalScaleDivisor;
 // np.float32(1/6): the reference multiplies by this constant rather than dividing by 6.
 inline constexpr float kInvE2M1Max = 0x1.555556p-3f;
 inline constexpr int kScaleTileRows = 128;  // cuBLASLt's swizzled scale tile: 128 rows x 4 blocks
@@ -189,6 +192,18 @@ XLA_FP4_HOST_DEVICE inline void Rht16(float* v, const float* sign_quarter) {
 }
 
 // ---- the recipe (numerics/quantize.py _encode / _decode) ----
+
+// |v| as bits for a per-tensor amax in which NaN counts as +Inf: for non-negative floats the integer order is the float
+// order. An Inf or NaN anywhere makes s_dec Inf, so the whole tensor decodes to NaN (DESIGN.md §2).
+XLA_FP4_HOST_DEVICE inline uint32_t MagnitudeBits(float v) {
+  const uint32_t a = BitsOf(v) & 0x7FFFFFFFu;
+  return a < 0x7F800000u ? a : 0x7F800000u;
+}
+
+// The global decode scale of a tensor whose amax (as MagnitudeBits) is `amax_bits`.
+XLA_FP4_HOST_DEVICE inline float GlobalDecodeScale(uint32_t amax_bits) {
+  return FloatOf(amax_bits) * kInvGlobalScaleDivisor;
+}
 
 // Per-tensor constants derived from the global decode scale s_dec.
 struct TensorScale {

@@ -1,6 +1,8 @@
 // Fake quantization (quantize + dequantize in one pass) and the random Hadamard transform, for the emulate backend.
 //
 //   xla_fp4_qdq(x, s_dec, key) -> y    y = decode(encode(rht(x) if rht else x)), float32 math, stored in x's dtype
+//   xla_fp4_qdq_with_scale(x) -> (y, s_dec)
+//                                      the same, measuring s_dec (and the stochastic-rounding key) from x itself
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
 #include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
@@ -160,6 +162,57 @@ void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const R
               });
 }
 
+inline uint32_t RawBits(const float* p) { return BitsOf(*p); }
+inline uint32_t RawBits(const Bf16* p) { return p->bits; }
+inline uint32_t RawBits(const F16* p) { return p->bits; }
+
+struct TensorStats {
+  uint32_t amax_bits;  // MagnitudeBits of max |v|, v = rht(x) if the RHT applies, else x
+  uint32_t digest;     // wrapping sum of x's element bits (zero-extended): a key that changes with x
+};
+
+// One read of x (two with the RHT and a digest). Max and wrapping sum are order-free, so the result does not depend on
+// how the pool splits the work.
+template <typename T>
+TensorStats MeasureTensor(ffi::ThreadPool& pool, const T* x, const Geometry& g, const RhtSigns* rht, bool digest) {
+  std::atomic<uint32_t> amax{0}, sum{0};
+  auto fold_max = [&](uint32_t m) {
+    for (uint32_t cur = amax.load(std::memory_order_relaxed);
+         m > cur && !amax.compare_exchange_weak(cur, m, std::memory_order_relaxed);) {
+    }
+  };
+  if (rht == nullptr || digest) {
+    ParallelFor(pool, g.size(), 1, [&](int64_t begin, int64_t end) {
+      uint32_t m = 0, s = 0;
+      if (rht == nullptr) {
+        for (int64_t i = begin; i < end; ++i) {
+          const uint32_t a = MagnitudeBits(Load(x + i));
+          m = a > m ? a : m;
+        }
+      }
+      if (digest) {
+        for (int64_t i = begin; i < end; ++i) s += RawBits(x + i);
+      }
+      fold_max(m);
+      sum.fetch_add(s, std::memory_order_relaxed);
+    });
+  }
+  if (rht != nullptr) {
+    ForEachTile(pool, x, g, rht->sign_quarter, /*recipe=*/nullptr,
+                [&](auto, const Tile& tile, const TileValues& tv, const BlockScale*) {
+                  uint32_t m = 0;
+                  for (int c = 0; c < tile.ncols; ++c) {
+                    for (int j = 0; j < kBlock; ++j) {
+                      const uint32_t a = MagnitudeBits(tv.v[c][j]);
+                      m = a > m ? a : m;
+                    }
+                  }
+                  fold_max(m);
+                });
+  }
+  return {amax.load(), sum.load()};
+}
+
 template <typename T>
 void RhtImpl(ffi::ThreadPool& pool, const T* x, float* y, const Geometry& g, const RhtSigns& signs) {
   ForEachTile(pool, x, g, signs.sign_quarter, /*recipe=*/nullptr,
@@ -200,24 +253,35 @@ ffi::Error CheckSameShape(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, cons
   return ffi::Error::Success();
 }
 
+// The checks both qdq handlers make: x's geometry, the seed, and a result of x's shape and dtype.
+ffi::Error CheckQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int64_t axis, bool stochastic, int64_t rht_seed,
+                    Geometry* g) {
+  if (ffi::Error e = FirstError({AxisGeometry(x.dimensions(), axis, g), CheckSeed(rht_seed),
+                                 CheckSameShape(x, y, "the result")});
+      e.failure()) {
+    return e;
+  }
+  if (y.element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("the result must have x's dtype (code " +
+                                       std::to_string(static_cast<int>(x.element_type())) + "), got code " +
+                                       std::to_string(static_cast<int>(y.element_type())));
+  }
+  if (stochastic && g->size() > (int64_t{1} << 32)) {
+    return ffi::Error::InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements, got shape " +
+                                       ShapeString(x.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                   ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht,
                   int64_t rht_seed, bool apply_global_scale) {
   Geometry g;
-  if (ffi::Error e = FirstError({AxisGeometry(x.dimensions(), axis, &g), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
-                                 CheckScalar(key, ffi::DataType::U32, "key"), CheckSeed(rht_seed),
-                                 CheckSameShape(x, *y, "the result")});
+  if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
+                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+                                 CheckScalar(key, ffi::DataType::U32, "key")});
       e.failure()) {
     return e;
-  }
-  if (y->element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument("the result must have x's dtype (code " +
-                                       std::to_string(static_cast<int>(x.element_type())) + "), got code " +
-                                       std::to_string(static_cast<int>(y->element_type())));
-  }
-  if (stochastic && g.size() > (int64_t{1} << 32)) {
-    return ffi::Error::InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements, got shape " +
-                                       ShapeString(x.dimensions()));
   }
   const Recipe recipe{block_2d, stochastic, Mix32(*static_cast<const uint32_t*>(key.untyped_data())),
                       MakeTensorScale(*static_cast<const float*>(s_dec.untyped_data()))};
@@ -226,6 +290,32 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
     using T = decltype(tag);
     QdqImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), g, recipe,
             rht ? &signs : nullptr, apply_global_scale);
+    return ffi::Error::Success();
+  });
+}
+
+// For programs that are not partitioned, where x is the whole tensor: the amax and the key come from x itself instead
+// of from reductions emitted around the call (the same numbers: the pass's _amax and _digest), which keeps XLA's
+// compile time and the step's memory traffic close to the baseline's.
+ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                           ffi::Result<ffi::AnyBuffer> s_dec, int64_t axis, bool block_2d, bool stochastic, bool rht,
+                           int64_t rht_seed, int64_t salt) {
+  Geometry g;
+  if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
+                                 CheckScalar(*s_dec, ffi::DataType::F32, "the s_dec result"), CheckSalt(salt)});
+      e.failure()) {
+    return e;
+  }
+  const RhtSigns signs(static_cast<uint32_t>(rht_seed));
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const TensorStats stats = MeasureTensor(pool, xp, g, rht ? &signs : nullptr, stochastic);
+    const float scale = GlobalDecodeScale(stats.amax_bits);
+    const uint32_t key = (stochastic ? stats.digest : 0u) ^ static_cast<uint32_t>(salt);
+    *static_cast<float*>(s_dec->untyped_data()) = scale;
+    QdqImpl(pool, xp, static_cast<T*>(y->untyped_data()), g, Recipe{block_2d, stochastic, Mix32(key),
+            MakeTensorScale(scale)}, rht ? &signs : nullptr, /*apply_global_scale=*/false);
     return ffi::Error::Success();
   });
 }
@@ -268,6 +358,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqCpu, xla_fp4::cpu::QdqFfi,
                                   .Attr<bool>("rht")
                                   .Attr<int64_t>("rht_seed")
                                   .Attr<bool>("apply_global_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu, xla_fp4::cpu::QdqWithScaleFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Ret<ffi::AnyBuffer>()  // y: q * scale, x's shape and dtype
+                                  .Ret<ffi::AnyBuffer>()  // s_dec (float32 scalar)
+                                  .Attr<int64_t>("axis")
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("rht")
+                                  .Attr<int64_t>("rht_seed")
+                                  .Attr<int64_t>("salt"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCpu, xla_fp4::cpu::RhtFfi,
                               ffi::Ffi::Bind()

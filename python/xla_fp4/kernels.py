@@ -7,7 +7,7 @@ Custom-call contract (for code that emits `stablehlo.custom_call` itself, like t
 (typed FFI), `backend_config` a DictionaryAttr with exactly the attributes in `ATTRIBUTES[target]`, typed as follows:
   - `bool` attributes are `BoolAttr` (MLIR `true`/`false`, i.e. i1); XLA FFI decodes them as C++ `bool` (PRED scalar),
     which is also what `jax.ffi.ffi_call` emits for a Python bool. Do not pass them as integers.
-  - `int` attributes are signless 64-bit `IntegerAttr` (`3 : i64`). `rht_seed` must lie in [0, 2**32).
+  - `int` attributes are signless 64-bit `IntegerAttr` (`3 : i64`). `rht_seed` and `salt` must lie in [0, 2**32).
 `custom_call_backend_config(target, attrs)` builds that dictionary. Operands and results (row-major layouts):
 
   xla_fp4_qdq(x: f32|bf16|f16[...], s_dec: f32[], key: u32[]) -> x's type
@@ -15,6 +15,12 @@ Custom-call contract (for code that emits `stablehlo.custom_call` itself, like t
       == numerics qdq of (rht(x) if rht else x) with global_scale=s_dec and the key's random bits; the result stays in
       the RHT space. s_dec = amax / (6 * 448), amax taken after the RHT when rht is on. With apply_global_scale
       false the result is q * scale (exact), the operand of an emulated GEMM that folds s_dec into its output.
+  xla_fp4_qdq_with_scale(x: f32|bf16|f16[...]) -> (x's type, s_dec: f32[])
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, salt: i64
+      measures x itself and then runs xla_fp4_qdq with apply_global_scale false: s_dec = amax * f32(1 / 2688), amax
+      = max |rht(x) if rht else x| with NaN counted as +Inf; key = salt, xor'ed with the wrapping uint32 sum of x's
+      element bits when stochastic (numerics.tensor_digest), so that the rounding differs every step. For tensors
+      that are whole on one device: a partitioned program needs the global amax, i.e. a reduction XLA can partition.
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
   xla_fp4_quantize_packed(x: f32|bf16|f16[rows, K], s_dec: f32[], key: u32[])
       -> (data: u8[rows, K/2], scales: u8[prod(numerics.padded_scale_shape(rows, K))])
@@ -34,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 QDQ_TARGET = "xla_fp4_qdq"
+QDQ_WITH_SCALE_TARGET = "xla_fp4_qdq_with_scale"
 RHT_TARGET = "xla_fp4_rht"
 QUANTIZE_PACKED_TARGET = "xla_fp4_quantize_packed"
 DEQUANTIZE_PACKED_TARGET = "xla_fp4_dequantize_packed"
@@ -43,6 +50,7 @@ _QUANTIZE_ATTRIBUTES = {"block_2d": bool, "stochastic": bool, "rht": bool, "rht_
 # target -> {attribute name: Python type}; bool -> BoolAttr, int -> i64 IntegerAttr.
 ATTRIBUTES = {
     QDQ_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "apply_global_scale": bool},
+    QDQ_WITH_SCALE_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "salt": int},
     RHT_TARGET: {"axis": int, "rht_seed": int},
     QUANTIZE_PACKED_TARGET: dict(_QUANTIZE_ATTRIBUTES),
     DEQUANTIZE_PACKED_TARGET: {},
@@ -157,6 +165,16 @@ def qdq(x, s_dec, key=0, *, axis=-1, block_2d=False, stochastic=False, rht=False
   return call(x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
               **_attrs(QDQ_TARGET, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
                        apply_global_scale=apply_global_scale))
+
+
+def qdq_with_scale(x, salt=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """(q * scale in x's shape and dtype, s_dec) with s_dec and the rounding key measured from x (module docstring)."""
+  register()
+  x = jnp.asarray(x)
+  call = jax.ffi.ffi_call(QDQ_WITH_SCALE_TARGET, (jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                  jax.ShapeDtypeStruct((), jnp.float32)))
+  return call(x, **_attrs(QDQ_WITH_SCALE_TARGET, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
+                          rht_seed=rht_seed, salt=salt))
 
 
 def rht(x, *, axis=-1, seed=0):

@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nvfp4_testing import assert_same_bits, extension_or_skip
 from xla_fp4 import kernels, numerics as nv
+from xla_fp4.numerics import formats
+from xla_fp4.passes import rewrite
 from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.rht import rht_f32
 
@@ -110,6 +112,39 @@ def test_rht_matches_reference(t, seed):
       x.astype(jnp.float32), axis, seed))
 
 
+def _digest_np(x):
+  """Wrapping uint32 sum of the element bits, in numpy (16-bit floats zero-extended)."""
+  a = np.asarray(x)
+  return int(a.view(np.uint32 if a.itemsize == 4 else np.uint16).astype(np.uint64).sum()) & 0xFFFFFFFF
+
+
+@SETTINGS
+@given(t=tensors(), recipe=recipes, salt=st.integers(0, 2**32 - 1))
+def test_qdq_with_scale_measures_x_itself(t, recipe, salt):
+  """s_dec = max |rht(x) or x| (NaN counted as Inf) * f32(1/2688); key = salt ^ digest(x) when stochastic: the numbers
+  the pass's reductions feed xla_fp4_qdq in a partitioned program, and those of the pure-JAX twin."""
+  x, axis = t
+  y, s_dec = kernels.qdq_with_scale(x, salt, axis=axis, **recipe)
+  x32 = x.astype(jnp.float32)
+  src = np.asarray(jax.jit(rht_f32, static_argnums=(1, 2))(x32, axis, recipe["rht_seed"]) if recipe["rht"] else x32)
+  want_s = np.float32(np.where(np.isnan(src), np.inf, np.abs(src)).max()) * formats.INV_GLOBAL_SCALE_DIVISOR
+  assert_same_bits(s_dec, jnp.float32(want_s))
+  key = jnp.uint32(salt ^ _digest_np(x) if recipe["stochastic"] else salt)
+  assert_same_bits(y, ref_qdq(x, jnp.float32(want_s), key, axis=axis, apply_global_scale=False, **recipe))
+  twin_y, twin_s = jax.jit(functools.partial(rewrite._ref_qdq_with_scale, axis=axis, **recipe))(x, jnp.uint32(salt))
+  assert_same_bits(twin_y, y)
+  assert_same_bits(twin_s, s_dec)
+
+
+def test_qdq_with_scale_key_changes_with_x():
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  recipe = dict(axis=1, stochastic=True)
+  a, _ = kernels.qdq_with_scale(x, 1, **recipe)
+  b, _ = kernels.qdq_with_scale(x.at[0, 0].add(1e-3), 1, **recipe)
+  c, _ = kernels.qdq_with_scale(x, 2, **recipe)
+  assert not jnp.array_equal(a[1:], b[1:]) and not jnp.array_equal(a, c)
+
+
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("block_2d", [False, True])
 @pytest.mark.parametrize("axis", [0, 1])
@@ -177,6 +212,10 @@ def test_errors_say_what_was_wrong():
          rht_seed=0, apply_global_scale=True).block_until_ready()
   with pytest.raises(Exception, match="rht_seed"):
     kernels.qdq(jnp.ones((4, 16)), 1.0, rht=True, rht_seed=-1).block_until_ready()
+  with pytest.raises(Exception, match="salt must be in"):
+    kernels.qdq_with_scale(jnp.ones((4, 16)), 2**32)[0].block_until_ready()
+  with pytest.raises(Exception, match="multiple of 16"):
+    kernels.qdq_with_scale(jnp.ones((4, 24)), 0, axis=1)[0].block_until_ready()
   with pytest.raises(Exception, match="same K/2"):
     d = jnp.zeros((128, 8), jnp.uint8)
     s = jnp.zeros((512,), jnp.uint8)

@@ -9,7 +9,7 @@ import pytest
 
 from nvfp4_testing import assert_same_bits, extension_or_skip
 from xla_fp4 import numerics as nv
-from xla_fp4.numerics import packing
+from xla_fp4.numerics import formats, packing
 
 
 def _around(points):
@@ -157,3 +157,23 @@ def test_inverse_of_six_is_numpys_float32():
   f = extension_or_skip().format
   assert np.float32(f.INV_E2M1_MAX) == np.float32(1 / 6)
   assert np.float32(1 / 6).view(np.uint32) == 0x3E2AAAAB
+
+
+def test_global_scale_constant_and_compile_time_keys_match_everywhere():
+  f = extension_or_skip().format
+  assert_same_bits(np.float32(f.INV_GLOBAL_SCALE_DIVISOR), formats.INV_GLOBAL_SCALE_DIVISOR)
+  amax = np.float32(3.7)
+  assert_same_bits(np.asarray(nv.global_decode_scale(amax)), amax * formats.INV_GLOBAL_SCALE_DIVISOR)
+  rng = np.random.default_rng(2)
+  for key, data in [(0, 0), (2**32 - 1, 1), *rng.integers(0, 2**32, (20, 2)).tolist()]:
+    with np.errstate(over="ignore"):
+      want = int(nv.fold_in(np.uint32(key), np.uint32(data), np))
+    assert formats.fold_in_int(key, data) == want
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_tensor_digest_is_a_wrapping_sum_of_the_bits(dtype):
+  x = np.random.default_rng(3).standard_normal((300, 70)).astype(np.float32) * 1e4
+  xd = np.asarray(jnp.asarray(x, dtype))
+  bits = xd.view(np.uint32 if xd.itemsize == 4 else np.uint16).astype(np.uint64)
+  assert int(nv.tensor_digest(jnp.asarray(xd))) == int(bits.sum()) & 0xFFFFFFFF

@@ -13,6 +13,8 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 # s_dec = amax / (E2M1_MAX * E4M3_MAX): the largest block scale then lands exactly on E4M3's largest value.
 GLOBAL_SCALE_DIVISOR = E2M1_MAX * E4M3_MAX
+# ... computed as amax * INV_GLOBAL_SCALE_DIVISOR (what XLA makes of a division by a constant; kInvGlobalScaleDivisor).
+INV_GLOBAL_SCALE_DIVISOR = np.float32(1.0) / np.float32(GLOBAL_SCALE_DIVISOR)
 BLOCK = 16
 
 # All non-negative E2M1 values, for tests and documentation.
@@ -70,6 +72,17 @@ def mix32(x, xp=jnp):
 def fold_in(key, data, xp=jnp):
   """Derive a new uint32 key from `key` and `data` (both uint32)."""
   return mix32(xp.asarray(key, xp.uint32) ^ mix32(data, xp), xp)
+
+
+def fold_in_int(key: int, data: int) -> int:
+  """fold_in on Python ints, for keys fixed at compile time (the pass's per-site salts)."""
+  def mix(x):
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+  return mix((key & 0xFFFFFFFF) ^ mix(data & 0xFFFFFFFF))
 
 
 def random_bits(key, shape):

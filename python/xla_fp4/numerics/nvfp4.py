@@ -77,8 +77,16 @@ def _tile_max(a, axis):
 
 
 def global_decode_scale(amax):
-  """s_dec = amax / (6 * 448), float32."""
-  return jnp.asarray(amax, jnp.float32) / jnp.float32(formats.GLOBAL_SCALE_DIVISOR)
+  """s_dec = amax / (6 * 448), float32, computed as amax * f32(1 / 2688): XLA turns the division by a constant into
+  that product anyway, and the kernels (kInvGlobalScaleDivisor) use the same form, so every path agrees bit for bit."""
+  return jnp.asarray(amax, jnp.float32) * formats.INV_GLOBAL_SCALE_DIVISOR
+
+
+def tensor_digest(x):
+  """Wrapping uint32 sum of the bits of x's elements (16-bit floats zero-extended): cheap, order-free, different
+  whenever x is; mixed into the stochastic-rounding key so that the rounding noise changes every step."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16)
+  return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
 
 
 def amax(x):

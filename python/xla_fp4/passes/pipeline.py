@@ -48,6 +48,12 @@ def module_name(module) -> str:
       else "module"
 
 
+def num_partitions(module) -> int:
+  """How many SPMD partitions the module runs as (jit's mhlo.num_partitions; 1 when absent)."""
+  attrs = module.operation.attributes
+  return ir.IntegerAttr(attrs["mhlo.num_partitions"]).value if "mhlo.num_partitions" in attrs else 1
+
+
 def _kernels_for(platform, module):
   """Compiled FFI kernels where the platform has them registered, else calls to the lowered pure-JAX reference."""
   from xla_fp4 import kernels
@@ -90,7 +96,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     if selected:
       kernel_set = kernels(new) if kernels else _kernels_for(platform, new)
       use_native = _use_native(config.backend, platform, kernel_set)
-      emitter = rewrite_mod.Emitter(kernel_set, config.seed)
+      emitter = rewrite_mod.Emitter(kernel_set, config.seed, whole_tensors=num_partitions(new) == 1)
       plumbed = {}  # (func name, id of the original entry call) -> block value inside the function
       for d in selected:
         site, dot = analysis.sites[d.index], analysis.ops[d.index]

@@ -2,19 +2,24 @@
 
 Before (fprop of a linear layer):
   %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<8x32xbf16>, tensor<32x64xbf16>) -> ...
-After (per operand: amax as a plain reduce, the decode scale, the fused quantize kernel returning q·scale, which is
-exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha):
-  %xa   = select(isnan(%x), inf, abs(%x))      ; for RHT operands: custom_call @xla_fp4_rht first
-  %amax = stablehlo.reduce(%xa) applies stablehlo.maximum   ; plain, so XLA partitions it into an all-reduce
-  %sx   = stablehlo.divide %amax, 2688          ; s_dec = amax / (6 * 448)
-  %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
-                                                              apply_global_scale = false}
+After, in a program that is not partitioned (every tensor is whole on its device):
+  %qx, %sx = stablehlo.custom_call @xla_fp4_qdq_with_scale(%x) {axis, block_2d, stochastic, rht, rht_seed, salt}
   ... same for %w ...
   %acc  = stablehlo.dot_general %qx, %qw (same dims and precision) -> f32
   %y    = convert (%acc * (%sx * %sw))
-Operands with several contracting dims (a wgrad over batch and sequence) are first made (batch, free, K). A dgrad
-reuses its fprop's 16x16-quantized weight (the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ mix32(seed, site)`: the digest is a wrapping uint32 sum of the
-operand's bits, so keys change every step and differ between layers, yet are reproducible.
+The kernel measures the operand (amax -> s_dec = amax / (6 * 448); the stochastic-rounding key) and returns q·scale,
+exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha.
+In a partitioned program the amax must be global, so it is a plain reduce that XLA partitions into an all-reduce:
+  %xa   = select(isnan(%x), inf, abs(%x))      ; for RHT operands: custom_call @xla_fp4_rht first
+  %amax = stablehlo.reduce(%xa) applies stablehlo.maximum
+  %sx   = stablehlo.multiply %amax, 1/2688
+  %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
+                                                              apply_global_scale = false}
+Both forms compute the same numbers. Operands with several contracting dims (a wgrad over batch and sequence) are
+first made (batch, free, K). A nearest-rounded operand is quantized once and reused by every dot that reads it the
+same way (q, k and v projections of one input; a dgrad and its fprop's 16x16-tiled weight, the same values along
+either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed, site)`: the digest is a wrapping uint32 sum
+of the operand's bits, so keys change every step and differ between layers, yet are reproducible.
 In a scanned stack with high-precision blocks the original dot stays and `select(block in keep, original, nvfp4)`
 picks per iteration; the block index is passed into the scan body function as an extra argument when needed.
 
@@ -111,12 +116,24 @@ class FfiKernels:
   def __init__(self):
     from xla_fp4 import kernels  # the compiled extension is only needed on this path
     self.targets = kernels
+    self._configs = {}
+
+  def _custom_call(self, target, result_types, operands, attrs):
+    key = (target, tuple(sorted(attrs.items())))
+    config = self._configs.get(key)
+    if config is None:  # a few distinct configs per module: build each DictAttr once
+      attr = self.targets.custom_call_backend_config(target, attrs)
+      config = self._configs[key] = {attr[i].name: attr[i].attr for i in range(len(attr))}  # custom_call takes a dict
+    return mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4,
+                            backend_config=config)
 
   def _call(self, target, result_type, operands, **attrs):
-    config = self.targets.custom_call_backend_config(target, attrs)
-    config = {config[i].name: config[i].attr for i in range(len(config))}  # mlir.custom_call takes a dict
-    return mlir.custom_call(target, result_types=[result_type], operands=operands, api_version=4,
-                            backend_config=config).result
+    return self._custom_call(target, [result_type], operands, attrs).result
+
+  def qdq_with_scale(self, x, salt, **attrs):
+    op = self._custom_call(self.targets.QDQ_WITH_SCALE_TARGET, [x.type, _scalar(_f32())], [x],
+                           dict(attrs, salt=salt))
+    return op.results[0], op.results[1]
 
   def rht(self, x, axis, seed):
     return self._call(self.targets.RHT_TARGET, ir.RankedTensorType.get(_tensor_type(x).shape, _f32()), [x],
@@ -133,9 +150,7 @@ class FfiKernels:
     u8 = ir.IntegerType.get_unsigned(8)
     types = [ir.RankedTensorType.get([rows, k // 2], u8),
              ir.RankedTensorType.get([int(np.prod(padded_scale_shape(rows, k)))], u8)]
-    config = self.targets.custom_call_backend_config(self.targets.QUANTIZE_PACKED_TARGET, attrs)
-    op = mlir.custom_call(self.targets.QUANTIZE_PACKED_TARGET, result_types=types, operands=[x, s_dec, key],
-                          api_version=4, backend_config={config[i].name: config[i].attr for i in range(len(config))})
+    op = self._custom_call(self.targets.QUANTIZE_PACKED_TARGET, types, [x, s_dec, key], attrs)
     return op.results[0], op.results[1]
 
   def gemm_packed(self, a, b, alpha, result_type):
@@ -152,6 +167,17 @@ def _ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
     x32 = rht_f32(x32, axis, rht_seed)
   rounding = "stochastic" if stochastic else "nearest"
   return qz.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
+
+
+def _ref_qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+  x32 = x.astype(jnp.float32)
+  src = rht_f32(x32, axis, rht_seed) if rht else x32
+  s_dec = qz.global_decode_scale(jnp.max(jnp.where(jnp.isnan(src), jnp.float32(jnp.inf), jnp.abs(src))))
+  # Inlined into the program, amax * (1/2688) would be open to XLA's reassociation of constant products (into the
+  # GEMM's alpha): the barrier keeps the kernel's rounding.
+  s_dec = jax.lax.optimization_barrier(s_dec)
+  key = salt ^ qz.tensor_digest(x) if stochastic else salt
+  return _ref_qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed), s_dec
 
 
 class ReferenceKernels:
@@ -188,6 +214,12 @@ class ReferenceKernels:
   def _call(self, name, result_type, operands):
     return func_dialect.CallOp([result_type], ir.FlatSymbolRefAttr.get(name), operands).result
 
+  def qdq_with_scale(self, x, salt, **params):
+    salt = _const(salt, _u32())  # an operand, so that all sites share one function per shape and recipe
+    name = self._function(_ref_qdq_with_scale, [x.type, salt.type], **params)
+    call = func_dialect.CallOp([x.type, _scalar(_f32())], ir.FlatSymbolRefAttr.get(name), [x, salt])
+    return call.results[0], call.results[1]
+
   def rht(self, x, axis, seed):
     name = self._function(_ref_rht, [x.type], axis=axis, seed=seed)
     return self._call(name, ir.RankedTensorType.get(_tensor_type(x).shape, _f32()), [x])
@@ -200,10 +232,13 @@ class ReferenceKernels:
 class Emitter:
   """Emits the NVFP4 pattern for one dot at a time."""
 
-  def __init__(self, kernels, seed):
+  def __init__(self, kernels, seed, whole_tensors):
     self.kernels = kernels
     self.seed = seed
-    self._weights = []  # (weight value, its quantized value, s_dec): 2D-tiled weights already quantized
+    # Not partitioned: kernels measure their operand themselves (xla_fp4_qdq_with_scale) instead of the reductions
+    # around them that a partitioned program needs for a global amax.
+    self.whole_tensors = whole_tensors
+    self._quantized = []  # (value, axis, block_2d, rht, q·scale, s_dec) of nearest-rounded operands
 
   def _scale_and_key(self, x, axis, recipe, site_id):
     """amax (after the RHT where it applies) as a plain reduce -> s_dec; the stochastic-rounding key."""
@@ -212,29 +247,38 @@ class Emitter:
       src = self.kernels.rht(x, axis, self.seed)
     else:
       src = hlo.ConvertOp(ir.RankedTensorType.get(_tensor_type(x).shape, f32), x).result
-    amax = _amax(src)
-    s_dec = hlo.DivOp(amax, _const(formats.GLOBAL_SCALE_DIVISOR, f32)).result
+    s_dec = hlo.MulOp(_amax(src), _const(formats.INV_GLOBAL_SCALE_DIVISOR, f32)).result  # numerics.global_decode_scale
+    # Left open, XLA would reassociate the constant into the GEMM's alpha = s_dec_a * s_dec_b and round differently
+    # from xla_fp4_qdq_with_scale: the barrier keeps both forms bit-identical.
+    s_dec = hlo.OptimizationBarrierOp([s_dec]).results[0]
     stochastic = recipe.rounding == "stochastic"
-    salt = int(formats.fold_in(np.uint32(self.seed), np.uint32(site_id), np))
+    salt = formats.fold_in_int(self.seed, site_id)
     key = hlo.XorOp(_digest(x), _const(salt, _u32())).result if stochastic else _const(salt, _u32())
     return s_dec, key, stochastic
 
   def _operand(self, x, axis, recipe, site_id, user):
     """-> (q·scale in x's dtype, s_dec f32 scalar).
 
-    A 16x16-tiled, nearest-rounded weight quantizes to the same values along either axis, so the dgrad reuses the
-    fprop's quantized weight when it is visible there (the recipe's "same quantized values as in fprop", and one
-    kernel call less per layer and step)."""
-    reusable = recipe.block_2d and recipe.rounding == "nearest" and not recipe.rht
-    if reusable:
-      for (value, q, s_dec) in self._weights:
-        if value == x and visible(q, user):
+    Nearest rounding gives the same q wherever the same tensor is quantized the same way, so each such operand is
+    quantized once while the result is visible: the q, k and v projections of one input share it, and a dgrad reuses
+    its fprop's 16x16-tiled weight (the same tiles along either axis: the recipe's "same quantized values as in
+    fprop")."""
+    stochastic = recipe.rounding == "stochastic"
+    if not stochastic:
+      for (value, a, block_2d, rht, q, s_dec) in self._quantized:
+        if value == x and block_2d == recipe.block_2d and rht == recipe.rht and \
+            (a == axis or (block_2d and not rht)) and visible(q, user):
           return q, s_dec
-    s_dec, key, stochastic = self._scale_and_key(x, axis, recipe, site_id)
-    q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic, rht=recipe.rht,
-                         rht_seed=self.seed)
-    if reusable:
-      self._weights.append((x, q, s_dec))
+    if self.whole_tensors:
+      q, s_dec = self.kernels.qdq_with_scale(x, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
+                                             rht=recipe.rht, rht_seed=self.seed,
+                                             salt=formats.fold_in_int(self.seed, site_id))
+    else:
+      s_dec, key, _ = self._scale_and_key(x, axis, recipe, site_id)
+      q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
+                           rht=recipe.rht, rht_seed=self.seed)
+    if not stochastic:
+      self._quantized.append((x, axis, recipe.block_2d, recipe.rht, q, s_dec))
     return q, s_dec
 
   def emit(self, dot, site, decision, block_value=None, native=False):
