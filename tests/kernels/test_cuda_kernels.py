@@ -128,6 +128,24 @@ def test_qdq_special_values(gpu, dtype, stochastic):
   assert np.isnan(got[1:3]).any(axis=1).all()
 
 
+@pytest.mark.parametrize("block_2d,stochastic,rht", [(False, False, False), (True, False, False), (False, True, True),
+                                                     (False, False, True)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_qdq_with_scale_matches_the_cpu_kernel(gpu, dtype, block_2d, stochastic, rht):
+  """The measured amax (a grid-wide atomic max), the digest key and the values equal the CPU kernel's, which the CPU
+  tests hold to the reference; one case with a NaN and an Inf, which must make s_dec Inf."""
+  flags = dict(block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=RHT_SEED)
+  for i, (shape, axis) in enumerate(SHAPES):
+    x = _data(shape, dtype, seed=i)
+    if i == 0:
+      x.reshape(-1)[[3, 77]] = [np.nan, np.inf]
+    got = _run(gpu, kernels.qdq_with_scale, x, salt=99, axis=axis, **flags)
+    want = _run(_cpu(), kernels.qdq_with_scale, x, salt=99, axis=axis, **flags)
+    assert_same_bits(got[1], want[1])
+    assert_same_bits(got[0], want[0])
+    assert i or np.isinf(got[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_rht_matches_reference(gpu, dtype):
   for shape, axis in SHAPES:

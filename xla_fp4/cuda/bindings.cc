@@ -16,6 +16,7 @@ void AddCudaBindings(nb::module_& m) {
     auto capsule = [](XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); };
     nb::dict d;
     d[kQdqTarget] = capsule(XlaFp4QdqCuda);
+    d[kQdqWithScaleTarget] = capsule(XlaFp4QdqWithScaleCuda);
     d[kRhtTarget] = capsule(XlaFp4RhtCuda);
     d[kQuantizePackedTarget] = capsule(XlaFp4QuantizePackedCuda);
     d[kDequantizePackedTarget] = capsule(XlaFp4DequantizePackedCuda);

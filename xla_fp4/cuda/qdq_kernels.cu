@@ -1,5 +1,6 @@
-// xla_fp4_qdq and xla_fp4_rht on CUDA: the same numbers as numerics.qdq / numerics.random_hadamard_transform.
+// xla_fp4_qdq, xla_fp4_qdq_with_scale and xla_fp4_rht on CUDA: the same numbers as the CPU kernels (qdq_kernels.cc).
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -35,6 +36,42 @@ __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
   LoadBlock(x, g, b, v);
   Rht16(v, r.sign_quarter);
   StoreBlock(y, g, b, v);
+}
+
+__device__ inline uint32_t RawBits(float v) { return __float_as_uint(v); }
+__device__ inline uint32_t RawBits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ inline uint32_t RawBits(__half v) { return __half_as_ushort(v); }
+
+// stats[0] = max MagnitudeBits over x (after the RHT when asked), stats[1] += wrapping sum of x's element bits when
+// stochastic. Max and sum are order-free: the result does not depend on the launch shape.
+template <typename T>
+__global__ void MeasureKernel(const T* x, BlockGrid g, Recipe r, uint32_t* stats) {
+  const BlockIndex b = g.Locate(ThreadIndex());
+  uint32_t m = 0, s = 0;
+  if (b.active) {
+    float v[kBlock];
+    for (int j = 0; j < kBlock; ++j) {
+      const T e = x[g.Offset(b, j)];
+      v[j] = ToFloat(e);
+      s += RawBits(e);
+    }
+    if (r.rht) Rht16(v, r.sign_quarter);
+    for (int j = 0; j < kBlock; ++j) m = max(m, MagnitudeBits(v[j]));
+  }
+  for (int lane = 16; lane > 0; lane /= 2) {  // every lane takes part, active or not
+    m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, lane));
+    s += __shfl_xor_sync(0xFFFFFFFFu, s, lane);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicMax(&stats[0], m);
+    if (r.stochastic) atomicAdd(&stats[1], s);
+  }
+}
+
+// s_dec and the rounding key from the statistics, on the device: no host synchronization.
+__global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, uint32_t salt, float* s_dec, uint32_t* key) {
+  *s_dec = GlobalDecodeScale(stats[0]);
+  *key = (stochastic ? stats[1] : 0u) ^ salt;
 }
 
 // Validates the axis and views `dims` as (outer, K, inner) around it (numerics.nvfp4.canonical_axis).
@@ -85,6 +122,44 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
   });
 }
 
+ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> s_dec, int64_t axis,
+                        bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
+  int64_t outer, k, inner;
+  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
+  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
+  XLA_FP4_RETURN_IF_ERROR(CheckSalt(salt));
+  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
+    return InvalidArgument("xla_fp4_qdq_with_scale returns a tensor of x's shape and dtype");
+  }
+  if (s_dec->element_count() != 1) return InvalidArgument("xla_fp4_qdq_with_scale returns a float32 scalar s_dec");
+  if (stochastic && x.element_count() > (size_t{1} << 32)) {
+    return InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements");
+  }
+  std::optional<void*> words = scratch.Allocate(3 * sizeof(uint32_t), alignof(uint32_t));
+  if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for 12 bytes");
+  uint32_t* stats = static_cast<uint32_t*>(*words);  // amax bits, digest, key
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(stats, 0, 2 * sizeof(uint32_t), stream), "cudaMemsetAsync"));
+  const Recipe r = Recipe::Make(block_2d, stochastic, rht, rht_seed);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    const BlockGrid measured = BlockGrid::Make(outer, k, inner, /*block_2d=*/false);
+    if (measured.Threads() > 0) {
+      MeasureKernel<<<GridSize(measured.Threads()), kThreadsPerBlock, 0, stream>>>(xp, measured, r, stats);
+      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale measure kernel"));
+    }
+    FinishScaleKernel<<<1, 1, 0, stream>>>(stats, stochastic, static_cast<uint32_t>(salt), s_dec->typed_data(),
+                                           stats + 2);
+    XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale scale kernel"));
+    const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
+    if (g.Threads() == 0) return ffi::Error::Success();
+    QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+        xp, g, r, s_dec->typed_data(), stats + 2, DequantizeSink<T>{static_cast<T*>(y->untyped_data()), false});
+    return LaunchStatus("xla_fp4_qdq_with_scale kernel");
+  });
+}
+
 ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t axis,
                int64_t rht_seed) {
   int64_t outer, k, inner;
@@ -118,6 +193,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqCuda, xla_fp4::cuda::Qdq,
                                   .Attr<bool>("rht")
                                   .Attr<int64_t>("rht_seed")
                                   .Attr<bool>("apply_global_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCuda, xla_fp4::cuda::QdqWithScale,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x
+                                  .Ret<xla::ffi::AnyBuffer>()              // y: q * scale, x's shape and dtype
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_dec (float32 scalar)
+                                  .Attr<int64_t>("axis")
+                                  .Attr<bool>("block_2d")
+                                  .Attr<bool>("stochastic")
+                                  .Attr<bool>("rht")
+                                  .Attr<int64_t>("rht_seed")
+                                  .Attr<int64_t>("salt"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCuda, xla_fp4::cuda::Rht,
                               xla::ffi::Ffi::Bind()
