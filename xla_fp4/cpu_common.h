@@ -24,6 +24,18 @@
 #include "xla_fp4/ffi_checks.h"
 #include "xla_fp4/nvfp4_format.h"
 
+// The hot tile loops are compiled twice, for AVX2 and for the baseline x86-64 ISA, and the loader picks one (an ifunc):
+// the extension stays portable and gets the wider vectors where they exist. The float math is the same either way
+// (no FMA: -ffp-contract=off, and the avx2 target does not enable it).
+// Define XLA_FP4_VECTOR_CLONES empty to build the baseline only.
+#if !defined(XLA_FP4_VECTOR_CLONES)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#define XLA_FP4_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define XLA_FP4_VECTOR_CLONES
+#endif
+#endif
+
 namespace xla_fp4::cpu {
 
 namespace ffi = xla::ffi;

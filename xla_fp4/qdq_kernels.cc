@@ -12,49 +12,112 @@ namespace {
 
 // ---- Impl: the work ----
 
-// ---- the fast path: x viewed as a row-major matrix (lines, cols), walked in 16x16 tiles of contiguous rows ----
+// ---- x viewed as a row-major matrix (lines, cols), walked in 16x16 tiles of contiguous rows ----
 //
-// Every layout the kernel takes maps onto one of three tile shapes with memory-contiguous rows, so that loads, stores
+// Every layout the kernels take maps onto one of three tile shapes with memory-contiguous rows, so that loads, stores
 // and the element math run over fixed 16-wide rows the compiler vectorizes (no gather/scatter):
 //   kRow:  the blocks are the tile's rows (axis last, 1D: x is a flat run of blocks, cols = 16);
 //   kCol:  the blocks are the tile's columns (another axis, 1D: lines = outer * K, cols = inner);
 //   kTile: the whole 16x16 tile is one block (2D: axis last with lines = outer, cols = K, or another axis with
 //          lines = outer * K, cols = inner; K % 16 == 0, so no tile straddles two blocks).
-// Partial tiles are padded with zeros, which change no block amax; their results are not stored.
+// The RHT runs along K: along the tile's rows when the axis is the last one, else down its columns (K % 16 == 0 keeps
+// every 16 lines inside one block there). Partial tiles are padded with zeros, which change no block amax and
+// transform to zeros; their results are not stored.
 enum class Blocks { kRow, kCol, kTile };
+enum class RhtAlong { kNone, kRows, kCols };
+
+struct View {
+  int64_t lines, cols;
+  int64_t tiles() const { return (lines + kBlock - 1) / kBlock * ((cols + kBlock - 1) / kBlock); }
+};
+
+inline View ViewOf(const Geometry& g, Blocks blocks) {
+  if (blocks == Blocks::kRow) return {g.size() / kBlock, kBlock};
+  return g.axis_last() ? View{g.outer, g.k} : View{g.outer * g.k, g.inner};
+}
 
 // max |v| over values given as bits with the sign cleared: for non-negative floats the integer order is the float
 // order, and NaN sorts above +Inf, so a NaN anywhere gives a NaN amax, as jnp.max does (QuantizeTile's rule).
 inline float AmaxFromBits(uint32_t m) { return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m)); }
 
-template <Blocks kBlocks, bool kStochastic, bool kRht, typename T>
-void QdqTiles(const T* x, T* y, int64_t lines, int64_t cols, const Recipe& r, const float* sign_quarter,
-              float decode_scale, int64_t t_begin, int64_t t_end) {
-  const int64_t col_groups = (cols + kBlock - 1) / kBlock;
+// Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would.
+inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) {
+  for (int half = 1; half < kBlock; half *= 2) {
+    for (int g = 0; g < kBlock; g += 2 * half) {
+      for (int i = g; i < g + half; ++i) {
+        for (int j = 0; j < kBlock; ++j) {
+          const float a = v[i][j], b = v[i + half][j];
+          v[i][j] = a + b;
+          v[i + half][j] = a - b;
+        }
+      }
+    }
+  }
+  for (int i = 0; i < kBlock; ++i) {
+    for (int j = 0; j < kBlock; ++j) v[i][j] *= sign_quarter[i];
+  }
+}
+
+inline uint32_t RawBits(const float* p) { return BitsOf(*p); }
+inline uint32_t RawBits(const Bf16* p) { return p->bits; }
+inline uint32_t RawBits(const F16* p) { return p->bits; }
+
+// Where tile t of a view lies.
+struct TilePos {
+  int64_t base;  // row-major index of its element (0, 0)
+  int nl, nc;    // valid lines and columns
+  bool full;
+};
+
+inline TilePos PosOf(const View& view, int64_t t) {
+  const int64_t col_groups = (view.cols + kBlock - 1) / kBlock;
+  const int64_t l0 = t / col_groups * kBlock, c0 = t % col_groups * kBlock;
+  const int nl = static_cast<int>(std::min<int64_t>(kBlock, view.lines - l0));
+  const int nc = static_cast<int>(std::min<int64_t>(kBlock, view.cols - c0));
+  return {l0 * view.cols + c0, nl, nc, nl == kBlock && nc == kBlock};
+}
+
+// Loads a tile as float32 (zero padded) and applies the RHT; with kDigest also returns the sum of the raw bits.
+template <RhtAlong kRht, bool kDigest, typename T>
+inline uint32_t LoadTransformed(const T* x, const View& view, const TilePos& p, const float* sign_quarter,
+                                float (&v)[kBlock][kBlock]) {
+  uint32_t digest = 0;
+  if (p.full) {
+    for (int i = 0; i < kBlock; ++i) {
+      const T* in = x + p.base + i * view.cols;
+      for (int j = 0; j < kBlock; ++j) v[i][j] = Load(in + j);
+      if constexpr (kDigest) {
+        for (int j = 0; j < kBlock; ++j) digest += RawBits(in + j);
+      }
+    }
+  } else {
+    for (int i = 0; i < kBlock; ++i) {
+      for (int j = 0; j < kBlock; ++j) {
+        const bool in = i < p.nl && j < p.nc;
+        v[i][j] = in ? Load(x + p.base + i * view.cols + j) : 0.0f;
+        if constexpr (kDigest) digest += in ? RawBits(x + p.base + i * view.cols + j) : 0u;
+      }
+    }
+  }
+  if constexpr (kRht == RhtAlong::kRows) {
+    for (int i = 0; i < kBlock; ++i) Rht16(v[i], sign_quarter);
+  } else if constexpr (kRht == RhtAlong::kCols) {
+    Rht16Columns(v, sign_quarter);
+  }
+  return digest;
+}
+
+template <Blocks kBlocks, bool kStochastic, RhtAlong kRht, typename T>
+XLA_FP4_VECTOR_CLONES void QdqTiles(const T* x, T* y, const View& view, const Recipe& r, const float* sign_quarter, float decode_scale,
+              int64_t t_begin, int64_t t_end) {
   alignas(64) float v[kBlock][kBlock];
   alignas(64) uint32_t am[kBlock];
   alignas(64) float inv[kBlock], scale[kBlock];
   alignas(64) uint32_t zero[kBlock];
   alignas(16) uint8_t code[kBlock];
   for (int64_t t = t_begin; t < t_end; ++t) {
-    const int64_t l0 = t / col_groups * kBlock, c0 = t % col_groups * kBlock;
-    const int nl = static_cast<int>(std::min<int64_t>(kBlock, lines - l0));
-    const int nc = static_cast<int>(std::min<int64_t>(kBlock, cols - c0));
-    const int64_t base = l0 * cols + c0;
-    const bool full = nl == kBlock && nc == kBlock;
-    if (full) {
-      for (int i = 0; i < kBlock; ++i) {
-        const T* in = x + base + i * cols;
-        for (int j = 0; j < kBlock; ++j) v[i][j] = Load(in + j);
-      }
-    } else {
-      for (int i = 0; i < kBlock; ++i) {
-        for (int j = 0; j < kBlock; ++j) v[i][j] = (i < nl && j < nc) ? Load(x + base + i * cols + j) : 0.0f;
-      }
-    }
-    if constexpr (kRht) {
-      for (int i = 0; i < kBlock; ++i) Rht16(v[i], sign_quarter);
-    }
+    const TilePos p = PosOf(view, t);
+    LoadTransformed<kRht, false>(x, view, p, sign_quarter, v);
     // Block amax, as bits.
     if constexpr (kBlocks == Blocks::kRow) {
       for (int i = 0; i < kBlock; ++i) {
@@ -89,7 +152,7 @@ void QdqTiles(const T* x, T* y, int64_t lines, int64_t cols, const Recipe& r, co
     }
     // Quantize and decode in place.
     for (int i = 0; i < kBlock; ++i) {
-      const uint32_t index0 = static_cast<uint32_t>(base + i * cols);  // < 2**32 when stochastic (checked)
+      const uint32_t index0 = static_cast<uint32_t>(p.base + i * view.cols);  // < 2**32 when stochastic (checked)
       for (int j = 0; j < kBlock; ++j) {
         const int b = kBlocks == Blocks::kRow ? i : (kBlocks == Blocks::kCol ? j : 0);
         BlockScale s;
@@ -102,16 +165,30 @@ void QdqTiles(const T* x, T* y, int64_t lines, int64_t cols, const Recipe& r, co
         v[i][j] = DecodeElement(QuantizeElement(v[i][j], s, kStochastic, u), s.scale, decode_scale);
       }
     }
-    if (full) {
+    if (p.full) {
       for (int i = 0; i < kBlock; ++i) {
-        T* out = y + base + i * cols;
+        T* out = y + p.base + i * view.cols;
         for (int j = 0; j < kBlock; ++j) Store(out + j, v[i][j]);
       }
     } else {
-      for (int i = 0; i < nl; ++i) {
-        for (int j = 0; j < nc; ++j) Store(y + base + i * cols + j, v[i][j]);
+      for (int i = 0; i < p.nl; ++i) {
+        for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, v[i][j]);
       }
     }
+  }
+}
+
+inline RhtAlong RhtDirection(const Geometry& g, const RhtSigns* rht) {
+  return rht == nullptr ? RhtAlong::kNone : (g.axis_last() ? RhtAlong::kRows : RhtAlong::kCols);
+}
+
+// Calls f(integral_constant<RhtAlong, ...>) with the runtime direction as a compile-time one.
+template <typename F>
+auto WithRht(RhtAlong along, F&& f) {
+  switch (along) {
+    case RhtAlong::kRows: return f(std::integral_constant<RhtAlong, RhtAlong::kRows>{});
+    case RhtAlong::kCols: return f(std::integral_constant<RhtAlong, RhtAlong::kCols>{});
+    default: return f(std::integral_constant<RhtAlong, RhtAlong::kNone>{});
   }
 }
 
@@ -121,107 +198,101 @@ template <typename T>
 void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const RhtSigns* rht,
              bool apply_global_scale) {
   const float decode_scale = apply_global_scale ? r.scale.s_dec : 1.0f;
-  if (g.axis_last() || rht == nullptr) {  // the fast path (the RHT runs along rows only)
-    const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
-    const int64_t lines = blocks == Blocks::kRow ? g.size() / kBlock : g.outer * (g.axis_last() ? 1 : g.k);
-    const int64_t cols = blocks == Blocks::kRow ? kBlock : (g.axis_last() ? g.k : g.inner);
-    const int64_t tiles = (lines + kBlock - 1) / kBlock * ((cols + kBlock - 1) / kBlock);
-    const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
-    auto run = [&](auto blocks_c, auto stochastic, auto use_rht) {
-      ParallelFor(pool, tiles, kBlock * kBlock, [&](int64_t begin, int64_t end) {
-        QdqTiles<decltype(blocks_c)::value, decltype(stochastic)::value, decltype(use_rht)::value>(
-            x, y, lines, cols, r, sq, decode_scale, begin, end);
-      });
-      return 0;
-    };
-    WithBool(r.stochastic, [&](auto stochastic) {
+  const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
+  const View view = ViewOf(g, blocks);
+  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
+  auto run = [&](auto blocks_c, auto stochastic, auto along) {
+    ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
+      QdqTiles<decltype(blocks_c)::value, decltype(stochastic)::value, decltype(along)::value>(
+          x, y, view, r, sq, decode_scale, begin, end);
+    });
+    return 0;
+  };
+  // kRow only meets the RHT along rows and kCol only down columns (both follow from axis_last).
+  WithBool(r.stochastic, [&](auto stochastic) {
+    return WithRht(RhtDirection(g, rht), [&](auto along) {
       switch (blocks) {
-        case Blocks::kRow:
-          return WithBool(rht != nullptr, [&](auto use_rht) {
-            return run(std::integral_constant<Blocks, Blocks::kRow>{}, stochastic, use_rht);
-          });
         case Blocks::kTile:
-          return WithBool(rht != nullptr, [&](auto use_rht) {
-            return run(std::integral_constant<Blocks, Blocks::kTile>{}, stochastic, use_rht);
-          });
+          return run(std::integral_constant<Blocks, Blocks::kTile>{}, stochastic, along);
+        case Blocks::kRow:
+          if constexpr (decltype(along)::value != RhtAlong::kCols) {
+            return run(std::integral_constant<Blocks, Blocks::kRow>{}, stochastic, along);
+          }
+          return 0;
         default:
-          return run(std::integral_constant<Blocks, Blocks::kCol>{}, stochastic, std::false_type{});
+          if constexpr (decltype(along)::value != RhtAlong::kRows) {
+            return run(std::integral_constant<Blocks, Blocks::kCol>{}, stochastic, along);
+          }
+          return 0;
       }
     });
-    return;
-  }
-  ForEachTile(pool, x, g, rht != nullptr ? rht->sign_quarter : nullptr, &r,
-              [&](auto axis_last, const Tile& tile, const TileValues& tv, const BlockScale* scales) {
-                const int64_t sj = StrideJ<decltype(axis_last)::value>(g), sc = StrideC<decltype(axis_last)::value>(g);
-                for (int c = 0; c < tile.ncols; ++c) {
-                  T* out = y + tile.base + c * sc;
-                  for (int j = 0; j < kBlock; ++j) {
-                    Store(out + j * sj, DecodeElement(tv.v[c][j], scales[c].scale, decode_scale));
-                  }
-                }
-              });
+  });
 }
-
-inline uint32_t RawBits(const float* p) { return BitsOf(*p); }
-inline uint32_t RawBits(const Bf16* p) { return p->bits; }
-inline uint32_t RawBits(const F16* p) { return p->bits; }
 
 struct TensorStats {
   uint32_t amax_bits;  // MagnitudeBits of max |v|, v = rht(x) if the RHT applies, else x
   uint32_t digest;     // wrapping sum of x's element bits (zero-extended): a key that changes with x
 };
 
-// One read of x (two with the RHT and a digest). Max and wrapping sum are order-free, so the result does not depend on
-// how the pool splits the work.
+// Max MagnitudeBits and the wrapping sum of the raw bits over tiles [t_begin, t_end).
+template <RhtAlong kRht, bool kDigest, typename T>
+XLA_FP4_VECTOR_CLONES TensorStats MeasureTiles(const T* x, const View& view, const float* sign_quarter, int64_t t_begin,
+                                               int64_t t_end) {
+  alignas(64) float v[kBlock][kBlock];
+  uint32_t m = 0, s = 0;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    s += LoadTransformed<kRht, kDigest>(x, view, PosOf(view, t), sign_quarter, v);
+    for (int i = 0; i < kBlock; ++i) {
+      for (int j = 0; j < kBlock; ++j) {
+        const uint32_t a = MagnitudeBits(v[i][j]);
+        m = a > m ? a : m;
+      }
+    }
+  }
+  return {m, s};
+}
+
+// One read of x, in the tiles of the RHT's direction. Max and wrapping sum are order-free, so the result does not
+// depend on how the pool splits the work.
 template <typename T>
 TensorStats MeasureTensor(ffi::ThreadPool& pool, const T* x, const Geometry& g, const RhtSigns* rht, bool digest) {
+  const RhtAlong along = RhtDirection(g, rht);
+  const View view = ViewOf(g, along == RhtAlong::kCols ? Blocks::kCol : Blocks::kRow);
+  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
   std::atomic<uint32_t> amax{0}, sum{0};
-  auto fold_max = [&](uint32_t m) {
-    for (uint32_t cur = amax.load(std::memory_order_relaxed);
-         m > cur && !amax.compare_exchange_weak(cur, m, std::memory_order_relaxed);) {
-    }
-  };
-  if (rht == nullptr || digest) {
-    ParallelFor(pool, g.size(), 1, [&](int64_t begin, int64_t end) {
-      uint32_t m = 0, s = 0;
-      if (rht == nullptr) {
-        for (int64_t i = begin; i < end; ++i) {
-          const uint32_t a = MagnitudeBits(Load(x + i));
-          m = a > m ? a : m;
+  WithBool(digest, [&](auto with_digest) {
+    return WithRht(along, [&](auto along_c) {
+      ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
+        const TensorStats part =
+            MeasureTiles<decltype(along_c)::value, decltype(with_digest)::value>(x, view, sq, begin, end);
+        for (uint32_t cur = amax.load(std::memory_order_relaxed);
+             part.amax_bits > cur && !amax.compare_exchange_weak(cur, part.amax_bits, std::memory_order_relaxed);) {
         }
-      }
-      if (digest) {
-        for (int64_t i = begin; i < end; ++i) s += RawBits(x + i);
-      }
-      fold_max(m);
-      sum.fetch_add(s, std::memory_order_relaxed);
+        sum.fetch_add(part.digest, std::memory_order_relaxed);
+      });
+      return 0;
     });
-  }
-  if (rht != nullptr) {
-    ForEachTile(pool, x, g, rht->sign_quarter, /*recipe=*/nullptr,
-                [&](auto, const Tile& tile, const TileValues& tv, const BlockScale*) {
-                  uint32_t m = 0;
-                  for (int c = 0; c < tile.ncols; ++c) {
-                    for (int j = 0; j < kBlock; ++j) {
-                      const uint32_t a = MagnitudeBits(tv.v[c][j]);
-                      m = a > m ? a : m;
-                    }
-                  }
-                  fold_max(m);
-                });
-  }
+  });
   return {amax.load(), sum.load()};
 }
 
 template <typename T>
 void RhtImpl(ffi::ThreadPool& pool, const T* x, float* y, const Geometry& g, const RhtSigns& signs) {
-  ForEachTile(pool, x, g, signs.sign_quarter, /*recipe=*/nullptr,
-              [&](auto axis_last, const Tile& tile, const TileValues& tv, const BlockScale*) {
-                const int64_t sj = StrideJ<decltype(axis_last)::value>(g), sc = StrideC<decltype(axis_last)::value>(g);
-                for (int c = 0; c < tile.ncols; ++c) {
-                  for (int j = 0; j < kBlock; ++j) y[tile.base + c * sc + j * sj] = tv.v[c][j];
-                }
-              });
+  const RhtAlong along = RhtDirection(g, &signs);
+  const View view = ViewOf(g, along == RhtAlong::kCols ? Blocks::kCol : Blocks::kRow);
+  WithRht(along, [&](auto along_c) {
+    ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
+      alignas(64) float v[kBlock][kBlock];
+      for (int64_t t = begin; t < end; ++t) {
+        const TilePos p = PosOf(view, t);
+        LoadTransformed<decltype(along_c)::value, false>(x, view, p, signs.sign_quarter, v);
+        for (int i = 0; i < p.nl; ++i) {
+          for (int j = 0; j < p.nc; ++j) y[p.base + i * view.cols + j] = v[i][j];
+        }
+      }
+    });
+    return 0;
+  });
 }
 
 // ---- FFI: validation ----
