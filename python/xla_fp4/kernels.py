@@ -124,8 +124,8 @@ def register_cuda():
   return True
 
 
-def custom_call_backend_config(target, attrs):
-  """The `backend_config` DictionaryAttr of a custom call to `target` (needs an active MLIR context)."""
+def backend_config_attributes(target, attrs):
+  """{name: MLIR attribute} of a custom call to `target` (needs an active MLIR context); see the module docstring."""
   from jax.extend.mlir import ir
   want = ATTRIBUTES[target]
   if set(attrs) != set(want):
@@ -139,7 +139,13 @@ def custom_call_backend_config(target, attrs):
       if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"attribute {name} of {target} must be an integer, got {value!r}")
       out[name] = ir.IntegerAttr.get(i64, int(value))
-  return ir.DictAttr.get(out)
+  return out
+
+
+def custom_call_backend_config(target, attrs):
+  """The `backend_config` DictionaryAttr of a custom call to `target` (needs an active MLIR context)."""
+  from jax.extend.mlir import ir
+  return ir.DictAttr.get(backend_config_attributes(target, attrs))
 
 
 def _attrs(target, **attrs):

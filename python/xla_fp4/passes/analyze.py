@@ -98,13 +98,14 @@ class Analysis:
 
 
 def name_of(loc) -> str:
-  m = _NAME_LOC_RE.match(str(loc))
+  """The leading name of a location (or of its text: printing a location is the costly part, so callers reuse it)."""
+  m = _NAME_LOC_RE.match(loc if isinstance(loc, str) else str(loc))
   return m.group(1).encode().decode("unicode_escape") if m else ""
 
 
 def frame_of(loc) -> str:
   """The location without its leading name: identifies the source frame (the Python call that made the op)."""
-  text = str(loc)
+  text = loc if isinstance(loc, str) else str(loc)
   m = _NAME_LOC_RE.match(text)
   return text[m.end(1) + 1:] if m else text
 
@@ -174,6 +175,7 @@ class _Module:
 
   def __init__(self, module):
     self.funcs = {}
+    self._prefixes = {}  # function name -> call_prefix
     self.calls = {}  # callee -> [call ops], program order
     self.order = []  # (func name, op) for every dot_general and func.call, program order
     for op in module.body.operations:
@@ -201,6 +203,8 @@ class _Module:
 
   def call_prefix(self, fname, seen=()):
     """Name stack of the first call site of `fname`, recursively; '' for main."""
+    if fname in self._prefixes:
+      return self._prefixes[fname]
     sites = self.calls.get(fname)
     if fname == "main" or not sites or fname in seen:
       return ""
@@ -208,7 +212,8 @@ class _Module:
     caller = self._enclosing_func(call)
     prefix = self.call_prefix(caller, seen + (fname,))
     own = name_of(call.location)
-    return f"{prefix}/{own}" if prefix and own else (prefix or own)
+    result = self._prefixes[fname] = f"{prefix}/{own}" if prefix and own else (prefix or own)
+    return result
 
   def _enclosing_func(self, op):
     while op is not None and op.name != "func.func":
@@ -373,9 +378,9 @@ def _layer(stack_path, arg_name):
 class _Dot:
   """Per-dot facts gathered before classification."""
 
-  def __init__(self, mod, fname, op, stack, sources):
+  def __init__(self, mod, fname, op, loc_text, stack, sources):
     self.fname, self.op, self.stack, self.sources = fname, op, stack, sources
-    self.frames = frames_of(op.location)
+    self.frames = frames_of(loc_text)
     self.path = layer_path(stack)
     self.phase = _phase(stack)
     self.roots = [_root(mod, v) for v in op.operands]
@@ -463,9 +468,10 @@ def analyze(module) -> Analysis:
     if op.name != "stablehlo.dot_general":
       continue
     prefix = mod.call_prefix(fname)
-    own = name_of(op.location)
+    loc_text = str(op.location)
+    own = name_of(loc_text)
     stack = f"{prefix}/{own}" if prefix and own else (prefix or own)
-    dots.append(_Dot(mod, fname, op, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
+    dots.append(_Dot(mod, fname, op, loc_text, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
 
   # Forward dots: fprop when an operand is a parameter (rhs preferred: x @ W), else other.
   for d in dots:

@@ -121,9 +121,8 @@ class FfiKernels:
   def _custom_call(self, target, result_types, operands, attrs):
     key = (target, tuple(sorted(attrs.items())))
     config = self._configs.get(key)
-    if config is None:  # a few distinct configs per module: build each DictAttr once
-      attr = self.targets.custom_call_backend_config(target, attrs)
-      config = self._configs[key] = {attr[i].name: attr[i].attr for i in range(len(attr))}  # custom_call takes a dict
+    if config is None:
+      config = self._configs[key] = self.targets.backend_config_attributes(target, attrs)
     return mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4,
                             backend_config=config)
 
@@ -238,7 +237,8 @@ class Emitter:
     # Not partitioned: kernels measure their operand themselves (xla_fp4_qdq_with_scale) instead of the reductions
     # around them that a partitioned program needs for a global amax.
     self.whole_tensors = whole_tensors
-    self._quantized = []  # (value, axis, block_2d, rht, q·scale, s_dec) of nearest-rounded operands
+    self._quantized = {}  # value -> [(axis, block_2d, rht, q·scale, s_dec)] of its nearest-rounded quantizations
+    self._merges = {}  # (value, contracting dims) -> the value with those dims merged
 
   def _scale_and_key(self, x, axis, recipe, site_id):
     """amax (after the RHT where it applies) as a plain reduce -> s_dec; the stochastic-rounding key."""
@@ -265,9 +265,10 @@ class Emitter:
     fprop")."""
     stochastic = recipe.rounding == "stochastic"
     if not stochastic:
-      for (value, a, block_2d, rht, q, s_dec) in self._quantized:
-        if value == x and block_2d == recipe.block_2d and rht == recipe.rht and \
-            (a == axis or (block_2d and not rht)) and visible(q, user):
+      for (a, block_2d, rht, q, s_dec) in self._quantized.get(x, ()):
+        # Dots are rewritten in program order, so a q in the user's own block precedes it.
+        if block_2d == recipe.block_2d and rht == recipe.rht and (a == axis or (block_2d and not rht)) and \
+            _before_in_program_order(q, user):
           return q, s_dec
     if self.whole_tensors:
       q, s_dec = self.kernels.qdq_with_scale(x, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
@@ -278,7 +279,7 @@ class Emitter:
       q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
                            rht=recipe.rht, rht_seed=self.seed)
     if not stochastic:
-      self._quantized.append((x, axis, recipe.block_2d, recipe.rht, q, s_dec))
+      self._quantized.setdefault(x, []).append((axis, recipe.block_2d, recipe.rht, q, s_dec))
     return q, s_dec
 
   def emit(self, dot, site, decision, block_value=None, native=False):
@@ -295,16 +296,33 @@ class Emitter:
         y = self._select_high_precision(block_value, decision.keep_blocks, dot.results[0], y)
     return y
 
+  def _merged(self, x, dims, user):
+    """_merge_adjacent, one reshape per tensor and dims while it is visible: the q, k and v wgrads then see the same
+    activation value, which _operand quantizes once."""
+    key = (x, tuple(dims))
+    merged = self._merges.get(key)
+    if merged is None or not _before_in_program_order(merged, user):
+      merged = self._merges[key] = _merge_adjacent(x, dims)
+    return merged
+
   def _emulated_gemm(self, dot, site, decision):
     """The dot_general on q·scale operands, accumulated in f32 -> (acc, s_dec_a * s_dec_b).
 
-    With one contracting dim per operand the kernels quantize along it in place. With several (a wgrad over batch and
-    sequence, an einsum over heads) each operand is first made (batch, free, K) with the contracting dims merged."""
+    With one contracting dim per operand the kernels quantize along it in place. Several (a wgrad over batch and
+    sequence, an einsum over heads) are merged into one: in place by a reshape when they are adjacent and in order on
+    both sides (a wgrad's leading batch x sequence: no data moves), else by making each operand (batch, free, K)."""
     (lc, rc), (lb, rb) = site.contracting, site.batch
     lhs, rhs = dot.operands[0], dot.operands[1]
     dims = dot.attributes["dot_dimension_numbers"]
     if len(lc) == 1:
       la, ra = lc[0], rc[0]
+    elif _adjacent(lc) and _adjacent(rc):
+      lhs, rhs = self._merged(lhs, lc, dot), self._merged(rhs, rc, dot)
+      la, ra = lc[0], rc[0]
+      dims = hlo.DotDimensionNumbers.get(
+          lhs_batching_dimensions=[_after_merge(d, lc) for d in lb],
+          rhs_batching_dimensions=[_after_merge(d, rc) for d in rb],
+          lhs_contracting_dimensions=[la], rhs_contracting_dimensions=[ra])
     else:
       lhs, rhs = _canonical(lhs, lb, lc), _canonical(rhs, rb, rc)
       la, ra = len(_tensor_type(lhs).shape) - 1, len(_tensor_type(rhs).shape) - 1
@@ -352,6 +370,13 @@ class Emitter:
     return hlo.SelectOp(mask, original, nvfp4).result
 
 
+def _before_in_program_order(value, op):
+  """visible(), for a value the rewrite made for an earlier dot: dots are rewritten in program order, so one in op's
+  own block precedes it (is_before_in_block is the costly part of visible)."""
+  owner = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+  return owner.block == op.block or visible(value, op)
+
+
 def visible(value, op):
   """Whether `value` can be used at `op`: defined in an enclosing block, and before `op` if in the same block."""
   if isinstance(value.owner, ir.Block):
@@ -365,6 +390,22 @@ def visible(value, op):
       return vop is None or vop.is_before_in_block(cur)
     cur = cur.parent
   return False
+
+
+def _adjacent(dims):
+  return list(dims) == list(range(dims[0], dims[0] + len(dims)))
+
+
+def _merge_adjacent(x, dims):
+  """Reshape the adjacent dims `dims` (in order) of x into one at dims[0]: row-major, so no data moves."""
+  shape = list(_tensor_type(x).shape)
+  merged = shape[:dims[0]] + [math.prod(shape[d] for d in dims)] + shape[dims[-1] + 1:]
+  return hlo.ReshapeOp(ir.RankedTensorType.get(merged, _tensor_type(x).element_type), x).result
+
+
+def _after_merge(d, dims):
+  """The number of dim `d` (not in `dims`) once `dims` are merged."""
+  return d if d < dims[0] else d - (len(dims) - 1)
 
 
 def _canonical(x, batch, contract):
