@@ -3,8 +3,9 @@
     python benchmarks/kernels.py                          # 4096x4096 f32 and bf16 -> benchmarks/results/kernels.json
     python benchmarks/kernels.py --size 1024 --repeats 3  # quick look
 
-Both implementations take the same precomputed s_dec (the kernel's contract: the caller reduces amax), so the timings
-cover quantize + dequantize only. GB/s counts input + output bytes; the baseline is a jitted `x * 1`, which XLA turns
+`cpp` and `jax` take the same precomputed s_dec (xla_fp4_qdq's contract: the caller reduces amax), so those timings
+cover quantize + dequantize only; `cpp_with_scale` is xla_fp4_qdq_with_scale, which the pass emits in unpartitioned
+programs: it also measures amax (and, when stochastic, the key) from x, one more read. GB/s counts input + output bytes; the baseline is a jitted `x * 1`, which XLA turns
 into a plain copy of the same bytes. Each entry is the median of --repeats timed calls after a warm-up call.
 """
 
@@ -31,14 +32,17 @@ VARIANTS = {  # name -> qdq recipe
     "16x16_nearest": dict(block_2d=True, stochastic=False, rht=False),
     "1x16_stochastic": dict(block_2d=False, stochastic=True, rht=False),
     "1x16_rht": dict(block_2d=False, stochastic=False, rht=True),
+    # A wgrad's gradient operand: the RHT and the blocks run down the token axis (axis 0 of a row-major matrix).
+    "1x16_stochastic_rht_axis0": dict(block_2d=False, stochastic=True, rht=True, axis=0),
 }
 RHT_SEED = 0
 
 
-def _reference(x, s_dec, key, *, block_2d, stochastic, rht):
+def _reference(x, s_dec, key, *, block_2d, stochastic, rht, axis=-1):
   """The pure-JAX qdq with the kernel's contract (numerics.qdq of the RHT-transformed x with the caller's s_dec)."""
-  y = rht_f32(x.astype(jnp.float32), -1, RHT_SEED) if rht else x
-  y = nv.qdq(y, block_2d=block_2d, rounding="stochastic" if stochastic else "nearest", key=key, global_scale=s_dec)
+  y = rht_f32(x.astype(jnp.float32), axis, RHT_SEED) if rht else x
+  y = nv.qdq(y, axis=axis, block_2d=block_2d, rounding="stochastic" if stochastic else "nearest", key=key,
+             global_scale=s_dec)
   return y.astype(x.dtype)
 
 
@@ -66,19 +70,21 @@ def run(size, repeats):
     copy = _entry(_median_seconds(jax.jit(lambda x: x * 1), (x,), repeats), x)
     results.append({"dtype": jnp.dtype(dtype).name, "shape": [size, size], "impl": "copy_baseline", **copy})
     for name, recipe in VARIANTS.items():
+      recipe = {"axis": -1, **recipe}
       x32 = x.astype(jnp.float32)
-      s_dec = nv.global_decode_scale(nv.amax(rht_f32(x32, -1, RHT_SEED) if recipe["rht"] else x32))
+      s_dec = nv.global_decode_scale(nv.amax(rht_f32(x32, recipe["axis"], RHT_SEED) if recipe["rht"] else x32))
       impls = {
-          "cpp": jax.jit(lambda x, s, k, r=recipe: kernels.qdq(x, s, k, axis=-1, rht_seed=RHT_SEED, **r)),
+          "cpp": jax.jit(lambda x, s, k, r=recipe: kernels.qdq(x, s, k, rht_seed=RHT_SEED, **r)),
+          "cpp_with_scale": jax.jit(lambda x, s, k, r=recipe: kernels.qdq_with_scale(x, 1234, rht_seed=RHT_SEED, **r)),
           "jax": jax.jit(lambda x, s, k, r=recipe: _reference(x, s, k, **r)),
       }
       for impl, fn in impls.items():
         e = _entry(_median_seconds(fn, (x, s_dec, key), repeats), x)
         e["fraction_of_copy_bandwidth"] = e["gb_per_s"] / copy["gb_per_s"]
         results.append({"dtype": jnp.dtype(dtype).name, "shape": [size, size], "variant": name, "impl": impl, **e})
-        print(f"{jnp.dtype(dtype).name:9s} {name:16s} {impl:4s} {e['gb_per_s']:7.2f} GB/s "
+        print(f"{jnp.dtype(dtype).name:9s} {name:26s} {impl:14s} {e['gb_per_s']:7.2f} GB/s "
               f"{e['elements_per_s'] / 1e9:6.3f} Gelem/s  {e['fraction_of_copy_bandwidth']:5.2f} x copy", flush=True)
-    print(f"{jnp.dtype(dtype).name:9s} {'copy baseline':16s}      {copy['gb_per_s']:7.2f} GB/s", flush=True)
+    print(f"{jnp.dtype(dtype).name:9s} {'copy baseline':41s} {copy['gb_per_s']:7.2f} GB/s", flush=True)
   return results
 
 
