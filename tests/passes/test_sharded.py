@@ -1,6 +1,7 @@
 """A data-parallel program on 4 (host) devices: the pass keeps it working, and amax stays a global reduction, so the
-sharded step equals the single-device step bit for bit (nearest rounding). Runs in a subprocess: the device count is
-fixed when JAX's backend starts."""
+sharded step equals the single-device step bit for bit (nearest rounding). The two also take the pass's two forms (a
+partitioned module: reductions feeding xla_fp4_qdq; one device: xla_fp4_qdq_with_scale), so this checks that they
+agree. Runs in a subprocess: the device count is fixed when JAX's backend starts."""
 
 import os
 import subprocess
