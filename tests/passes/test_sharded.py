@@ -25,6 +25,10 @@ PROGRAM = textwrap.dedent("""
     base = grad()(w1, w2, x)
     xla_fp4.enable(strict=True, stochastic_rounding=False)
     single, sharded = grad()(w1, w2, x), grad()(w1, w2, xs)
+    hlo = lambda *a: grad().lower(*a).compile().as_text()
+    single_hlo, sharded_hlo = hlo(w1, w2, x), hlo(w1, w2, xs)
+    assert "xla_fp4_qdq_with_scale" in single_hlo, "one device: the kernel measures amax"
+    assert "xla_fp4_qdq_with_scale" not in sharded_hlo and '"xla_fp4_qdq"' in sharded_hlo, "partitioned: reductions"
     xla_fp4.enable(strict=True)
     sharded_sr = grad()(w1, w2, xs)
     for s, d, b, r in zip(single, sharded, base, sharded_sr):
