@@ -108,8 +108,8 @@ inline uint32_t LoadTransformed(const T* x, const View& view, const TilePos& p, 
 }
 
 template <Blocks kBlocks, bool kStochastic, RhtAlong kRht, typename T>
-XLA_FP4_VECTOR_CLONES void QdqTiles(const T* x, T* y, const View& view, const Recipe& r, const float* sign_quarter, float decode_scale,
-              int64_t t_begin, int64_t t_end) {
+XLA_FP4_VECTOR_CLONES void QdqTiles(const T* x, T* y, const View& view, const Recipe& r, const float* sign_quarter,
+                                    float decode_scale, int64_t t_begin, int64_t t_end) {
   alignas(64) float v[kBlock][kBlock];
   alignas(64) uint32_t am[kBlock];
   alignas(64) float inv[kBlock], scale[kBlock];

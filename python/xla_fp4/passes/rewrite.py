@@ -15,11 +15,12 @@ In a partitioned program the amax must be global, so it is a plain reduce that X
   %sx   = stablehlo.multiply %amax, 1/2688
   %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
                                                               apply_global_scale = false}
-Both forms compute the same numbers. Operands with several contracting dims (a wgrad over batch and sequence) are
-first made (batch, free, K). A nearest-rounded operand is quantized once and reused by every dot that reads it the
-same way (q, k and v projections of one input; a dgrad and its fprop's 16x16-tiled weight, the same values along
-either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed, site)`: the digest is a wrapping uint32 sum
-of the operand's bits, so keys change every step and differ between layers, yet are reproducible.
+Both forms compute the same numbers. Several contracting dims (a wgrad over batch and sequence) are merged into one,
+in place when they are adjacent, else after a transpose to (batch, free, K). A nearest-rounded operand is quantized
+once and reused by every dot that reads it the same way (q, k and v projections of one input; a dgrad and its fprop's
+16x16-tiled weight, the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed,
+site)`: the digest is a wrapping uint32 sum of the operand's bits, so keys change every step and differ between
+layers, yet are reproducible.
 In a scanned stack with high-precision blocks the original dot stays and `select(block in keep, original, nvfp4)`
 picks per iteration; the block index is passed into the scan body function as an extra argument when needed.
 
