@@ -44,3 +44,9 @@ def _jit_reference():
 
 
 quantize, qdq, dequantize = _jit_reference()
+
+
+def digest_np(x):
+  """numerics.tensor_digest in numpy: the wrapping uint32 sum of the element bits (16-bit floats zero-extended)."""
+  a = np.asarray(x)
+  return int(a.view(np.uint32 if a.itemsize == 4 else np.uint16).astype(np.uint64).sum()) & 0xFFFFFFFF

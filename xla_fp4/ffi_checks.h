@@ -49,19 +49,15 @@ inline ffi::Error CheckBlocks(int64_t k, const std::string& what) {
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckSeed(int64_t seed) {
-  if (seed < 0 || seed > int64_t{0xFFFFFFFF}) {
-    return ffi::Error::InvalidArgument("rht_seed must be in [0, 2**32), got " + std::to_string(seed));
+// An i64 attribute that carries a uint32 (rht_seed, salt).
+inline ffi::Error CheckU32Attribute(int64_t value, const char* name) {
+  if (value < 0 || value > int64_t{0xFFFFFFFF}) {
+    return ffi::Error::InvalidArgument(std::string(name) + " must be in [0, 2**32), got " + std::to_string(value));
   }
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckSalt(int64_t salt) {
-  if (salt < 0 || salt > int64_t{0xFFFFFFFF}) {
-    return ffi::Error::InvalidArgument("salt must be in [0, 2**32), got " + std::to_string(salt));
-  }
-  return ffi::Error::Success();
-}
+inline ffi::Error CheckSeed(int64_t seed) { return CheckU32Attribute(seed, "rht_seed"); }
 
 // The first failing check, or success.
 inline ffi::Error FirstError(std::initializer_list<ffi::Error> errors) {

@@ -373,7 +373,7 @@ ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<f
                            int64_t rht_seed, int64_t salt) {
   Geometry g;
   if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
-                                 CheckScalar(*s_dec, ffi::DataType::F32, "the s_dec result"), CheckSalt(salt)});
+                                 CheckScalar(*s_dec, ffi::DataType::F32, "the s_dec result"), CheckU32Attribute(salt, "salt")});
       e.failure()) {
     return e;
   }

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nvfp4_testing import assert_same_bits, extension_or_skip
+from nvfp4_testing import assert_same_bits, digest_np, extension_or_skip
 from xla_fp4 import kernels, numerics as nv
 from xla_fp4.numerics import formats
 from xla_fp4.passes import rewrite
@@ -112,12 +112,6 @@ def test_rht_matches_reference(t, seed):
       x.astype(jnp.float32), axis, seed))
 
 
-def _digest_np(x):
-  """Wrapping uint32 sum of the element bits, in numpy (16-bit floats zero-extended)."""
-  a = np.asarray(x)
-  return int(a.view(np.uint32 if a.itemsize == 4 else np.uint16).astype(np.uint64).sum()) & 0xFFFFFFFF
-
-
 @SETTINGS
 @given(t=tensors(), recipe=recipes, salt=st.integers(0, 2**32 - 1))
 def test_qdq_with_scale_measures_x_itself(t, recipe, salt):
@@ -129,7 +123,7 @@ def test_qdq_with_scale_measures_x_itself(t, recipe, salt):
   src = np.asarray(jax.jit(rht_f32, static_argnums=(1, 2))(x32, axis, recipe["rht_seed"]) if recipe["rht"] else x32)
   want_s = np.float32(np.where(np.isnan(src), np.inf, np.abs(src)).max()) * formats.INV_GLOBAL_SCALE_DIVISOR
   assert_same_bits(s_dec, jnp.float32(want_s))
-  key = jnp.uint32(salt ^ _digest_np(x) if recipe["stochastic"] else salt)
+  key = jnp.uint32(salt ^ digest_np(x) if recipe["stochastic"] else salt)
   assert_same_bits(y, ref_qdq(x, jnp.float32(want_s), key, axis=axis, apply_global_scale=False, **recipe))
   twin_y, twin_s = jax.jit(functools.partial(rewrite._ref_qdq_with_scale, axis=axis, **recipe))(x, jnp.uint32(salt))
   assert_same_bits(twin_y, y)

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_fp4/ffi_checks.h"  // CheckScalar, CheckSeed, CheckSalt, CheckPackedScales
+#include "xla_fp4/ffi_checks.h"  // CheckScalar, CheckSeed, CheckU32Attribute, CheckPackedScales
 #include "xla_fp4/nvfp4_format.h"
 
 namespace xla_fp4::cuda {

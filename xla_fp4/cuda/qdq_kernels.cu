@@ -95,20 +95,28 @@ ffi::Error AxisView(ffi::Span<const int64_t> dims, int64_t axis, int64_t& outer,
   return ffi::Error::Success();
 }
 
-ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-               ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-               bool apply_global_scale) {
-  int64_t outer, k, inner;
+// The checks both qdq handlers make: x's geometry (viewed as outer, k, inner), the seed, a result of x's shape and
+// dtype, and the stochastic-rounding counter range.
+ffi::Error CheckQdq(const char* target, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int64_t axis,
+                    bool stochastic, int64_t rht_seed, int64_t& outer, int64_t& k, int64_t& inner) {
   XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
   XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
-  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
-    return InvalidArgument("xla_fp4_qdq returns a tensor of x's shape and dtype");
+  if (y.element_type() != x.element_type() || y.element_count() != x.element_count()) {
+    return InvalidArgument(std::string(target) + " returns a tensor of x's shape and dtype");
   }
   if (stochastic && x.element_count() > (size_t{1} << 32)) {
     return InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements");
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+               ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
+               bool apply_global_scale) {
+  int64_t outer, k, inner;
+  XLA_FP4_RETURN_IF_ERROR(CheckQdq("xla_fp4_qdq", x, *y, axis, stochastic, rht_seed, outer, k, inner));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
   const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
   const Recipe r = Recipe::Make(block_2d, stochastic, rht, rht_seed);
@@ -126,16 +134,9 @@ ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> s_dec, int64_t axis,
                         bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
   int64_t outer, k, inner;
-  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
-  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
-  XLA_FP4_RETURN_IF_ERROR(CheckSalt(salt));
-  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
-    return InvalidArgument("xla_fp4_qdq_with_scale returns a tensor of x's shape and dtype");
-  }
+  XLA_FP4_RETURN_IF_ERROR(CheckQdq("xla_fp4_qdq_with_scale", x, *y, axis, stochastic, rht_seed, outer, k, inner));
+  XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
   if (s_dec->element_count() != 1) return InvalidArgument("xla_fp4_qdq_with_scale returns a float32 scalar s_dec");
-  if (stochastic && x.element_count() > (size_t{1} << 32)) {
-    return InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements");
-  }
   std::optional<void*> words = scratch.Allocate(3 * sizeof(uint32_t), alignof(uint32_t));
   if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for 12 bytes");
   uint32_t* stats = static_cast<uint32_t*>(*words);  // amax bits, digest, key
