@@ -13,7 +13,9 @@ from xla_fp4.passes.analyze import EXCLUDE_SCOPE
 
 def enable_config(cfg):
   from xla_fp4 import kernels
+  from xla_fp4.sharding import partition
   kernels.register()
+  partition.register()
   hook.install(cfg)
 
 

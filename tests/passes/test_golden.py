@@ -34,7 +34,8 @@ def test_golden(path, tmp_path):
   cfg = config.load(environ={}, enabled=True, **_options(text))
   with mlir.make_ir_context():
     module = ir.Module.parse(text)
-    result = pipeline.transform(module, cfg, kernels=lambda m: rewrite.FfiKernels())
+    result = pipeline.transform(module, cfg, 
+                                kernels=lambda m: rewrite.FfiKernels(partitioned=pipeline.num_partitions(m) > 1))
     out = tmp_path / "after.mlir"
     out.write_text(result.module.operation.get_asm())
   check = subprocess.run([FILECHECK, path, "--input-file", str(out)], capture_output=True, text=True)

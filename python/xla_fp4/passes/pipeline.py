@@ -58,7 +58,7 @@ def _kernels_for(platform, module):
   """Compiled FFI kernels where the platform has them registered, else calls to the lowered pure-JAX reference."""
   from xla_fp4 import kernels
   if kernels.registered(platform):
-    return rewrite_mod.FfiKernels()
+    return rewrite_mod.FfiKernels(partitioned=num_partitions(module) > 1)
   return rewrite_mod.ReferenceKernels(module)
 
 
@@ -118,11 +118,8 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
         if use_native and not native:
           notes[d.index] = "; ".join(filter(None, [notes.get(d.index), "the packed GEMM takes no batch dims: emulated"]))
         y = emitter.emit(dot, site, d, block_value, native=native)
-        if block_value is not None:  # the select still reads the original dot
-          dot.results[0].replace_all_uses_except(y, y.owner.operation)
-        else:
-          dot.results[0].replace_all_uses_with(y)
-          dot.erase()
+        dot.results[0].replace_all_uses_with(y)
+        dot.erase()
       if not new.operation.verify():
         raise RuntimeError("xla_fp4 produced a module that does not verify")
     rows = report.rows(analysis.sites, decided, notes)

@@ -21,8 +21,9 @@ once and reused by every dot that reads it the same way (q, k and v projections 
 16x16-tiled weight, the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed,
 site)`: the digest is a wrapping uint32 sum of the operand's bits, so keys change every step and differ between
 layers, yet are reproducible.
-In a scanned stack with high-precision blocks the original dot stays and `select(block in keep, original, nvfp4)`
-picks per iteration; the block index is passed into the scan body function as an extra argument when needed.
+In a scanned stack with high-precision blocks, `stablehlo.case(block in keep)` runs the original dot in kept iterations
+and the NVFP4 pattern in the others (one GEMM per iteration); the block index is passed into the scan body function as
+an extra argument when needed.
 
 Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
 calls to private functions lowered from the pure-JAX reference (platforms without compiled kernels).
@@ -45,6 +46,7 @@ from jax._src.lib.mlir.dialects import hlo
 from xla_fp4.numerics import formats
 from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.rht import rht_f32
+from xla_fp4.sharding import partition
 
 _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
@@ -114,9 +116,11 @@ def _digest(x):
 class FfiKernels:
   """Custom calls to the compiled FFI targets (C++ on CPU, CUDA on GPU); contract in xla_fp4/kernels.py."""
 
-  def __init__(self):
+  def __init__(self, partitioned=False):
     from xla_fp4 import kernels  # the compiled extension is only needed on this path
     self.targets = kernels
+    # In a partitioned program the block-local calls carry their Shardy rule (xla_fp4/sharding/partition.py).
+    self.partitioned = partitioned
     self._configs = {}
 
   def _custom_call(self, target, result_types, operands, attrs):
@@ -124,8 +128,11 @@ class FfiKernels:
     config = self._configs.get(key)
     if config is None:
       config = self._configs[key] = self.targets.backend_config_attributes(target, attrs)
-    return mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4,
-                            backend_config=config)
+    op = mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config)
+    if self.partitioned and target in partition.PARTITIONED_TARGETS:
+      op.attributes["sdy.sharding_rule"] = partition.sharding_rule(target, [o.type for o in operands], result_types,
+                                                                   attrs)
+    return op
 
   def _call(self, target, result_type, operands, **attrs):
     return self._custom_call(target, [result_type], operands, attrs).result
@@ -284,17 +291,27 @@ class Emitter:
     return q, s_dec
 
   def emit(self, dot, site, decision, block_value=None, native=False):
-    """Insert the pattern for `dot`; returns the value that replaces its result (same type)."""
-    # With a per-iteration select the original dot stays and is read by the select: emit after it.
-    anchor = _next_op(dot) if decision.keep_blocks and block_value is not None else dot
-    with ir.InsertionPoint(anchor), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
-      acc, alpha = (self._native_gemm if native else self._emulated_gemm)(dot, site, decision)
-      out_type = _tensor_type(dot.results[0])
-      y = hlo.MulOp(acc, _broadcast(alpha, _tensor_type(acc))).result  # fold both s_dec into the f32 output
-      if out_type.element_type != _f32():
-        y = hlo.ConvertOp(out_type, y).result
-      if decision.keep_blocks and block_value is not None:
-        y = self._select_high_precision(block_value, decision.keep_blocks, dot.results[0], y)
+    """Insert the pattern for `dot`; returns the value that replaces its result (same type).
+
+    In a scanned stack with high-precision blocks (`block_value` is the iteration's block index) one GEMM runs per
+    iteration: a `stablehlo.case` on the block index holds the original dot for kept blocks and the NVFP4 pattern
+    for the others."""
+    with ir.InsertionPoint(dot), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
+      if not (decision.keep_blocks and block_value is not None):
+        return self._nvfp4(dot, site, decision, native)
+      case = hlo.CaseOp([dot.results[0].type], self._branch_index(block_value, decision.keep_blocks), 2)
+      with ir.InsertionPoint(case.regions[0].blocks.append()):
+        hlo.ReturnOp([dot.operation.clone().results[0]])
+      with ir.InsertionPoint(case.regions[1].blocks.append()):
+        hlo.ReturnOp([self._nvfp4(dot, site, decision, native)])
+      return case.results[0]
+
+  def _nvfp4(self, dot, site, decision, native):
+    acc, alpha = (self._native_gemm if native else self._emulated_gemm)(dot, site, decision)
+    out_type = _tensor_type(dot.results[0])
+    y = hlo.MulOp(acc, _broadcast(alpha, _tensor_type(acc))).result  # fold both s_dec into the f32 output
+    if out_type.element_type != _f32():
+      y = hlo.ConvertOp(out_type, y).result
     return y
 
   def _merged(self, x, dims, user):
@@ -359,16 +376,16 @@ class Emitter:
                                           rht=recipe.rht, rht_seed=self.seed)
     return packed, s_dec
 
-  def _select_high_precision(self, block, keep_blocks, original, nvfp4):
+  @staticmethod
+  def _branch_index(block, keep_blocks):
+    """i32 0 where `block` is one of `keep_blocks` (high precision), else 1 (NVFP4)."""
     etype = _tensor_type(block).element_type
-    pred = None
+    kept = None
     for b in keep_blocks:
       c = hlo.CompareOp(block, _const(b, etype), hlo.ComparisonDirectionAttr.get("EQ")).result
-      pred = c if pred is None else hlo.OrOp(pred, c).result
-    t = _tensor_type(original)
-    mask = hlo.BroadcastInDimOp(ir.RankedTensorType.get(t.shape, ir.IntegerType.get_signless(1)), pred,
-                                ir.DenseI64ArrayAttr.get([])).result
-    return hlo.SelectOp(mask, original, nvfp4).result
+      kept = c if kept is None else hlo.OrOp(kept, c).result
+    i32 = ir.IntegerType.get_signless(32)
+    return hlo.SelectOp(kept, _const(0, i32), _const(1, i32)).result
 
 
 def _before_in_program_order(value, op):
@@ -435,11 +452,6 @@ def _matrix(x):
 def native_eligible(site):
   """The packed FP4 GEMM multiplies plain matrices: any dot without batch dims (free and contracting dims merge)."""
   return not site.batch[0]
-
-
-def _next_op(op):
-  ops = list(op.block.operations)
-  return ops[next(i for i, o in enumerate(ops) if o == op) + 1]
 
 
 def plumb_block_value(value, entry_call, func_op):

@@ -6,11 +6,14 @@
 // CHECK: stablehlo.maximum
 // CHECK: stablehlo.multiply
 // CHECK: stablehlo.optimization_barrier
+// Each call carries its Shardy rule: K = 64 is the compound (4 blocks, 16) whose 16 is never split.
 // CHECK: stablehlo.custom_call @xla_fp4_qdq(
 // CHECK-SAME: apply_global_scale = false, axis = 1 : i64, block_2d = false
 // CHECK-SAME: stochastic = false
+// CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([i, jk], [], [])->([i, jk]) {i=32, j=4, k=16} need_replication={k}, custom>
 // CHECK: stablehlo.custom_call @xla_fp4_qdq(
 // CHECK-SAME: axis = 0 : i64, block_2d = true
+// CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([ij, kl], [], [])->([ij, kl]) {i=4, j=16, k=4, l=16} need_replication={j, l}, custom>
 // CHECK: stablehlo.dot_general {{.*}} -> tensor<32x64xf32>
 // CHECK-NOT: stablehlo.dot_general
 // CHECK: return
@@ -27,8 +30,8 @@ module @jit_fprop attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas =
 } loc(#loc)
 #loc = loc(unknown)
 #loc3 = loc("/work/main/tests/passes/golden/regenerate.py":20:11 to :16)
-#loc4 = loc("/work/main/tests/passes/golden/regenerate.py":141:11 to :35)
-#loc5 = loc("/work/main/tests/passes/golden/regenerate.py":150:2 to :8)
+#loc4 = loc("/work/main/tests/passes/golden/regenerate.py":154:11 to :35)
+#loc5 = loc("/work/main/tests/passes/golden/regenerate.py":163:2 to :8)
 #loc6 = loc("fprop"(#loc3))
 #loc7 = loc("main"(#loc4))
 #loc8 = loc("<module>"(#loc5))

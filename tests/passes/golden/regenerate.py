@@ -76,11 +76,14 @@ CASES = {
 // CHECK: stablehlo.maximum
 // CHECK: stablehlo.multiply
 // CHECK: stablehlo.optimization_barrier
+// Each call carries its Shardy rule: K = 64 is the compound (4 blocks, 16) whose 16 is never split.
 // CHECK: stablehlo.custom_call @xla_fp4_qdq(
 // CHECK-SAME: apply_global_scale = false, axis = 1 : i64, block_2d = false
 // CHECK-SAME: stochastic = false
+// CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([i, jk], [], [])->([i, jk]) {i=32, j=4, k=16} need_replication={k}, custom>
 // CHECK: stablehlo.custom_call @xla_fp4_qdq(
 // CHECK-SAME: axis = 0 : i64, block_2d = true
+// CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([ij, kl], [], [])->([ij, kl]) {i=4, j=16, k=4, l=16} need_replication={j, l}, custom>
 // CHECK: stablehlo.dot_general {{.*}} -> tensor<32x64xf32>
 // CHECK-NOT: stablehlo.dot_general
 // CHECK: return""", 2),
@@ -125,14 +128,24 @@ CASES = {
 // CHECK: stablehlo.custom_call @xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
     "scan_per_iteration_select": (scanned, (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), X), "keep_last=2", """
-// The scan body gets the block index as an extra argument and selects the high-precision result for blocks 6, 7.
+// The scan body gets the block index as an extra argument; a case on it runs the original dot for blocks 6, 7 and
+// the NVFP4 pattern for the others: one GEMM per iteration.
 // CHECK: stablehlo.while
 // CHECK: func.call @[[BODY:closed_call[_0-9]*]]({{.*}}) : ({{.*}}, tensor<i32>) ->
 // CHECK: func.func private @[[BODY]]({{.*}}%[[BLOCK:arg[0-9]+]]: tensor<i32>
-// CHECK: %[[ORIG:[0-9]+]] = stablehlo.dot_general
+// CHECK: %[[KEEP6:[0-9]+]] = stablehlo.compare EQ, %[[BLOCK]], %{{.*}}
+// CHECK: %[[KEEP7:[0-9]+]] = stablehlo.compare EQ, %[[BLOCK]], %{{.*}}
+// CHECK: %[[KEPT:[0-9]+]] = stablehlo.or %[[KEEP6]], %[[KEEP7]]
+// CHECK: %[[BRANCH:[0-9]+]] = stablehlo.select %[[KEPT]]
+// CHECK: "stablehlo.case"(%[[BRANCH]]) ({
+// CHECK-NEXT: %[[HP:[0-9]+]] = stablehlo.dot_general %arg0, %arg1
+// CHECK-NEXT: stablehlo.return %[[HP]]
+// CHECK-NEXT: }, {
 // CHECK: stablehlo.custom_call @xla_fp4_qdq
-// CHECK: stablehlo.compare EQ, %[[BLOCK]]
-// CHECK: stablehlo.select {{.*}}, %[[ORIG]],"""),
+// CHECK: %[[Q:[0-9]+]] = stablehlo.dot_general
+// CHECK-NOT: stablehlo.dot_general
+// CHECK: stablehlo.return
+// CHECK-NEXT: })"""),
 }
 
 

@@ -1,0 +1,171 @@
+"""Sharded programs under the pass, side by side in one run: per-device dot FLOPs and collective bytes from the
+compiled HLO, step time, and how far the sharded step is from the one-device step, with and without the pass.
+
+  python benchmarks/sharding.py [--small] [--out benchmarks/results/sharding.json]
+
+The program is a residual MLP train step, `x = x + gelu(x @ w1) @ w2` per layer, `jax.jit(jax.grad(loss))`, on 8 host
+devices (`--xla_force_host_platform_device_count=8`, mesh data=2 x model=4). Layouts: data parallel, FSDP, tensor
+parallel (w1 column-, w2 row-parallel over all 8 devices), 2D (batch over data, tensor parallel over model), and a
+scanned layer stack under FSDP; float32 and bfloat16. Targets (issue 8): dot FLOPs <= 1.05x and collective bytes
+(scalar all-reduces aside) <= 1.10x in every layout, and the sharded step-time ratio (pass / none) within 10% of the
+one-device ratio.
+
+Differences to the one-device step: a sharded contraction (the wgrad over tokens under data parallelism, K in a
+row-parallel layer) adds f32 partial sums in another order than one device does, with or without the pass, so the
+JSON reports both programs' max |sharded - one device| side by side; everything else is bit-identical under nearest
+rounding (tests/sharding/test_layouts.py checks both).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import xla_fp4  # noqa: E402
+from xla_fp4.sharding.cost import cost  # noqa: E402
+
+ALL = ("data", "model")
+# layout -> (x spec, w1 spec, w2 spec, scanned)
+LAYOUTS = {
+    "data_parallel": (P(ALL), P(), P(), False),
+    "fsdp": (P(ALL), P(ALL, None), P(ALL, None), False),
+    "tensor_parallel": (P(), P(None, ALL), P(ALL, None), False),
+    "2d": (P("data"), P(None, "model"), P("model", None), False),
+    "scan_fsdp": (P(ALL), P(None, ALL, None), P(None, ALL, None), True),
+}
+
+
+def loss(params, x, scanned):
+  w1, w2 = params
+
+  def layer(x, w):
+    return x + jax.nn.gelu(x @ w[0]) @ w[1]
+
+  if scanned:
+    x = jax.lax.scan(lambda x, w: (layer(x, w), None), x, (w1, w2))[0]
+  else:
+    for a, b in zip(w1, w2):
+      x = layer(x, (a, b))
+  return jnp.mean(x.astype(jnp.float32) ** 2)
+
+
+def make(layers, d, f, batch, seq, dtype, scanned):
+  k = jax.random.split(jax.random.key(0), 3)
+  w1 = (jax.random.normal(k[0], (layers, d, f)) * d ** -0.5).astype(dtype)
+  w2 = (jax.random.normal(k[1], (layers, f, d)) * f ** -0.5 * 0.5).astype(dtype)
+  x = jax.random.normal(k[2], (batch, seq, d)).astype(dtype)
+  params = (w1, w2) if scanned else (list(w1), list(w2))
+  return params, x
+
+
+def place(mesh, params, x, layout):
+  xs, s1, s2, scanned = LAYOUTS[layout]
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+  w1, w2 = params
+  if scanned:
+    return (put(w1, s1), put(w2, s2)), put(x, xs)
+  return ([put(a, s1) for a in w1], [put(b, s2) for b in w2]), put(x, xs)
+
+
+def step_fn(scanned):
+  return jax.jit(jax.grad(lambda p, x: loss(p, x, scanned)))
+
+
+def max_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(u, np.float32) - np.asarray(v, np.float32))))
+             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def time_steps(fns, args, repeats):
+  """Median seconds per call of each fn, interleaved so that machine noise hits all alike."""
+  times = [[] for _ in fns]
+  for fn, a in zip(fns, args):
+    jax.block_until_ready(fn(*a))  # compile and warm up
+  for _ in range(repeats):
+    for i, (fn, a) in enumerate(zip(fns, args)):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*a))
+      times[i].append(time.perf_counter() - t)
+  return [statistics.median(t) for t in times]
+
+
+def measure(layout, dtype, sizes, repeats):
+  scanned = LAYOUTS[layout][3]
+  mesh = jax.make_mesh((2, 4), ALL, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params, x = make(*sizes, dtype, scanned)
+  sharded_args = place(mesh, params, x, layout)
+  one = jax.devices()[0]
+  single_args = jax.device_put((params, x), one)
+
+  out = {}
+  for name, on in (("none", False), ("pass", True)):
+    if on:
+      xla_fp4.enable(strict=True, stochastic_rounding=False)  # nearest rounding: comparable bit for bit
+    else:
+      xla_fp4.disable()
+    sharded, single = step_fn(scanned), step_fn(scanned)
+    c = cost(sharded.lower(*sharded_args).compile())
+    out[name] = {"cost": c, "sharded": sharded, "single": single,
+                 "diff": max_diff(sharded(*sharded_args), single(*single_args))}
+  xla_fp4.disable()
+  # The executables keep the setting they were compiled with, so all four time side by side.
+  t = time_steps([out["none"]["sharded"], out["pass"]["sharded"], out["none"]["single"], out["pass"]["single"]],
+                 [sharded_args, sharded_args, single_args, single_args], repeats)
+  none, new = out["none"]["cost"], out["pass"]["cost"]
+  return {
+      "layout": layout, "dtype": jnp.dtype(dtype).name,
+      "dot_flops": {"none": none.dot_flops, "pass": new.dot_flops, "ratio": new.dot_flops / none.dot_flops},
+      "collective_bytes": {"none": none.collective_bytes, "pass": new.collective_bytes,
+                           "ratio_excluding_scalar": new.large_collective_bytes / max(none.large_collective_bytes, 1),
+                           "scalar_pass": new.scalar_collective_bytes, "collectives_pass": new.collectives,
+                           "collectives_none": none.collectives},
+      "step_s": {"sharded_none": t[0], "sharded_pass": t[1], "single_none": t[2], "single_pass": t[3],
+                 "sharded_ratio": t[1] / t[0], "single_ratio": t[3] / t[2],
+                 "sharded_over_single_ratio": (t[1] / t[0]) / (t[3] / t[2])},
+      "max_abs_sharded_minus_single": {"none": out["none"]["diff"], "pass": out["pass"]["diff"]},
+  }
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--small", action="store_true", help="tiny sizes (the test suite's run)")
+  ap.add_argument("--layouts", default=",".join(LAYOUTS))
+  ap.add_argument("--dtypes", default="float32,bfloat16")
+  ap.add_argument("--repeats", type=int, default=None)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  # (layers, d_model, d_ff, batch, seq): 4 layers, so the default policy keeps one block (the last) in high precision
+  sizes = (4, 128, 256, 16, 32) if args.small else (4, 512, 2048, 16, 256)
+  repeats = args.repeats or (2 if args.small else 10)
+  rows = [measure(layout, jnp.dtype(dt), sizes, repeats)
+          for dt in args.dtypes.split(",") for layout in args.layouts.split(",")]
+  result = {"benchmark": "sharding", "devices": 8, "mesh": {"data": 2, "model": 4},
+            "sizes": dict(zip(("layers", "d_model", "d_ff", "batch", "seq"), sizes)),
+            "jax": jax.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "rows": rows}
+  for r in rows:
+    print(f"{r['layout']:16s} {r['dtype']:9s} dot flops x{r['dot_flops']['ratio']:.3f}  collective bytes "
+          f"x{r['collective_bytes']['ratio_excluding_scalar']:.3f} (+{r['collective_bytes']['scalar_pass']} B scalar)  "
+          f"step pass/none sharded {r['step_s']['sharded_ratio']:.2f} one device {r['step_s']['single_ratio']:.2f}  "
+          f"|sharded-single| none {r['max_abs_sharded_minus_single']['none']:.2e} "
+          f"pass {r['max_abs_sharded_minus_single']['pass']:.2e}", file=sys.stderr)
+  text = json.dumps(result, indent=1)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text + "\n")
+  else:
+    print(text)
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,241 @@
+"""How XLA's sharding runs the block-local kernels on shards (docs/design.md, "Sharding").
+
+`xla_fp4_qdq` and `xla_fp4_rht` are block-local once the global decode scale is an operand: 1x16 blocks along the
+quantization axis K, or 16x16 tiles of K and a partner group of dims (the flattened trailing dims, or the leading ones
+when K is last: numerics/nvfp4.py). A shard can run the kernel alone when its extent along those dims keeps whole
+blocks. Both halves of XLA's sharding get what they need:
+
+- propagation (Shardy): `sharding_rule()` is the call's `sdy.sharding_rule`. Every dim is its own factor and passes
+  through to the result; K (and a single-dim 2D partner) is the compound (blocks, 16) with the 16 marked
+  need_replication, so propagation never splits a block. Scalars (s_dec, key) are replicated.
+- partitioning (XLA's SPMD partitioner): `register()` installs a custom-call partitioner per target. It takes the
+  result's sharding for the operand and result, replicates any dim whose shards would split blocks (XLA reshards),
+  and returns a per-shard module that runs the same kernel on the shard. Stochastic rounding mixes the shard's index
+  (from `stablehlo.partition_id` through a constant table) into the key: shards of one tensor draw different bits,
+  replicas of one shard the same bits, and the same program gives the same bits every run.
+
+The global amax stays a plain reduction in the pass's output, which the partitioner turns into a scalar all-reduce.
+"""
+
+import dataclasses
+import functools
+import math
+import threading
+
+import numpy as np
+from jax._src.interpreters import mlir
+from jax._src.lib import xla_client as xc
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.lib.mlir.dialects import sdy
+
+from xla_fp4 import kernels
+from xla_fp4.numerics import formats
+from xla_fp4.numerics.formats import BLOCK
+
+# target -> (index of the stochastic-rounding key operand or None, whether the result is f32 regardless of x)
+PARTITIONED_TARGETS = {kernels.QDQ_TARGET: 2, kernels.RHT_TARGET: None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocking:
+  """The dims of a block-local kernel's operand that shards must keep in whole blocks."""
+  k: int  # the quantization axis: 16 consecutive elements per block
+  partner: tuple  # 16x16 tiles: the group of dims flattened into the tile's second side, outermost first; 1x16: ()
+
+  @staticmethod
+  def of(rank, axis, block_2d):
+    axis %= rank
+    if not block_2d:
+      return Blocking(axis, ())
+    return Blocking(axis, tuple(range(axis + 1, rank)) if axis < rank - 1 else tuple(range(axis)))
+
+  def split_blocks(self, shape, tiles):
+    """The dims to replicate so that every shard of `shape`, split `tiles[d]` ways along dim d, holds whole blocks."""
+    bad = set()
+    if tiles[self.k] > 1 and (shape[self.k] % tiles[self.k] or (shape[self.k] // tiles[self.k]) % BLOCK):
+      bad.add(self.k)
+    # A shard of the flattened partner group is runs of (extent of the innermost split dim x the whole dims after it)
+    # consecutive positions, each starting at a multiple of its length: tiles stay whole when that is a multiple of 16.
+    split = [d for d in self.partner if tiles[d] > 1]
+    while split:
+      j = split[-1]
+      run = (shape[j] // tiles[j]) * math.prod(shape[d] for d in self.partner if d > j)
+      if shape[j] % tiles[j] == 0 and run % BLOCK == 0:
+        break
+      bad.add(split.pop())
+    return bad
+
+
+def _blocking(target, rank, attrs):
+  return Blocking.of(rank, attrs["axis"], target == kernels.QDQ_TARGET and attrs["block_2d"])
+
+
+def sharding_rule(target, operand_types, result_types, attrs):
+  """The `sdy.sharding_rule` of a call to `target` whose first operand is the blocked tensor (needs a context)."""
+  shape = list(ir.RankedTensorType(operand_types[0]).shape)
+  blocking = _blocking(target, len(shape), attrs)
+  compound = {blocking.k} | ({blocking.partner[0]} if len(blocking.partner) == 1 else set())
+  sizes, dims, need_replication = [], [], []
+  for d, n in enumerate(shape):
+    if d in compound and n > BLOCK and n % BLOCK == 0:
+      sizes += [n // BLOCK, BLOCK]
+      need_replication.append(len(sizes) - 1)
+      dims.append(sdy.DimMappingAttr.get(factor_indices=[len(sizes) - 2, len(sizes) - 1]))
+    else:
+      sizes.append(n)
+      dims.append(sdy.DimMappingAttr.get(factor_indices=[len(sizes) - 1]))
+  tensor = sdy.TensorMappingAttr.get(dim_mappings=dims)
+  scalar = sdy.TensorMappingAttr.get(dim_mappings=[])
+  return sdy.OpShardingRuleAttr.get(
+      factor_sizes=sizes, operand_mappings=[tensor] + [scalar] * (len(operand_types) - 1),
+      result_mappings=[tensor] * len(result_types), is_custom=True, need_replication_factors=need_replication)
+
+
+def _decode_config(target, backend_config):
+  """The call's attributes {name: int|bool} from its backend_config (the MLIR dictionary text)."""
+  text = backend_config.decode() if isinstance(backend_config, bytes) else str(backend_config)
+  with mlir.make_ir_context():
+    config = ir.DictAttr(ir.Attribute.parse(text))
+    out = {}
+    for i in range(len(config)):
+      named = config[i]
+      attr = named.attr
+      want = kernels.ATTRIBUTES[target][named.name]
+      out[named.name] = ir.BoolAttr(attr).value if want is bool else ir.IntegerAttr(attr).value
+  return out
+
+
+def _tiles_and_devices(sharding, rank):
+  """(split per data dim, subgroup sizes and types, device array shaped data dims + subgroups)."""
+  if sharding.is_replicated():
+    return [1] * rank, [], [], None
+  tiles = list(sharding.tile_assignment_dimensions())
+  devices = np.asarray(sharding.tile_assignment_devices(), dtype=np.int64).reshape(tiles)
+  groups = tiles[rank:]
+  types = list(sharding.subgroup_types())
+  if len(types) < len(groups):  # replicate_on_last_tile_dim
+    types = [xc.OpSharding.Type.REPLICATED] * (len(groups) - len(types)) + types
+  return tiles[:rank], groups, types, devices
+
+
+def _replicate_dims(sharding, rank, dims):
+  """`sharding` with the data dims `dims` replicated: their devices join the replicated subgroup."""
+  tiles, groups, types, devices = _tiles_and_devices(sharding, rank)
+  dims = [d for d in sorted(dims) if tiles[d] > 1]
+  if not dims:
+    return sharding
+  kept = [d for d in range(rank) if d not in dims]
+  others = [rank + i for i, t in enumerate(types) if t != xc.OpSharding.Type.REPLICATED]
+  replicated = [rank + i for i, t in enumerate(types) if t == xc.OpSharding.Type.REPLICATED]
+  devices = devices.transpose(kept + others + replicated + dims)
+  new_tiles = [1 if d in dims else tiles[d] for d in range(rank)]
+  if math.prod(new_tiles) == 1 and not others:
+    return xc.HloSharding.replicate()
+  n_rep = math.prod(devices.shape[len(kept) + len(others):])
+  proto = xc.OpSharding()
+  proto.type = xc.OpSharding.Type.OTHER
+  proto.tile_assignment_dimensions = new_tiles + [groups[i - rank] for i in others] + [n_rep]
+  proto.tile_assignment_devices = [int(v) for v in devices.reshape(-1)]
+  proto.last_tile_dims = [types[i - rank] for i in others] + [xc.OpSharding.Type.REPLICATED]
+  return xc.HloSharding.from_proto(proto)
+
+
+def _shard_index_table(sharding, rank, num_devices):
+  """u32[num_devices]: the linear index of the shard each partition holds (replicas share one)."""
+  tiles, groups, _, devices = _tiles_and_devices(sharding, rank)
+  table = np.zeros(num_devices, np.uint32)
+  if devices is None:
+    return table
+  for pos in np.ndindex(*devices.shape):
+    table[devices[pos]] = np.ravel_multi_index(pos[:rank], tiles)
+  return table
+
+
+def _shard_salts(table):
+  """What is xor'ed into the key per partition: 0 for shard 0 (an unsplit tensor keeps its bits), else a mix."""
+  return np.array([0 if s == 0 else formats.fold_in_int(0x9E3779B9, int(s)) for s in table], np.uint32)
+
+
+def _ir_type(shape):
+  return ir.RankedTensorType.get(list(shape.dimensions()), mlir.dtype_to_ir_type(np.dtype(shape.numpy_dtype())))
+
+
+def _per_shard_module(target, attrs, arg_types, result_type, salts):
+  """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard, with the shard's salt in the key."""
+  with mlir.make_ir_context(), ir.Location.unknown():
+    module = ir.Module.create()
+    arg_types = [t() for t in arg_types]
+    result_type = result_type()
+    with ir.InsertionPoint(module.body):
+      main = func_dialect.FuncOp("main", ir.FunctionType.get(arg_types, [result_type]))
+      main.attributes["sym_visibility"] = ir.StringAttr.get("public")
+      block = main.add_entry_block()
+      with ir.InsertionPoint(block):
+        operands = list(block.arguments)
+        key_index = PARTITIONED_TARGETS[target]
+        if salts is not None:
+          u32 = ir.IntegerType.get_unsigned(32)
+          table = hlo.ConstantOp(ir.DenseElementsAttr.get(salts, type=ir.RankedTensorType.get([len(salts)], u32)))
+          pid = hlo.PartitionIdOp().result
+          salt = hlo.DynamicSliceOp(table.result, [pid], ir.DenseI64ArrayAttr.get([1])).result
+          salt = hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result
+          operands[key_index] = hlo.XorOp(operands[key_index], salt).result
+        call = mlir.custom_call(target, result_types=[result_type], operands=operands, api_version=4,
+                                backend_config=kernels.backend_config_attributes(target, attrs))
+        func_dialect.ReturnOp(call.results)
+    return mlir.module_to_bytecode(module)
+
+
+def _result_sharding(target, shape, sharding, attrs):
+  rank = len(shape)
+  bad = _blocking(target, rank, attrs).split_blocks(shape, _tiles_and_devices(sharding, rank)[0])
+  return _replicate_dims(sharding, rank, bad)
+
+
+def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
+  attrs = _decode_config(target, backend_config)
+  shape = list(result_shape.dimensions())
+  sharding = _result_sharding(target, shape, result_sharding, attrs)
+  salts = None
+  key_index = PARTITIONED_TARGETS[target]
+  if key_index is not None and attrs["stochastic"] and not sharding.is_replicated():
+    num_devices = sharding.num_devices() if hasattr(sharding, "num_devices") else None
+    num_devices = max(num_devices or 0, int(np.max(sharding.tile_assignment_devices())) + 1)
+    salts = _shard_salts(_shard_index_table(sharding, len(shape), num_devices))
+  replicated = xc.HloSharding.replicate()
+  arg_shardings = [sharding] + [replicated] * (len(arg_shapes) - 1)
+  local = [sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
+  arg_types = [functools.partial(_ir_type, s) for s in local]
+  result_type = functools.partial(_ir_type, sharding.tile(result_shape))
+  return _per_shard_module(target, attrs, arg_types, result_type, salts), arg_shardings, sharding
+
+
+def _infer_from_operands(target, arg_shapes, arg_shardings, result_shape, backend_config):
+  if arg_shardings[0] is None:
+    return None
+  return _result_sharding(target, list(result_shape.dimensions()), arg_shardings[0], _decode_config(target, backend_config))
+
+
+def _propagate_user_sharding(target, user_sharding, shape, backend_config):
+  return _result_sharding(target, list(shape.dimensions()), user_sharding, _decode_config(target, backend_config))
+
+
+_lock = threading.Lock()
+_registered = []
+
+
+def register():
+  """Install the partitioners with XLA, for the built-in backends now and for plugin backends (GPU) as they load."""
+  from jax._src import xla_bridge
+  with _lock:
+    if _registered:
+      return
+    for target in PARTITIONED_TARGETS:
+      callbacks = dict(prop_user_sharding=functools.partial(_propagate_user_sharding, target),
+                       partition=functools.partial(_partition, target),
+                       infer_sharding_from_operands=functools.partial(_infer_from_operands, target))
+      xc.register_custom_call_partitioner(target, **callbacks)
+      xla_bridge.register_plugin_callbacks(functools.partial(xc.register_custom_call_partitioner, target, **callbacks))
+      _registered.append(target)
