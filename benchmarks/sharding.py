@@ -12,8 +12,10 @@ one-device ratio.
 
 Differences to the one-device step: a sharded contraction (the wgrad over tokens under data parallelism, K in a
 row-parallel layer) adds f32 partial sums in another order than one device does, with or without the pass, so the
-JSON reports both programs' max |sharded - one device| side by side; everything else is bit-identical under nearest
-rounding (tests/sharding/test_layouts.py checks both).
+JSON reports both programs' |sharded - one device| side by side. In float32 that stays at rounding level; in bfloat16
+the baseline's one-ulp differences upstream can flip an FP4 rounding decision downstream, so the pass's difference is
+larger there (a few 1e-3 relative), as it would be between any two runs that differ in the last bit. Where no
+contraction is split the sharded step is bit-identical under nearest rounding (tests/sharding/test_layouts.py).
 """
 
 import argparse
@@ -81,9 +83,12 @@ def step_fn(scanned):
   return jax.jit(jax.grad(lambda p, x: loss(p, x, scanned)))
 
 
-def max_diff(a, b):
-  return max(float(np.max(np.abs(np.asarray(u, np.float32) - np.asarray(v, np.float32))))
-             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+def difference(a, b):
+  """(max |a - b|, ||a - b|| / ||b||) over all leaves, in float32."""
+  a = [np.asarray(u, np.float32) for u in jax.tree.leaves(a)]
+  b = [np.asarray(v, np.float32) for v in jax.tree.leaves(b)]
+  l2 = lambda xs: float(np.sqrt(sum(np.sum(np.square(x)) for x in xs)))  # noqa: E731
+  return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b)), l2([u - v for u, v in zip(a, b)]) / l2(b)
 
 
 def time_steps(fns, args, repeats):
@@ -115,8 +120,10 @@ def measure(layout, dtype, sizes, repeats):
       xla_fp4.disable()
     sharded, single = step_fn(scanned), step_fn(scanned)
     c = cost(sharded.lower(*sharded_args).compile())
-    out[name] = {"cost": c, "sharded": sharded, "single": single,
-                 "diff": max_diff(sharded(*sharded_args), single(*single_args))}
+    reference = single(*single_args)
+    diff, rel = difference(sharded(*sharded_args), reference)
+    out[name] = {"cost": c, "sharded": sharded, "single": single, "diff": diff, "rel": rel,
+                 "scale": max(float(np.max(np.abs(np.asarray(g, np.float32)))) for g in jax.tree.leaves(reference))}
   xla_fp4.disable()
   # The executables keep the setting they were compiled with, so all four time side by side.
   t = time_steps([out["none"]["sharded"], out["pass"]["sharded"], out["none"]["single"], out["pass"]["single"]],
@@ -132,7 +139,10 @@ def measure(layout, dtype, sizes, repeats):
       "step_s": {"sharded_none": t[0], "sharded_pass": t[1], "single_none": t[2], "single_pass": t[3],
                  "sharded_ratio": t[1] / t[0], "single_ratio": t[3] / t[2],
                  "sharded_over_single_ratio": (t[1] / t[0]) / (t[3] / t[2])},
+      # max |sharded - one device| over the gradients, and max |gradient| (one device) to read it against
       "max_abs_sharded_minus_single": {"none": out["none"]["diff"], "pass": out["pass"]["diff"]},
+      "max_abs_gradient": {"none": out["none"]["scale"], "pass": out["pass"]["scale"]},
+      "rel_l2_sharded_minus_single": {"none": out["none"]["rel"], "pass": out["pass"]["rel"]},
   }
 
 
@@ -145,7 +155,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   # (layers, d_model, d_ff, batch, seq): 4 layers, so the default policy keeps one block (the last) in high precision
-  sizes = (4, 128, 256, 16, 32) if args.small else (4, 512, 2048, 16, 256)
+  sizes = (4, 128, 256, 16, 32) if args.small else (4, 256, 1024, 16, 128)  # the second: issue 8's measurement
   repeats = args.repeats or (2 if args.small else 10)
   rows = [measure(layout, jnp.dtype(dt), sizes, repeats)
           for dt in args.dtypes.split(",") for layout in args.layouts.split(",")]
@@ -156,8 +166,8 @@ def main(argv=None):
     print(f"{r['layout']:16s} {r['dtype']:9s} dot flops x{r['dot_flops']['ratio']:.3f}  collective bytes "
           f"x{r['collective_bytes']['ratio_excluding_scalar']:.3f} (+{r['collective_bytes']['scalar_pass']} B scalar)  "
           f"step pass/none sharded {r['step_s']['sharded_ratio']:.2f} one device {r['step_s']['single_ratio']:.2f}  "
-          f"|sharded-single| none {r['max_abs_sharded_minus_single']['none']:.2e} "
-          f"pass {r['max_abs_sharded_minus_single']['pass']:.2e}", file=sys.stderr)
+          f"rel |sharded-single| none {r['rel_l2_sharded_minus_single']['none']:.1e} "
+          f"pass {r['rel_l2_sharded_minus_single']['pass']:.1e}", file=sys.stderr)
   text = json.dumps(result, indent=1)
   if args.out:
     with open(args.out, "w") as f:

@@ -96,7 +96,8 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     if selected:
       kernel_set = kernels(new) if kernels else _kernels_for(platform, new)
       use_native = _use_native(config.backend, platform, kernel_set)
-      emitter = rewrite_mod.Emitter(kernel_set, config.seed, whole_tensors=num_partitions(new) == 1)
+      partitioned = num_partitions(new) > 1
+      emitter = rewrite_mod.Emitter(kernel_set, config.seed, whole_tensors=not partitioned)
       plumbed = {}  # (func name, id of the original entry call) -> block value inside the function
       for d in selected:
         site, dot = analysis.sites[d.index], analysis.ops[d.index]
@@ -114,9 +115,11 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
             block_value = plumbed[key] = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
           else:
             notes[d.index] = "block index unavailable per iteration: every iteration runs in NVFP4"
-        native = use_native and rewrite_mod.native_eligible(site)
+        native = use_native and rewrite_mod.native_eligible(site) and not partitioned
         if use_native and not native:
-          notes[d.index] = "; ".join(filter(None, [notes.get(d.index), "the packed GEMM takes no batch dims: emulated"]))
+          why = "the packed GEMM takes no batch dims" if not partitioned else \
+              "partitioned program: the packed kernels have no partitioner"
+          notes[d.index] = "; ".join(filter(None, [notes.get(d.index), f"{why}: emulated"]))
         y = emitter.emit(dot, site, d, block_value, native=native)
         dot.results[0].replace_all_uses_with(y)
         dot.erase()

@@ -283,8 +283,9 @@ class Emitter:
                                              rht=recipe.rht, rht_seed=self.seed,
                                              salt=formats.fold_in_int(self.seed, site_id))
     else:
-      s_dec, key, _ = self._scale_and_key(x, axis, recipe, site_id)
-      q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
+      pinned = _pinned(x)
+      s_dec, key, _ = self._scale_and_key(pinned, axis, recipe, site_id)
+      q = self.kernels.qdq(pinned, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
                            rht=recipe.rht, rht_seed=self.seed)
     if not stochastic:
       self._quantized.setdefault(x, []).append((axis, recipe.block_2d, recipe.rht, q, s_dec))
@@ -371,6 +372,7 @@ class Emitter:
     return acc, _const(1.0, _f32())  # alpha is applied inside the GEMM, as cuBLASLt does
 
   def _packed(self, x, recipe, site_id):
+    x = _pinned(x)
     s_dec, key, stochastic = self._scale_and_key(x, 1, recipe, site_id)
     packed = self.kernels.quantize_packed(x, s_dec, key, block_2d=recipe.block_2d, stochastic=stochastic,
                                           rht=recipe.rht, rht_seed=self.seed)
@@ -386,6 +388,13 @@ class Emitter:
       kept = c if kept is None else hlo.OrOp(kept, c).result
     i32 = ir.IntegerType.get_signless(32)
     return hlo.SelectOp(kept, _const(0, i32), _const(1, i32)).result
+
+
+def _pinned(x):
+  """x behind an optimization barrier, for a kernel and the reductions that measure its operand: without it XLA may
+  fuse x's producer into the amax reduction at higher precision (dropping an f32 -> bf16 -> f32 rounding pair), and
+  measure values the kernel's operand never holds (seen with bf16 tanh activations)."""
+  return hlo.OptimizationBarrierOp([x]).results[0]
 
 
 def _before_in_program_order(value, op):

@@ -1,0 +1,138 @@
+"""Sharded programs keep their parallelism under the pass, and their numbers.
+
+Each test runs in a subprocess: the host device count is fixed when JAX's backend starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_python(args, timeout=600, **env):
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
+  r = subprocess.run([sys.executable, *args], env={**clean, **env}, capture_output=True, text=True, timeout=timeout,
+                     cwd=ROOT)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+  return r.stdout
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+  out = tmp_path_factory.mktemp("sharding") / "sharding.json"
+  run_python(["benchmarks/sharding.py", "--small", "--repeats", "1", "--out", str(out)], timeout=900)
+  return json.loads(out.read_text())["rows"]
+
+
+LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "2d", "scan_fsdp")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_work_and_communication_per_device(layouts, layout, dtype):
+  row = next(r for r in layouts if r["layout"] == layout and r["dtype"] == dtype)
+  assert row["dot_flops"]["ratio"] <= 1.05, row["dot_flops"]
+  assert row["collective_bytes"]["ratio_excluding_scalar"] <= 1.10, row["collective_bytes"]
+  # The global amax (and digest) are scalar all-reduces: the pass adds nothing else.
+  assert row["collective_bytes"]["scalar_pass"] > 0, "the partitioned form reduces amax across devices"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_gradients_match_one_device(layouts, layout, dtype):
+  """Nearest rounding. Shards quantize exactly what one device does (checked bit for bit below); what is left is the
+  order of f32 partial sums in sharded contractions, which the baseline has too. In bfloat16 its one-ulp differences
+  can flip FP4 rounding decisions downstream; a block split across shards or a per-shard scale would be off by far
+  more (tens of percent)."""
+  row = next(r for r in layouts if r["layout"] == layout and r["dtype"] == dtype)
+  if dtype == "float32":
+    assert row["max_abs_sharded_minus_single"]["pass"] <= 1e-6 * row["max_abs_gradient"]["pass"], row
+  else:
+    assert row["rel_l2_sharded_minus_single"]["pass"] <= 2e-2, row
+
+
+BITWISE = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xla_fp4
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+    w1 = jax.random.normal(jax.random.key(0), (64, 256)) * 0.1
+    w2 = jax.random.normal(jax.random.key(1), (256, 64)) * 0.1
+    x = jax.random.normal(jax.random.key(2), (16, 32, 64))
+    fwd = lambda w1, w2, x: jnp.tanh(x @ w1) @ w2
+    loss = lambda w1, w2, x: jnp.sum(fwd(w1, w2, x) ** 2)
+    progs = {"forward": jax.jit(fwd), "dx": jax.jit(jax.grad(loss, argnums=2)),
+             "column": jax.jit(lambda w1, x: jnp.tanh(x @ w1))}
+    cases = [("forward", (w1, w2, x), (w1, w2, put(x, "d"))),                       # data parallel
+             ("dx", (w1, w2, x), (w1, w2, put(x, "d"))),
+             ("forward", (w1, w2, x), (put(w1, "d"), put(w2, "d"), put(x, "d"))),   # FSDP: weights gathered
+             ("column", (w1, x), (put(w1, None, "d"), x))]                          # tensor parallel, column
+    xla_fp4.enable(strict=True, stochastic_rounding=False)
+    bf16 = lambda args: jax.tree.map(lambda a: a.astype(jnp.bfloat16), args)
+    for name, one, sharded in cases + [(n, bf16(o), bf16(s)) for n, o, s in cases]:
+      a, b = progs[name](*one), progs[name](*sharded)
+      assert jnp.array_equal(a, b), (name, a.dtype, float(jnp.abs(a - b).max()))
+    one_hlo = progs["forward"].lower(w1, w2, x).compile().as_text()
+    sharded_hlo = progs["forward"].lower(w1, w2, put(x, "d")).compile().as_text()
+    assert "xla_fp4_qdq_with_scale" in one_hlo, "one device: the kernel measures amax"
+    assert "xla_fp4_qdq_with_scale" not in sharded_hlo and '"xla_fp4_qdq"' in sharded_hlo, "partitioned: reductions"
+    nvfp4 = progs["forward"](w1, w2, x)
+    xla_fp4.disable()
+    assert not jnp.array_equal(progs["forward"](w1, w2, x), nvfp4), "the pass did not run"
+    print("OK")
+""")
+
+
+def test_bit_identical_to_one_device_where_no_contraction_is_split():
+  """Data parallel forward and input gradient, FSDP forward, a column-parallel layer: the same bits as one device.
+  The two also take the pass's two forms (one device: xla_fp4_qdq_with_scale measures amax; partitioned: plain
+  reductions feed xla_fp4_qdq), so this checks that they agree."""
+  assert "OK" in run_python(["-c", BITWISE])
+
+
+STOCHASTIC = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xla_fp4
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    # 256 tokens, 32 per shard. x is one-hot per token (exact in NVFP4), so y = x @ w has row t of w as token t's
+    # output and the weight gradient x^T g has the quantized gradient of token t as its row t. w and c repeat every
+    # 32 tokens, so every shard holds the same gradient values.
+    tokens, n = 256, 64
+    x = jnp.eye(tokens).reshape(16, 16, tokens)
+    c = jnp.tile(jax.random.normal(jax.random.key(0), (2, 16, n)), (8, 1, 1))
+    w = jnp.tile(jax.random.normal(jax.random.key(1), (32, n)), (8, 1))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))
+    dw = jax.jit(jax.grad(lambda w, x, c: jnp.sum(jnp.tanh(x @ w) * c)))
+    rows = lambda g: np.asarray(g).reshape(8, 32, n)
+    xla_fp4.enable(strict=True, rht=False, stochastic_rounding=False)
+    nearest = rows(dw(w, put(x), put(c)))
+    assert all(np.array_equal(nearest[0], nearest[s]) for s in range(8)), "setup: shards must see the same values"
+    xla_fp4.enable(strict=True, rht=False)
+    first, again = rows(dw(w, put(x), put(c))), rows(dw(w, put(x), put(c)))
+    assert np.array_equal(first, again), "stochastic rounding is reproducible for the same program and inputs"
+    assert not np.array_equal(first[0], nearest[0]), "the gradient was rounded stochastically"
+    same = [s for s in range(1, 8) if np.array_equal(first[0], first[s])]
+    assert not same, f"shards {same} drew the same random bits as shard 0"
+    # Unbiased: averaged over the 8 shards' independent draws, the rounding error shrinks.
+    xla_fp4.disable()
+    exact = rows(dw(w, x, c))[0]
+    one = np.abs(first[0] - exact).mean()
+    mean = np.abs(first.mean(0) - exact).mean()
+    assert mean < 0.6 * one, (mean, one)
+    print("OK")
+""")
+
+
+def test_stochastic_rounding_draws_differ_between_shards():
+  assert "OK" in run_python(["-c", STOCHASTIC])
