@@ -194,7 +194,7 @@ XLA_FP4_HOST_DEVICE inline void Rht16(float* v, const float* sign_quarter) {
 // ---- the recipe (numerics/quantize.py _encode / _decode) ----
 
 // |v| as bits for a per-tensor amax in which NaN counts as +Inf: for non-negative floats the integer order is the float
-// order. An Inf or NaN anywhere makes s_dec Inf, so the whole tensor decodes to NaN (DESIGN.md §2).
+// order. An Inf or NaN anywhere makes s_dec Inf, so the whole tensor decodes to NaN (docs/design.md §2).
 XLA_FP4_HOST_DEVICE inline uint32_t MagnitudeBits(float v) {
   const uint32_t a = BitsOf(v) & 0x7FFFFFFFu;
   return a < 0x7F800000u ? a : 0x7F800000u;

@@ -193,7 +193,7 @@ auto WithRht(RhtAlong along, F&& f) {
 }
 
 // With apply_global_scale off the result is q * scale, exact in every float dtype: the emulated GEMM then folds
-// both tensors' s_dec into its float32 output, as cuBLASLt's alpha does (DESIGN.md §2).
+// both tensors' s_dec into its float32 output, as cuBLASLt's alpha does (docs/design.md §2).
 template <typename T>
 void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const RhtSigns* rht,
              bool apply_global_scale) {

@@ -1,7 +1,7 @@
 """The compile hook: the one module that touches JAX private API.
 
 `jax._src.compiler.compile_or_get_cached(backend, computation, ...)` is the funnel of jit, AOT compile, grad, pmap and
-shard_map (DESIGN.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the persistent
+shard_map (docs/design.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the persistent
 cache key is computed from it, so rewritten and original programs never share cache entries).
 """
 
@@ -28,24 +28,36 @@ def _check_jax():
                        f"it can wrap; jax {jax.__version__} has {params}. Upgrade xla_fp4 or pin jax 0.10.2-0.12.")
 
 
+def _warn_once(what, computation, e):
+  if not _state["warned"]:
+    _state["warned"] = True
+    warnings.warn(f"xla_fp4: {what} on module {pipeline.module_name(computation)!r} ({type(e).__name__}: {e}); "
+                  "compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. (Warned once per process.)",
+                  RuntimeWarning, stacklevel=3)
+  logger.debug("xla_fp4 failure", exc_info=True)
+
+
 def _compile_or_get_cached(backend, computation, *args, **kwargs):
   config = _state["config"]
-  module = computation
+  original = _state["original"]
   try:
     result = pipeline.transform(computation, config, platform=backend.platform)
     if config.dump_dir and result.rows:
       pipeline.dump(config.dump_dir, computation, result)
-    module = result.module
   except Exception as e:  # the user's program must keep working: compile the original module
     if config.strict:
       raise
-    if not _state["warned"]:
-      _state["warned"] = True
-      warnings.warn(f"xla_fp4: the NVFP4 pass failed on module {pipeline.module_name(computation)!r} "
-                    f"({type(e).__name__}: {e}); compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. "
-                    "(Warned once per process.)", RuntimeWarning, stacklevel=2)
-    logger.debug("xla_fp4 pass failure", exc_info=True)
-  return _state["original"](backend, module, *args, **kwargs)
+    _warn_once("the NVFP4 pass failed", computation, e)
+    return original(backend, computation, *args, **kwargs)
+  if not result.changed:
+    return original(backend, computation, *args, **kwargs)
+  try:
+    return original(backend, result.module, *args, **kwargs)
+  except Exception as e:  # XLA rejected the rewritten module (e.g. a partitioner or a kernel registration failed)
+    if config.strict:
+      raise
+    _warn_once("XLA could not compile the NVFP4 module", computation, e)
+    return original(backend, computation, *args, **kwargs)
 
 
 def install(config: Config):

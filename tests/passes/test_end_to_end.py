@@ -156,6 +156,25 @@ def test_internal_failure_compiles_the_original_and_warns(monkeypatch):
     assert jnp.array_equal(got["params"][layer]["kernel"], base["params"][layer]["kernel"])
 
 
+def test_xla_compile_failure_compiles_the_original_and_warns(monkeypatch):
+  """The rewritten module calls a target no one registered: XLA refuses it, the original program still runs."""
+  from xla_fp4 import kernels
+  missing = "xla_fp4_not_registered"
+  monkeypatch.setattr(kernels, "QDQ_WITH_SCALE_TARGET", missing)
+  monkeypatch.setitem(kernels.ATTRIBUTES, missing, kernels.ATTRIBUTES["xla_fp4_qdq_with_scale"])
+  monkeypatch.setitem(xla_fp4.hook._state, "warned", False)
+  base = _grads(fp4=False)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = _grads_uncached(stochastic_rounding=False)
+  assert any("could not compile" in str(w.message) and missing in str(w.message) for w in caught), \
+      [str(w.message) for w in caught]
+  for layer in ("fc1", "fc2", "head"):
+    assert jnp.array_equal(got["params"][layer]["kernel"], base["params"][layer]["kernel"])
+  with pytest.raises(Exception, match=missing):
+    _grads_uncached(strict=True)
+
+
 def test_strict_mode_raises(monkeypatch):
   def boom(*a, **k):
     raise RuntimeError("injected")

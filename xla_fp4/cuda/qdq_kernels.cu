@@ -14,7 +14,7 @@ namespace {
 
 // Writes decode(q) back in the input's dtype, at the block's own positions. Without the global scale the result is
 // q * scale, exact in every float dtype: an emulated GEMM then folds both s_dec into its float32 output, as cuBLASLt's
-// alpha does (DESIGN.md §2).
+// alpha does (docs/design.md §2).
 template <typename T>
 struct DequantizeSink {
   T* y;

@@ -1,7 +1,7 @@
 """Emulated NVFP4 GEMM: C = (Σ_k (q_a·scale_a)(q_b·scale_b)) · s_dec_a · s_dec_b, float32 accumulation.
 
 q·scale is exact in float32, so the only roundings are the float32 accumulation and the final alpha multiply, as in
-cuBLASLt's FP4 GEMM with alpha = s_dec_a·s_dec_b (DESIGN.md §2: never fold s_dec into the operands).
+cuBLASLt's FP4 GEMM with alpha = s_dec_a·s_dec_b (docs/design.md §2: never fold s_dec into the operands).
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ from xla_fp4.numerics.rht import rht_f32
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OperandRecipe:
-  """How one GEMM operand is quantized (DESIGN.md §2 table)."""
+  """How one GEMM operand is quantized (docs/design.md §2 table)."""
   block_2d: bool = False
   rounding: str = "nearest"
   rht: bool = False

@@ -1,4 +1,4 @@
-"""NVFP4 quantization of one tensor along one axis: the pure-JAX reference of the recipe (DESIGN.md §2).
+"""NVFP4 quantization of one tensor along one axis: the pure-JAX reference of the recipe (docs/design.md §2).
 
 A tensor of any rank is viewed as (outer, K, inner) around the quantization axis (no data movement). Blocks are 16
 consecutive elements along K. With `block_2d=True` a block is a 16x16 tile: 16 along K times 16 consecutive positions of

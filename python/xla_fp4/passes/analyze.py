@@ -10,7 +10,7 @@ Input: a StableHLO module as JAX lowers it (before and after are the same module
     %6 = stablehlo.dot_general %g, %arg1, contracting_dims = [0] x [0]
            loc("jit(step)/transpose(jvp(MLP))/fc1/dot_general"(...))   -> wgrad (same source frame, no weight operand)
 
-How (DESIGN.md §4):
+How (docs/design.md §4):
 - name stack: the outermost NameLoc of the op's location; ops in outlined functions (scan bodies, nested jit, remat)
   carry names relative to their call site, so the call site's name stack is prefixed (the first call site wins).
 - phase: backward iff the name stack holds `transpose(` outside a `rematted_computation` (remat recomputation is

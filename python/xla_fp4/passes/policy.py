@@ -1,9 +1,9 @@
 """Policy: decide per dot whether it runs in NVFP4, with which recipe per operand, and why.
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
-are reported. Defaults follow DESIGN.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept; about
-16% of the blocks kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62 blocks);
-GEMMs whose contraction is not a multiple of 16, or that are tiny, kept.
+are reported. Defaults follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept;
+about 16% of the blocks kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62
+blocks); GEMMs whose contraction is not a multiple of 16, or that are tiny, kept.
 
 In a scanned layer stack one dot serves every layer: the decision there is `nvfp4` with `keep_blocks`, and the rewrite
 selects per iteration between the NVFP4 result and the high-precision one on the block index.
@@ -76,8 +76,8 @@ def default_rules(config: Config):
 
 
 def recipe_for(site: DotSite, config: Config):
-  """Per-operand recipe of DESIGN.md §2's table. JAX's transpose rule emits dot_general(g, other): the gradient is the
-  non-weight operand of a dgrad and the lhs of a wgrad."""
+  """Per-operand recipe of docs/design.md §2's table. JAX's transpose rule emits dot_general(g, other): the gradient is
+  the non-weight operand of a dgrad and the lhs of a wgrad."""
   sr = "stochastic" if config.stochastic_rounding else "nearest"
   weight = OperandRecipe(block_2d=config.weights_2d)
   if site.role == "fprop":

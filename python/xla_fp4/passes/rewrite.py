@@ -10,12 +10,18 @@ After, in a program that is not partitioned (every tensor is whole on its device
 The kernel measures the operand (amax -> s_dec = amax / (6 * 448); the stochastic-rounding key) and returns q·scale,
 exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha.
 In a partitioned program the amax must be global, so it is a plain reduce that XLA partitions into an all-reduce:
-  %xa   = select(isnan(%x), inf, abs(%x))      ; for RHT operands: custom_call @xla_fp4_rht first
+  %xp   = stablehlo.optimization_barrier %x     ; the kernel and the reduction read the same rounded values
+  %xa   = select(isnan(%xp), inf, abs(%xp))     ; for RHT operands: custom_call @xla_fp4_rht first
   %amax = stablehlo.reduce(%xa) applies stablehlo.maximum
   %sx   = stablehlo.multiply %amax, 1/2688
-  %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
-                                                              apply_global_scale = false}
-Both forms compute the same numbers. Several contracting dims (a wgrad over batch and sequence) are merged into one,
+  %qx   = stablehlo.custom_call @xla_fp4_qdq(%xp, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
+            apply_global_scale = false, sdy.sharding_rule = ...}
+Both forms compute the same numbers. How each op partitions (measured with benchmarks/sharding.py: dot FLOPs and
+collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the barrier and the
+GEMM are plain StableHLO that XLA partitions itself; xla_fp4_qdq and xla_fp4_rht carry a Shardy rule and a
+registered custom-call partitioner (xla_fp4/sharding/partition.py) that runs them on block-aligned shards of any dim,
+the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable` was not
+used: it covers leading batch dims only. The plain-StableHLO twins were not used either: the C++ kernels are faster. Several contracting dims (a wgrad over batch and sequence) are merged into one,
 in place when they are adjacent, else after a transpose to (batch, free, K). A nearest-rounded operand is quantized
 once and reused by every dot that reads it the same way (q, k and v projections of one input; a dgrad and its fprop's
 16x16-tiled weight, the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed,
@@ -91,7 +97,7 @@ def _reduce(x, op_cls, init, elem_type):
 def _amax(x):
   """max |x| as one plain max reduction (partitionable into a cross-device all-reduce) in which NaN counts as +Inf:
   XLA CPU's vectorized max reduction can drop a NaN, but never an Inf. Either way s_dec becomes Inf and the whole
-  tensor decodes to NaN (0 * Inf), so NaN/Inf in a GEMM operand reach its output (DESIGN.md §2)."""
+  tensor decodes to NaN (0 * Inf), so NaN/Inf in a GEMM operand reach its output (docs/design.md §2)."""
   f32 = _f32()
   t = ir.RankedTensorType.get(_tensor_type(x).shape, f32)
   isnan = hlo.CompareOp(x, x, hlo.ComparisonDirectionAttr.get("NE")).result

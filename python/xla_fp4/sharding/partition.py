@@ -34,7 +34,7 @@ from xla_fp4 import kernels
 from xla_fp4.numerics import formats
 from xla_fp4.numerics.formats import BLOCK
 
-# target -> (index of the stochastic-rounding key operand or None, whether the result is f32 regardless of x)
+# target -> index of its stochastic-rounding key operand (None: the kernel draws no random bits)
 PARTITIONED_TARGETS = {kernels.QDQ_TARGET: 2, kernels.RHT_TARGET: None}
 
 
@@ -159,27 +159,26 @@ def _shard_salts(table):
 
 
 def _ir_type(shape):
+  """The MLIR tensor type of an XLA array shape (needs a context)."""
   return ir.RankedTensorType.get(list(shape.dimensions()), mlir.dtype_to_ir_type(np.dtype(shape.numpy_dtype())))
 
 
-def _per_shard_module(target, attrs, arg_types, result_type, salts):
-  """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard, with the shard's salt in the key."""
+def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
+  """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard; `salts` (per partition) go into the key."""
   with mlir.make_ir_context(), ir.Location.unknown():
     module = ir.Module.create()
-    arg_types = [t() for t in arg_types]
-    result_type = result_type()
+    arg_types, result_type = [_ir_type(s) for s in arg_shapes], _ir_type(result_shape)
     with ir.InsertionPoint(module.body):
       main = func_dialect.FuncOp("main", ir.FunctionType.get(arg_types, [result_type]))
       main.attributes["sym_visibility"] = ir.StringAttr.get("public")
       block = main.add_entry_block()
       with ir.InsertionPoint(block):
         operands = list(block.arguments)
-        key_index = PARTITIONED_TARGETS[target]
         if salts is not None:
+          key_index = PARTITIONED_TARGETS[target]
           u32 = ir.IntegerType.get_unsigned(32)
           table = hlo.ConstantOp(ir.DenseElementsAttr.get(salts, type=ir.RankedTensorType.get([len(salts)], u32)))
-          pid = hlo.PartitionIdOp().result
-          salt = hlo.DynamicSliceOp(table.result, [pid], ir.DenseI64ArrayAttr.get([1])).result
+          salt = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
           salt = hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result
           operands[key_index] = hlo.XorOp(operands[key_index], salt).result
         call = mlir.custom_call(target, result_types=[result_type], operands=operands, api_version=4,
@@ -189,36 +188,41 @@ def _per_shard_module(target, attrs, arg_types, result_type, salts):
 
 
 def _result_sharding(target, shape, sharding, attrs):
+  if sharding.is_manual() or sharding.is_maximal():
+    return sharding
   rank = len(shape)
   bad = _blocking(target, rank, attrs).split_blocks(shape, _tiles_and_devices(sharding, rank)[0])
   return _replicate_dims(sharding, rank, bad)
 
 
 def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
+  """XLA's partition callback: (per-shard module, operand shardings, result sharding)."""
   attrs = _decode_config(target, backend_config)
-  shape = list(result_shape.dimensions())
-  sharding = _result_sharding(target, shape, result_sharding, attrs)
+  if result_sharding.is_manual() or result_sharding.is_maximal():
+    # Inside shard_map (or on one device) the shapes are already the device's own: the kernel runs as it is.
+    module = _per_shard_module(target, attrs, arg_shapes, result_shape, None)
+    return module, [result_sharding] * len(arg_shapes), result_sharding
+  rank = len(result_shape.dimensions())
+  sharding = _result_sharding(target, list(result_shape.dimensions()), result_sharding, attrs)
   salts = None
-  key_index = PARTITIONED_TARGETS[target]
-  if key_index is not None and attrs["stochastic"] and not sharding.is_replicated():
-    num_devices = sharding.num_devices() if hasattr(sharding, "num_devices") else None
-    num_devices = max(num_devices or 0, int(np.max(sharding.tile_assignment_devices())) + 1)
-    salts = _shard_salts(_shard_index_table(sharding, len(shape), num_devices))
-  replicated = xc.HloSharding.replicate()
-  arg_shardings = [sharding] + [replicated] * (len(arg_shapes) - 1)
+  if PARTITIONED_TARGETS[target] is not None and attrs["stochastic"] and not sharding.is_replicated():
+    num_partitions = int(np.max(sharding.tile_assignment_devices())) + 1
+    salts = _shard_salts(_shard_index_table(sharding, rank, num_partitions))
+  arg_shardings = [sharding] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 1)  # x, then the scalars
   local = [sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
-  arg_types = [functools.partial(_ir_type, s) for s in local]
-  result_type = functools.partial(_ir_type, sharding.tile(result_shape))
-  return _per_shard_module(target, attrs, arg_types, result_type, salts), arg_shardings, sharding
+  return _per_shard_module(target, attrs, local, sharding.tile(result_shape), salts), arg_shardings, sharding
 
 
 def _infer_from_operands(target, arg_shapes, arg_shardings, result_shape, backend_config):
+  """GSPMD's forward propagation: the result is sharded like x, block-aligned."""
   if arg_shardings[0] is None:
     return None
-  return _result_sharding(target, list(result_shape.dimensions()), arg_shardings[0], _decode_config(target, backend_config))
+  attrs = _decode_config(target, backend_config)
+  return _result_sharding(target, list(result_shape.dimensions()), arg_shardings[0], attrs)
 
 
 def _propagate_user_sharding(target, user_sharding, shape, backend_config):
+  """GSPMD's backward propagation: x is sharded like the result's user, block-aligned."""
   return _result_sharding(target, list(shape.dimensions()), user_sharding, _decode_config(target, backend_config))
 
 
