@@ -8,8 +8,8 @@ devices (`--xla_force_host_platform_device_count=8`, mesh data=2 x model=4). Lay
 parallel (w1 column-, w2 row-parallel over all 8 devices), 2D (batch over data, tensor parallel over model), and a
 scanned layer stack under FSDP; float32 and bfloat16. Step times are also taken on a 2-device mesh (model=2), as many
 devices as the machine's cores: on 8 host devices sharing 2 cores each of the pass's scalar all-reduces (the global
-amax) waits for 8 threads that take turns, a cost a GPU pod does not have. Targets (issue 8): dot FLOPs <= 1.05x and collective bytes
-(scalar all-reduces aside) <= 1.10x in every layout, and the sharded step-time ratio (pass / none) within 10% of the
+amax) waits for 8 threads that take turns, a cost a GPU pod does not have. Targets (issue 8): dot FLOPs <= 1.05x and
+collective bytes (scalar all-reduces aside) <= 1.10x in every layout, and the sharded step-time ratio (pass / none) within 10% of the
 one-device ratio.
 
 Differences to the one-device step: a sharded contraction (the wgrad over tokens under data parallelism, K in a

@@ -1,8 +1,8 @@
 """The compile hook: the one module that touches JAX private API.
 
 `jax._src.compiler.compile_or_get_cached(backend, computation, ...)` is the funnel of jit, AOT compile, grad, pmap and
-shard_map (docs/design.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the persistent
-cache key is computed from it, so rewritten and original programs never share cache entries).
+shard_map (docs/design.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the
+persistent cache key is computed from it, so rewritten and original programs never share cache entries).
 """
 
 import inspect

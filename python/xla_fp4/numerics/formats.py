@@ -1,7 +1,7 @@
 """The NVFP4 number formats: E2M1 elements, E4M3 block scales, FP32 tensor scales.
 
-Constants and the element-wise rounding rules of the recipe (docs/design.md §2, arXiv 2509.25149 §2). Everything is computed
-in float32 with operations whose results are exact or correctly rounded, so the C++ kernels
+Constants and the element-wise rounding rules of the recipe (docs/design.md §2, arXiv 2509.25149 §2). Everything is
+computed in float32 with operations whose results are exact or correctly rounded, so the C++ kernels
 (`xla_fp4/nvfp4_format.h`) reproduce them bit for bit.
 """
 

@@ -1,7 +1,8 @@
 """The pass pipeline: clone → analyze → decide → rewrite → verify → dump. Entry point of the compile hook.
 
 `transform` never mutates the module it is given (JAX keeps it for `Lowered.as_text()` and cache keys); it returns a
-fresh module, or the original when nothing was selected. Errors are the caller's business (hook.py falls back and warns).
+fresh module, or the original when nothing was selected. Errors are the caller's business (hook.py falls back and
+warns).
 """
 
 import dataclasses

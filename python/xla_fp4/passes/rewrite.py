@@ -19,14 +19,15 @@ In a partitioned program the amax must be global, so it is a plain reduce that X
 Both forms compute the same numbers. How each op partitions (measured with benchmarks/sharding.py: dot FLOPs and
 collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the barrier and the
 GEMM are plain StableHLO that XLA partitions itself; xla_fp4_qdq and xla_fp4_rht carry a Shardy rule and a
-registered custom-call partitioner (xla_fp4/sharding/partition.py) that runs them on block-aligned shards of any dim,
-the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable` was not
-used: it covers leading batch dims only. The plain-StableHLO twins were not used either: the C++ kernels are faster. Several contracting dims (a wgrad over batch and sequence) are merged into one,
-in place when they are adjacent, else after a transpose to (batch, free, K). A nearest-rounded operand is quantized
+registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
+any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable` was not
+used: it covers leading batch dims only. The plain-StableHLO twins were not used either: the C++ kernels are faster.
+Several contracting dims (a wgrad over batch and sequence) are merged into one, in place when they are adjacent, else
+after a transpose to (batch, free, K). A nearest-rounded operand is quantized
 once and reused by every dot that reads it the same way (q, k and v projections of one input; a dgrad and its fprop's
 16x16-tiled weight, the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed,
 site)`: the digest is a wrapping uint32 sum of the operand's bits, so keys change every step and differ between
-layers, yet are reproducible.
+layers, yet are reproducible; in a partitioned program each shard xors its own salt into the key.
 In a scanned stack with high-precision blocks, `stablehlo.case(block in keep)` runs the original dot in kept iterations
 and the NVFP4 pattern in the others (one GEMM per iteration); the block index is passed into the scan body function as
 an extra argument when needed.
