@@ -21,7 +21,8 @@ collective bytes per device 1.00x of the unrewritten program in every layout): t
 GEMM are plain StableHLO that XLA partitions itself; xla_fp4_qdq and xla_fp4_rht carry a Shardy rule and a
 registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
 any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable`
-was not used: it covers leading batch dims only. The plain-StableHLO twins were not used either: the C++ kernels are faster.
+was not used: it covers leading batch dims only. The plain-StableHLO twins were not used either: the C++ kernels
+are faster.
 Several contracting dims (a wgrad over batch and sequence) are merged into one, in place when they are adjacent, else
 after a transpose to (batch, free, K). A nearest-rounded operand is quantized
 once and reused by every dot that reads it the same way (q, k and v projections of one input; a dgrad and its fprop's
