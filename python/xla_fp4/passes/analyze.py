@@ -80,7 +80,8 @@ class DotSite:
   lhs_shape: tuple
   rhs_shape: tuple
   out_shape: tuple
-  dtype: str
+  dtype: str  # of the result
+  operand_dtypes: tuple  # (lhs, rhs) element types
   m: int
   n: int
   k: int
@@ -505,7 +506,8 @@ def analyze(module) -> Analysis:
         index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
         weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, block=block,
         num_stacked=stacked, is_head=is_head, excluded_scope=EXCLUDE_SCOPE in d.stack, lhs_shape=ls, rhs_shape=rs,
-        out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type), m=m, n=n, k=k,
+        out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
+        operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]), m=m, n=n, k=k,
         flops=2 * int(math.prod(out)) * k, contracting=(lc, rc), batch=(lb, rb)))
     ops[i] = op
   static = [s.block for s in sites if s.block is not None and s.role != "other"]

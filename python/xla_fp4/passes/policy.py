@@ -53,11 +53,16 @@ def kept_blocks(config: Config, num_blocks: int) -> frozenset:
   return frozenset(range(first)) | frozenset(range(num_blocks - last, num_blocks))
 
 
+QUANTIZABLE_DTYPES = {"f32", "bf16", "f16"}
+
+
 def default_rules(config: Config):
   exclude = re.compile(config.exclude) if config.exclude else None
   return (
       Rule(name="not_linear", decision="keep", reason="not a linear-layer GEMM (no operand is a parameter)",
            when=lambda s, c: s.role == "other"),
+      Rule(name="dtype", decision="keep", reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
+           when=lambda s, c: not set(s.operand_dtypes) <= QUANTIZABLE_DTYPES),
       Rule(name="exclude_scope", decision="keep", reason="inside xla_fp4.exclude()",
            when=lambda s, c: s.excluded_scope),
       Rule(name="exclude_regex", decision="keep", reason=f"layer path matches XLA_FP4_EXCLUDE={config.exclude!r}",

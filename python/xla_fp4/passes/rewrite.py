@@ -247,12 +247,15 @@ class ReferenceKernels:
 class Emitter:
   """Emits the NVFP4 pattern for one dot at a time."""
 
-  def __init__(self, kernels, seed, whole_tensors):
+  def __init__(self, kernels, seed, whole_tensors, f32_gemm=False):
     self.kernels = kernels
     self.seed = seed
     # Not partitioned: kernels measure their operand themselves (xla_fp4_qdq_with_scale) instead of the reductions
     # around them that a partitioned program needs for a global amax.
     self.whole_tensors = whole_tensors
+    # The emulated GEMM multiplies f32 operands (q·scale is exact in f32): XLA CPU fails at run time on some
+    # bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk::Execute"), e.g. a two-contracting-dim einsum.
+    self.f32_gemm = f32_gemm
     self._quantized = {}  # value -> [(axis, block_2d, rht, q·scale, s_dec)] of its nearest-rounded quantizations
     self._merges = {}  # (value, contracting dims) -> the value with those dims merged
 
@@ -362,6 +365,8 @@ class Emitter:
     kwargs = {}
     if "precision_config" in dot.attributes:
       kwargs["precision_config"] = dot.attributes["precision_config"]
+    if self.f32_gemm:
+      qa, qb = _to_f32(qa), _to_f32(qb)
     acc = hlo.DotGeneralOp(acc_type, qa, qb, dims, **kwargs).result
     return acc, hlo.MulOp(sa, sb).result
 
@@ -396,6 +401,11 @@ class Emitter:
       kept = c if kept is None else hlo.OrOp(kept, c).result
     i32 = ir.IntegerType.get_signless(32)
     return hlo.SelectOp(kept, _const(0, i32), _const(1, i32)).result
+
+
+def _to_f32(x):
+  t = _tensor_type(x)
+  return x if t.element_type == _f32() else hlo.ConvertOp(ir.RankedTensorType.get(t.shape, _f32()), x).result
 
 
 def _pinned(x):
