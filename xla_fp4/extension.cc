@@ -37,6 +37,7 @@ NB_MODULE(_xla_fp4_ext, m) {
     d[xla_fp4::kQdqTarget] = Handler(XlaFp4QdqCpu);
     d[xla_fp4::kQdqWithScaleTarget] = Handler(XlaFp4QdqWithScaleCpu);
     d[xla_fp4::kRhtTarget] = Handler(XlaFp4RhtCpu);
+    d[xla_fp4::kBlockAmaxTarget] = Handler(XlaFp4BlockAmaxCpu);
     d[xla_fp4::kQuantizePackedTarget] = Handler(XlaFp4QuantizePackedCpu);
     d[xla_fp4::kDequantizePackedTarget] = Handler(XlaFp4DequantizePackedCpu);
     d[xla_fp4::kGemmPackedTarget] = Handler(XlaFp4GemmPackedCpu);

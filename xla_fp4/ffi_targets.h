@@ -8,6 +8,7 @@ namespace xla_fp4 {
 inline constexpr char kQdqTarget[] = "xla_fp4_qdq";
 inline constexpr char kQdqWithScaleTarget[] = "xla_fp4_qdq_with_scale";
 inline constexpr char kRhtTarget[] = "xla_fp4_rht";
+inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";
 inline constexpr char kQuantizePackedTarget[] = "xla_fp4_quantize_packed";
 inline constexpr char kDequantizePackedTarget[] = "xla_fp4_dequantize_packed";
 inline constexpr char kGemmPackedTarget[] = "xla_fp4_gemm_packed";

@@ -295,6 +295,60 @@ void RhtImpl(ffi::ThreadPool& pool, const T* x, float* y, const Geometry& g, con
   });
 }
 
+// Per-block max MagnitudeBits over tiles [t_begin, t_end), stored as floats at the blocks' positions in amax (x's
+// shape with the axis divided by 16). 1D blocks only: the tile's rows (kRow, axis last) or its columns (kCol).
+template <Blocks kBlocks, RhtAlong kRht, typename T>
+XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, const View& view, const float* sign_quarter,
+                                          int64_t t_begin, int64_t t_end) {
+  alignas(64) float v[kBlock][kBlock];
+  alignas(64) uint32_t m[kBlock];
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const TilePos p = PosOf(view, t);
+    LoadTransformed<kRht, false>(x, view, p, sign_quarter, v);
+    if constexpr (kBlocks == Blocks::kRow) {
+      for (int i = 0; i < kBlock; ++i) {
+        uint32_t mi = 0;
+        for (int j = 0; j < kBlock; ++j) {
+          const uint32_t a = MagnitudeBits(v[i][j]);
+          mi = a > mi ? a : mi;
+        }
+        m[i] = mi;
+      }
+      float* out = amax + p.base / kBlock;  // block index = line
+      for (int i = 0; i < p.nl; ++i) out[i] = FloatOf(m[i]);
+    } else {
+      for (int j = 0; j < kBlock; ++j) m[j] = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        for (int j = 0; j < kBlock; ++j) {
+          const uint32_t a = MagnitudeBits(v[i][j]);
+          m[j] = a > m[j] ? a : m[j];
+        }
+      }
+      // The tile's 16 lines are one block of every column: block row = line / 16.
+      const int64_t line = p.base / view.cols, col = p.base % view.cols;
+      float* out = amax + line / kBlock * view.cols + col;
+      for (int j = 0; j < p.nc; ++j) out[j] = FloatOf(m[j]);
+    }
+  }
+}
+
+template <typename T>
+void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, const Geometry& g, const RhtSigns* rht) {
+  const Blocks blocks = g.axis_last() ? Blocks::kRow : Blocks::kCol;
+  const View view = ViewOf(g, blocks);
+  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
+  WithRht(RhtDirection(g, rht), [&](auto along) {
+    ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
+      if (blocks == Blocks::kRow) {
+        BlockAmaxTiles<Blocks::kRow, decltype(along)::value>(x, amax, view, sq, begin, end);
+      } else {
+        BlockAmaxTiles<Blocks::kCol, decltype(along)::value>(x, amax, view, sq, begin, end);
+      }
+    });
+    return 0;
+  });
+}
+
 // ---- FFI: validation ----
 
 // x's shape viewed around `axis` (numerics.quantize.canonical_axis).
@@ -411,6 +465,27 @@ ffi::Error RhtFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBu
   });
 }
 
+// The per-block amax of a partitioned program's operand: block-local, so each shard measures its own blocks, and the
+// pass reduces the 16x smaller result to the global amax with a plain (all-reduced) max.
+ffi::Error BlockAmaxFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax, int64_t axis,
+                        bool rht, int64_t rht_seed) {
+  Geometry g;
+  if (ffi::Error e = FirstError({AxisGeometry(x.dimensions(), axis, &g), CheckSeed(rht_seed)}); e.failure()) {
+    return e;
+  }
+  if (amax->element_type() != ffi::DataType::F32 || amax->element_count() * kBlock != g.size()) {
+    return ffi::Error::InvalidArgument("the block amax result must be float32 with x's shape " +
+                                       ShapeString(x.dimensions()) + " and the axis divided by 16");
+  }
+  const RhtSigns signs(static_cast<uint32_t>(rht_seed));
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    BlockAmaxImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<float*>(amax->untyped_data()), g,
+                  rht ? &signs : nullptr);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace xla_fp4::cpu
 
@@ -449,4 +524,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCpu, xla_fp4::cpu::RhtFfi,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // y (float32)
                                   .Attr<int64_t>("axis")
+                                  .Attr<int64_t>("rht_seed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCpu, xla_fp4::cpu::BlockAmaxFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Ret<ffi::AnyBuffer>()  // amax per 1x16 block (float32)
+                                  .Attr<int64_t>("axis")
+                                  .Attr<bool>("rht")
                                   .Attr<int64_t>("rht_seed"));

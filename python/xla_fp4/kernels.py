@@ -22,6 +22,9 @@ Custom-call contract (for code that emits `stablehlo.custom_call` itself, like t
       element bits when stochastic (numerics.tensor_digest), so that the rounding differs every step. For tensors
       that are whole on one device: a partitioned program needs the global amax, i.e. a reduction XLA can partition.
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
+  xla_fp4_block_amax(x: f32|bf16|f16[...]) -> f32[x.shape, axis / 16]; attrs axis: i64, rht: bool, rht_seed: i64
+      the max |v| of every 1x16 block (v = its RHT when rht), NaN as +Inf     (== numerics.block_amax); block-local,
+      for partitioned programs: the max over the result, a plain reduction, is the global amax.
   xla_fp4_quantize_packed(x: f32|bf16|f16[rows, K], s_dec: f32[], key: u32[])
       -> (data: u8[rows, K/2], scales: u8[prod(numerics.padded_scale_shape(rows, K))])
       attrs block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64                 (== numerics.pack(quantize(...)))
@@ -42,6 +45,7 @@ import numpy as np
 QDQ_TARGET = "xla_fp4_qdq"
 QDQ_WITH_SCALE_TARGET = "xla_fp4_qdq_with_scale"
 RHT_TARGET = "xla_fp4_rht"
+BLOCK_AMAX_TARGET = "xla_fp4_block_amax"
 QUANTIZE_PACKED_TARGET = "xla_fp4_quantize_packed"
 DEQUANTIZE_PACKED_TARGET = "xla_fp4_dequantize_packed"
 GEMM_PACKED_TARGET = "xla_fp4_gemm_packed"
@@ -52,6 +56,7 @@ ATTRIBUTES = {
     QDQ_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "apply_global_scale": bool},
     QDQ_WITH_SCALE_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "salt": int},
     RHT_TARGET: {"axis": int, "rht_seed": int},
+    BLOCK_AMAX_TARGET: {"axis": int, "rht": bool, "rht_seed": int},
     QUANTIZE_PACKED_TARGET: dict(_QUANTIZE_ATTRIBUTES),
     DEQUANTIZE_PACKED_TARGET: {},
     GEMM_PACKED_TARGET: {},
@@ -189,6 +194,16 @@ def rht(x, *, axis=-1, seed=0):
   x = jnp.asarray(x)
   call = jax.ffi.ffi_call(RHT_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
   return call(x, **_attrs(RHT_TARGET, axis=axis, rht_seed=seed))
+
+
+def block_amax(x, *, axis=-1, rht=False, rht_seed=0):
+  """float32 max |v| per 1x16 block along `axis` (x's shape with the axis divided by 16); see the module docstring."""
+  register()
+  x = jnp.asarray(x)
+  shape = list(x.shape)
+  shape[axis] //= 16
+  call = jax.ffi.ffi_call(BLOCK_AMAX_TARGET, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+  return call(x, **_attrs(BLOCK_AMAX_TARGET, axis=axis, rht=rht, rht_seed=rht_seed))
 
 
 def quantize_packed(x, s_dec, key=0, *, block_2d=False, stochastic=False, rht=False, rht_seed=0):

@@ -113,6 +113,19 @@ def test_rht_matches_reference(t, seed):
 
 
 @SETTINGS
+@given(t=tensors(), rht=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_block_amax_matches_reference(t, rht, seed):
+  """Per 1x16 block max |rht(x) or x|, NaN counted as Inf; its max is what s_dec is made of."""
+  x, axis = t
+  got = kernels.block_amax(x, axis=axis, rht=rht, rht_seed=seed)
+  want = jax.jit(nv.block_amax, static_argnames=("axis", "rht_seed"))(x, axis=axis, rht_seed=seed if rht else None)
+  assert_same_bits(got, want)
+  x32 = np.asarray(x, np.float32)
+  src = np.asarray(jax.jit(rht_f32, static_argnums=(1, 2))(x32, axis, seed)) if rht else x32
+  assert np.asarray(got).max() == np.float32(np.where(np.isnan(src), np.inf, np.abs(src)).max())
+
+
+@SETTINGS
 @given(t=tensors(), recipe=recipes, salt=st.integers(0, 2**32 - 1))
 def test_qdq_with_scale_measures_x_itself(t, recipe, salt):
   """s_dec = max |rht(x) or x| (NaN counted as Inf) * f32(1/2688); key = salt ^ digest(x) when stochastic: the numbers

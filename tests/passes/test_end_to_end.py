@@ -257,8 +257,8 @@ def test_float64_layers_stay_in_high_precision_with_a_reason():
 
 
 def test_bf16_einsum_with_two_contracting_dims_runs_on_cpu():
-  """An attention-output projection (MaxText's self_attention/out): on CPU the emulated GEMM multiplies f32 operands,
-  since XLA CPU rejects this bf16 x bf16 -> f32 dot at run time."""
+  """An attention-output projection (MaxText's self_attention/out): XLA CPU rejects its wgrad as a bf16 x bf16 -> f32
+  dot of 3D operands at run time; the pass multiplies the operands as matrices there."""
   a = jax.random.normal(jax.random.key(0), (2, 128, 4, 64)).astype(jnp.bfloat16)
   w = (jax.random.normal(jax.random.key(1), (4, 64, 256)) * 0.05).astype(jnp.bfloat16)
   loss = lambda w, a: jnp.sum(jnp.einsum("bthd,hdo->bto", a, w).astype(jnp.float32) ** 2)  # noqa: E731

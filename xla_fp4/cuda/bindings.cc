@@ -18,6 +18,7 @@ void AddCudaBindings(nb::module_& m) {
     d[kQdqTarget] = capsule(XlaFp4QdqCuda);
     d[kQdqWithScaleTarget] = capsule(XlaFp4QdqWithScaleCuda);
     d[kRhtTarget] = capsule(XlaFp4RhtCuda);
+    d[kBlockAmaxTarget] = capsule(XlaFp4BlockAmaxCuda);
     d[kQuantizePackedTarget] = capsule(XlaFp4QuantizePackedCuda);
     d[kDequantizePackedTarget] = capsule(XlaFp4DequantizePackedCuda);
     d[kGemmPackedTarget] = capsule(XlaFp4GemmPackedCuda);

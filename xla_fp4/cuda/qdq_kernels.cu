@@ -1,4 +1,5 @@
-// xla_fp4_qdq, xla_fp4_qdq_with_scale and xla_fp4_rht on CUDA: the same numbers as the CPU kernels (qdq_kernels.cc).
+// xla_fp4_qdq, xla_fp4_qdq_with_scale, xla_fp4_rht and xla_fp4_block_amax on CUDA: the same numbers as the CPU
+// kernels (qdq_kernels.cc).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -36,6 +37,21 @@ __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
   LoadBlock(x, g, b, v);
   Rht16(v, r.sign_quarter);
   StoreBlock(y, g, b, v);
+}
+
+// One thread per 1x16 block (o, b, i): amax[o, b, i] = max_j |v_j|, v = the block's RHT when asked, NaN as +Inf.
+template <typename T>
+__global__ void BlockAmaxKernel(const T* x, int64_t blocks, int64_t inner, int64_t n, Recipe r, float* amax) {
+  const int64_t t = ThreadIndex();
+  if (t >= n) return;
+  const int64_t ob = t / inner, i = t % inner;
+  const T* rows = x + ob * kBlock * inner + i;
+  float v[kBlock];
+  for (int j = 0; j < kBlock; ++j) v[j] = ToFloat(rows[j * inner]);
+  if (r.rht) Rht16(v, r.sign_quarter);
+  uint32_t m = 0;
+  for (int j = 0; j < kBlock; ++j) m = max(m, MagnitudeBits(v[j]));
+  amax[t] = __uint_as_float(m);
 }
 
 __device__ inline uint32_t RawBits(float v) { return __float_as_uint(v); }
@@ -178,6 +194,25 @@ ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ff
   });
 }
 
+ffi::Error BlockAmax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t axis,
+                     bool rht, int64_t rht_seed) {
+  int64_t outer, k, inner;
+  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
+  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
+  const int64_t n = outer * (k / kBlock) * inner;
+  if (static_cast<int64_t>(amax->element_count()) != n) {
+    return InvalidArgument("xla_fp4_block_amax returns x's shape with the axis divided by 16");
+  }
+  if (n == 0) return ffi::Error::Success();
+  const Recipe r = Recipe::Make(false, false, rht, rht_seed);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    BlockAmaxKernel<<<GridSize(n), kThreadsPerBlock, 0, stream>>>(static_cast<const T*>(x.untyped_data()),
+                                                                   k / kBlock, inner, n, r, amax->typed_data());
+    return LaunchStatus("xla_fp4_block_amax kernel");
+  });
+}
+
 }  // namespace
 }  // namespace xla_fp4::cuda
 
@@ -215,4 +250,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCuda, xla_fp4::cuda::Rht,
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // RHT(x), float32
                                   .Attr<int64_t>("axis")
+                                  .Attr<int64_t>("rht_seed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCuda, xla_fp4::cuda::BlockAmax,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // amax per 1x16 block
+                                  .Attr<int64_t>("axis")
+                                  .Attr<bool>("rht")
                                   .Attr<int64_t>("rht_seed"));

@@ -89,6 +89,19 @@ def tensor_digest(x):
   return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
 
 
+def block_amax(x, *, axis=-1, rht_seed=None):
+  """max |v| over every 1x16 block along `axis` as float32, NaN counted as +Inf; v = the block's RHT with `rht_seed`
+  when one is given. The result has x's shape with the axis divided by 16, and its max is the tensor's amax. Blocks
+  are local, so a sharded tensor's shards measure their own (the kernel xla_fp4_block_amax)."""
+  from xla_fp4.numerics.rht import rht_f32  # rht imports this module
+  axis, outer, k, inner = canonical_axis(x.shape, axis)
+  v = x.astype(jnp.float32)
+  if rht_seed is not None:
+    v = rht_f32(v, axis, rht_seed)
+  v = jnp.where(jnp.isnan(v), jnp.float32(jnp.inf), jnp.abs(v)).reshape(outer, k // BLOCK, BLOCK, inner)
+  return jnp.max(v, axis=2).reshape(x.shape[:axis] + (k // BLOCK,) + x.shape[axis + 1:])
+
+
 def amax(x):
   """max |x| over the whole tensor as float32 (NaN propagates)."""
   return _max(jnp.abs(x.astype(jnp.float32)))

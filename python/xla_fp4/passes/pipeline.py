@@ -99,7 +99,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
       use_native = _use_native(config.backend, platform, kernel_set)
       partitioned = num_partitions(new) > 1
       emitter = rewrite_mod.Emitter(kernel_set, config.seed, whole_tensors=not partitioned,
-                                    f32_gemm=(platform or "").lower() == "cpu")
+                                    matrix_gemm=(platform or "").lower() == "cpu")
       plumbed = {}  # (func name, id of the original entry call) -> block value inside the function
       for d in selected:
         site, dot = analysis.sites[d.index], analysis.ops[d.index]

@@ -11,8 +11,8 @@ The kernel measures the operand (amax -> s_dec = amax / (6 * 448); the stochasti
 exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha.
 In a partitioned program the amax must be global, so it is a plain reduce that XLA partitions into an all-reduce:
   %xp   = stablehlo.optimization_barrier %x     ; the kernel and the reduction read the same rounded values
-  %xa   = select(isnan(%xp), inf, abs(%xp))     ; for RHT operands: custom_call @xla_fp4_rht first
-  %amax = stablehlo.reduce(%xa) applies stablehlo.maximum
+  %xb   = stablehlo.custom_call @xla_fp4_block_amax(%xp) {axis, rht, rht_seed}  ; max |.| per 1x16 block, NaN as Inf
+  %amax = stablehlo.reduce(%xb) applies stablehlo.maximum
   %sx   = stablehlo.multiply %amax, 1/2688
   %qx   = stablehlo.custom_call @xla_fp4_qdq(%xp, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
             apply_global_scale = false, sdy.sharding_rule = ...}
@@ -20,7 +20,9 @@ Both forms compute the same numbers. How each op partitions (measured with bench
 collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the barrier and the
 GEMM are plain StableHLO that XLA partitions itself; xla_fp4_qdq and xla_fp4_rht carry a Shardy rule and a
 registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
-any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable`
+any dim, the quantization axis included (tensor parallelism shards K); so does xla_fp4_block_amax, whose per-block maxima
+(1/16 of the operand) the plain reduce turns into the global amax: measured, it costs a third of XLA's own
+select/abs/max reduction over the operand, and a tenth for RHT operands (no f32 RHT tensor is written). `register_ffi_target_as_batch_partitionable`
 was not used: it covers leading batch dims only. The plain-StableHLO twins were not used either: the C++ kernels
 are faster.
 Several contracting dims (a wgrad over batch and sequence) are merged into one, in place when they are adjacent, else
@@ -96,17 +98,6 @@ def _reduce(x, op_cls, init, elem_type):
   return red.result
 
 
-def _amax(x):
-  """max |x| as one plain max reduction (partitionable into a cross-device all-reduce) in which NaN counts as +Inf:
-  XLA CPU's vectorized max reduction can drop a NaN, but never an Inf. Either way s_dec becomes Inf and the whole
-  tensor decodes to NaN (0 * Inf), so NaN/Inf in a GEMM operand reach its output (docs/design.md §2)."""
-  f32 = _f32()
-  t = ir.RankedTensorType.get(_tensor_type(x).shape, f32)
-  isnan = hlo.CompareOp(x, x, hlo.ComparisonDirectionAttr.get("NE")).result
-  magnitude = hlo.SelectOp(isnan, _broadcast(_const(float("inf"), f32), t), hlo.AbsOp(x).result).result
-  return _reduce(magnitude, hlo.MaxOp, _const(0.0, f32), f32)
-
-
 def _broadcast(scalar, like_type):
   return hlo.BroadcastInDimOp(like_type, scalar, ir.DenseI64ArrayAttr.get([])).result
 
@@ -150,9 +141,8 @@ class FfiKernels:
                            dict(attrs, salt=salt))
     return op.results[0], op.results[1]
 
-  def rht(self, x, axis, seed):
-    return self._call(self.targets.RHT_TARGET, ir.RankedTensorType.get(_tensor_type(x).shape, _f32()), [x],
-                      axis=axis, rht_seed=seed)
+  def block_amax(self, x, **attrs):
+    return self._call(self.targets.BLOCK_AMAX_TARGET, _block_amax_type(x, attrs["axis"]), [x], **attrs)
 
   def qdq(self, x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
     return self._call(self.targets.QDQ_TARGET, x.type, [x, s_dec, key], axis=axis, block_2d=block_2d,
@@ -172,8 +162,14 @@ class FfiKernels:
     return self._call(self.targets.GEMM_PACKED_TARGET, result_type, [a[0], a[1], b[0], b[1], alpha])
 
 
-def _ref_rht(x, *, axis, seed):
-  return rht_f32(x.astype(jnp.float32), axis, seed)
+def _ref_block_amax(x, *, axis, rht, rht_seed):
+  return qz.block_amax(x, axis=axis, rht_seed=rht_seed if rht else None)
+
+
+def _block_amax_type(x, axis):
+  shape = list(_tensor_type(x).shape)
+  shape[axis] //= formats.BLOCK
+  return ir.RankedTensorType.get(shape, _f32())
 
 
 def _ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
@@ -235,9 +231,9 @@ class ReferenceKernels:
     call = func_dialect.CallOp([x.type, _scalar(_f32())], ir.FlatSymbolRefAttr.get(name), [x, salt])
     return call.results[0], call.results[1]
 
-  def rht(self, x, axis, seed):
-    name = self._function(_ref_rht, [x.type], axis=axis, seed=seed)
-    return self._call(name, ir.RankedTensorType.get(_tensor_type(x).shape, _f32()), [x])
+  def block_amax(self, x, **params):
+    name = self._function(_ref_block_amax, [x.type], **params)
+    return self._call(name, _block_amax_type(x, params["axis"]), [x])
 
   def qdq(self, x, s_dec, key, **params):
     name = self._function(_ref_qdq, [x.type, s_dec.type, key.type], **params)
@@ -247,26 +243,27 @@ class ReferenceKernels:
 class Emitter:
   """Emits the NVFP4 pattern for one dot at a time."""
 
-  def __init__(self, kernels, seed, whole_tensors, f32_gemm=False):
+  def __init__(self, kernels, seed, whole_tensors, matrix_gemm=False):
     self.kernels = kernels
     self.seed = seed
     # Not partitioned: kernels measure their operand themselves (xla_fp4_qdq_with_scale) instead of the reductions
     # around them that a partitioned program needs for a global amax.
     self.whole_tensors = whole_tensors
-    # The emulated GEMM multiplies f32 operands (q·scale is exact in f32): XLA CPU fails at run time on some
-    # bf16 x bf16 -> f32 dots ("Unsupported element type for DotThunk::Execute"), e.g. a two-contracting-dim einsum.
-    self.f32_gemm = f32_gemm
+    # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
+    # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
+    # matrices, which a reshape gives when the contracting dim is first or last, they run (_as_matrices).
+    self.matrix_gemm = matrix_gemm
     self._quantized = {}  # value -> [(axis, block_2d, rht, q·scale, s_dec)] of its nearest-rounded quantizations
     self._merges = {}  # (value, contracting dims) -> the value with those dims merged
 
   def _scale_and_key(self, x, axis, recipe, site_id):
     """amax (after the RHT where it applies) as a plain reduce -> s_dec; the stochastic-rounding key."""
     f32 = _f32()
-    if recipe.rht:
-      src = self.kernels.rht(x, axis, self.seed)
-    else:
-      src = hlo.ConvertOp(ir.RankedTensorType.get(_tensor_type(x).shape, f32), x).result
-    s_dec = hlo.MulOp(_amax(src), _const(formats.INV_GLOBAL_SCALE_DIVISOR, f32)).result  # numerics.global_decode_scale
+    # Per-block maxima (NaN counted as +Inf, so that NaN/Inf in an operand reach the GEMM's output: docs/design.md
+    # §2) are block-local, so each shard measures its own; their max is one plain reduce, a scalar all-reduce.
+    blocks = self.kernels.block_amax(x, axis=axis, rht=recipe.rht, rht_seed=self.seed)
+    amax = _reduce(blocks, hlo.MaxOp, _const(0.0, f32), f32)
+    s_dec = hlo.MulOp(amax, _const(formats.INV_GLOBAL_SCALE_DIVISOR, f32)).result  # numerics.global_decode_scale
     # Left open, XLA would reassociate the constant into the GEMM's alpha = s_dec_a * s_dec_b and round differently
     # from xla_fp4_qdq_with_scale: the barrier keeps both forms bit-identical.
     s_dec = hlo.OptimizationBarrierOp([s_dec]).results[0]
@@ -365,9 +362,13 @@ class Emitter:
     kwargs = {}
     if "precision_config" in dot.attributes:
       kwargs["precision_config"] = dot.attributes["precision_config"]
-    if self.f32_gemm:
-      qa, qb = _to_f32(qa), _to_f32(qb)
-    acc = hlo.DotGeneralOp(acc_type, qa, qb, dims, **kwargs).result
+    matrices = _as_matrices(qa, qb, dims) if self.matrix_gemm and _tensor_type(qa).element_type != _f32() else None
+    if matrices is None:
+      acc = hlo.DotGeneralOp(acc_type, qa, qb, dims, **kwargs).result
+    else:
+      qa, qb, dims, shape = matrices
+      acc = hlo.DotGeneralOp(ir.RankedTensorType.get(shape, _f32()), qa, qb, dims, **kwargs).result
+      acc = hlo.ReshapeOp(acc_type, acc).result  # (batch, lhs free, rhs free): the dot's own output order
     return acc, hlo.MulOp(sa, sb).result
 
   def _native_gemm(self, dot, site, decision):
@@ -403,9 +404,27 @@ class Emitter:
     return hlo.SelectOp(kept, _const(0, i32), _const(1, i32)).result
 
 
-def _to_f32(x):
-  t = _tensor_type(x)
-  return x if t.element_type == _f32() else hlo.ConvertOp(ir.RankedTensorType.get(t.shape, _f32()), x).result
+def _as_matrices(a, b, dims):
+  """(a, b, dims, output shape) with each operand reshaped to (batch..., free, K) or (batch..., K, free): possible when
+  its batch dims lead and its one contracting dim is first or last among the rest (no data moves); else None."""
+  dn = hlo.DotDimensionNumbers(dims)
+  out, new_dims = [], []
+  for x, batch, contract in ((a, dn.lhs_batching_dimensions, dn.lhs_contracting_dimensions),
+                             (b, dn.rhs_batching_dimensions, dn.rhs_contracting_dimensions)):
+    shape, nb = list(_tensor_type(x).shape), len(batch)
+    if list(batch) != list(range(nb)) or len(contract) != 1 or contract[0] not in (nb, len(shape) - 1):
+      return None
+    k_last = contract[0] == len(shape) - 1
+    free = math.prod(shape[nb:-1] if k_last else shape[nb + 1:])
+    matrix = shape[:nb] + ([free, shape[-1]] if k_last else [shape[nb], free])
+    out.append(hlo.ReshapeOp(ir.RankedTensorType.get(matrix, _tensor_type(x).element_type), x).result)
+    new_dims.append((nb + 1 if k_last else nb, free))
+  batch = list(range(len(dn.lhs_batching_dimensions)))
+  shape = list(_tensor_type(a).shape)[:len(batch)] + [new_dims[0][1], new_dims[1][1]]
+  dims = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=batch, rhs_batching_dimensions=batch,
+                                     lhs_contracting_dimensions=[new_dims[0][0]],
+                                     rhs_contracting_dimensions=[new_dims[1][0]])
+  return out[0], out[1], dims, shape
 
 
 def _pinned(x):

@@ -35,7 +35,7 @@ from xla_fp4.numerics import formats
 from xla_fp4.numerics.formats import BLOCK
 
 # target -> index of its stochastic-rounding key operand (None: the kernel draws no random bits)
-PARTITIONED_TARGETS = {kernels.QDQ_TARGET: 2, kernels.RHT_TARGET: None}
+PARTITIONED_TARGETS = {kernels.QDQ_TARGET: 2, kernels.RHT_TARGET: None, kernels.BLOCK_AMAX_TARGET: None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,24 +73,37 @@ def _blocking(target, rank, attrs):
 
 
 def sharding_rule(target, operand_types, result_types, attrs):
-  """The `sdy.sharding_rule` of a call to `target` whose first operand is the blocked tensor (needs a context)."""
+  """The `sdy.sharding_rule` of a call to `target` whose first operand is the blocked tensor (needs a context).
+  xla_fp4_block_amax's result keeps the blocks factor of the quantization axis and drops the 16."""
   shape = list(ir.RankedTensorType(operand_types[0]).shape)
   blocking = _blocking(target, len(shape), attrs)
   compound = {blocking.k} | ({blocking.partner[0]} if len(blocking.partner) == 1 else set())
-  sizes, dims, need_replication = [], [], []
+  sizes, operand, result, need_replication = [], [], [], []
+
+  def factor(n):
+    sizes.append(n)
+    return len(sizes) - 1
+
   for d, n in enumerate(shape):
     if d in compound and n > BLOCK and n % BLOCK == 0:
-      sizes += [n // BLOCK, BLOCK]
-      need_replication.append(len(sizes) - 1)
-      dims.append(sdy.DimMappingAttr.get(factor_indices=[len(sizes) - 2, len(sizes) - 1]))
+      blocks, within = factor(n // BLOCK), factor(BLOCK)
+      need_replication.append(within)
+      operand.append([blocks, within])
+      result.append([blocks] if target == kernels.BLOCK_AMAX_TARGET and d == blocking.k else [blocks, within])
+    elif target == kernels.BLOCK_AMAX_TARGET and d == blocking.k:  # one block: the operand's 16 become 1
+      within = factor(n)
+      need_replication.append(within)
+      operand.append([within])
+      result.append([factor(1)])
     else:
-      sizes.append(n)
-      dims.append(sdy.DimMappingAttr.get(factor_indices=[len(sizes) - 1]))
-  tensor = sdy.TensorMappingAttr.get(dim_mappings=dims)
+      operand.append([factor(n)])
+      result.append(operand[-1])
+  tensor = lambda dims: sdy.TensorMappingAttr.get(  # noqa: E731
+      dim_mappings=[sdy.DimMappingAttr.get(factor_indices=f) for f in dims])
   scalar = sdy.TensorMappingAttr.get(dim_mappings=[])
   return sdy.OpShardingRuleAttr.get(
-      factor_sizes=sizes, operand_mappings=[tensor] + [scalar] * (len(operand_types) - 1),
-      result_mappings=[tensor] * len(result_types), is_custom=True, need_replication_factors=need_replication)
+      factor_sizes=sizes, operand_mappings=[tensor(operand)] + [scalar] * (len(operand_types) - 1),
+      result_mappings=[tensor(result)] * len(result_types), is_custom=True, need_replication_factors=need_replication)
 
 
 def _decode_config(target, backend_config):
@@ -188,9 +201,13 @@ def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
 
 
 def _result_sharding(target, shape, sharding, attrs):
+  """`sharding` (of the result or of x; same rank) with the dims replicated whose shards would split blocks."""
   if sharding.is_manual() or sharding.is_maximal():
     return sharding
   rank = len(shape)
+  if target == kernels.BLOCK_AMAX_TARGET:  # the result counts blocks along the axis: check x's shape
+    shape = list(shape)
+    shape[attrs["axis"] % rank] *= BLOCK
   bad = _blocking(target, rank, attrs).split_blocks(shape, _tiles_and_devices(sharding, rank)[0])
   return _replicate_dims(sharding, rank, bad)
 

@@ -70,21 +70,26 @@ CASES = {
 // CHECK-NOT: stablehlo.reduce
 // CHECK: return"""),
     "fprop_partitioned": (fprop, (X, W), "", """
-// A partitioned program: amax is a plain reduce (XLA makes it a cross-device all-reduce) fed to xla_fp4_qdq.
+// A partitioned program: per-block maxima, then amax as a plain reduce (XLA makes it a cross-device all-reduce) fed
+// to xla_fp4_qdq. Each call carries its Shardy rule: K = 64 is the compound (4 blocks, 16) whose 16 is never split.
 // CHECK-LABEL: func.func public @main
-// CHECK: stablehlo.reduce
-// CHECK: stablehlo.maximum
-// CHECK: stablehlo.multiply
-// CHECK: stablehlo.optimization_barrier
-// Each call carries its Shardy rule: K = 64 is the compound (4 blocks, 16) whose 16 is never split.
-// CHECK: stablehlo.custom_call @xla_fp4_qdq(
+// CHECK: %[[X:[0-9]+]] = stablehlo.optimization_barrier %{{[0-9]+}} : tensor<32x64xf32>
+// CHECK: %[[XB:[0-9]+]] = stablehlo.custom_call @xla_fp4_block_amax(%[[X]])
+// CHECK-SAME: axis = 1 : i64, rht = false
+// CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([i, jk])->([i, j]) {i=32, j=4, k=16} need_replication={k}, custom>
+// CHECK-SAME: -> tensor<32x4xf32>
+// CHECK: %[[AMAX:[0-9]+]] = stablehlo.reduce(%[[XB]] init: %{{.*}}) applies stablehlo.maximum
+// CHECK: %[[S:[0-9]+]] = stablehlo.multiply %[[AMAX]]
+// CHECK: %[[SX:[0-9]+]] = stablehlo.optimization_barrier %[[S]]
+// CHECK: %[[QX:[0-9]+]] = stablehlo.custom_call @xla_fp4_qdq(%[[X]], %[[SX]], %{{[a-z0-9_]+}})
 // CHECK-SAME: apply_global_scale = false, axis = 1 : i64, block_2d = false
 // CHECK-SAME: stochastic = false
 // CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([i, jk], [], [])->([i, jk]) {i=32, j=4, k=16} need_replication={k}, custom>
-// CHECK: stablehlo.custom_call @xla_fp4_qdq(
+// CHECK: %[[QW:[0-9]+]] = stablehlo.custom_call @xla_fp4_qdq(
 // CHECK-SAME: axis = 0 : i64, block_2d = true
 // CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([ij, kl], [], [])->([ij, kl]) {i=4, j=16, k=4, l=16} need_replication={j, l}, custom>
-// CHECK: stablehlo.dot_general {{.*}} -> tensor<32x64xf32>
+// CHECK: stablehlo.dot_general %[[QX]], %[[QW]]
+// CHECK-SAME: -> tensor<32x64xf32>
 // CHECK-NOT: stablehlo.dot_general
 // CHECK: return""", 2),
     "backward_dgrad_wgrad": (train_linear, (jax.ShapeDtypeStruct((32, 64), jnp.float32),
