@@ -154,6 +154,16 @@ def test_rht_matches_reference(gpu, dtype):
     assert_same_bits(got, _run(_cpu(), rht_f32, jnp.asarray(x, jnp.float32), axis=axis, seed=RHT_SEED))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("rht", [False, True])
+def test_block_amax_matches_reference(gpu, dtype, rht):
+  for shape, axis in SHAPES:
+    x = _data(shape, dtype)
+    x.reshape(-1)[3] = np.nan  # counted as +Inf
+    got = _run(gpu, kernels.block_amax, x, axis=axis, rht=rht, rht_seed=RHT_SEED)
+    assert_same_bits(got, _run(_cpu(), nv.block_amax, x, axis=axis, rht_seed=RHT_SEED if rht else None))
+
+
 def _packed_reference(x, s_dec, key, *, block_2d, stochastic, rht):
   t = nv.quantize(_transformed(x, -1, rht), axis=-1, block_2d=block_2d,
                   rounding="stochastic" if stochastic else "nearest", key=key, global_scale=s_dec)

@@ -17,14 +17,14 @@ In a partitioned program the amax must be global, so it is a plain reduce that X
   %qx   = stablehlo.custom_call @xla_fp4_qdq(%xp, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
             apply_global_scale = false, sdy.sharding_rule = ...}
 Both forms compute the same numbers. How each op partitions (measured with benchmarks/sharding.py: dot FLOPs and
-collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the barrier and the
-GEMM are plain StableHLO that XLA partitions itself; xla_fp4_qdq and xla_fp4_rht carry a Shardy rule and a
+collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the barriers and the
+GEMM are plain StableHLO that XLA partitions itself; xla_fp4_block_amax and xla_fp4_qdq carry a Shardy rule and a
 registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
-any dim, the quantization axis included (tensor parallelism shards K); so does xla_fp4_block_amax, whose per-block maxima
-(1/16 of the operand) the plain reduce turns into the global amax: measured, it costs a third of XLA's own
-select/abs/max reduction over the operand, and a tenth for RHT operands (no f32 RHT tensor is written). `register_ffi_target_as_batch_partitionable`
-was not used: it covers leading batch dims only. The plain-StableHLO twins were not used either: the C++ kernels
-are faster.
+any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable`
+was not used: it covers leading batch dims only. The plain-StableHLO twins were not used: the kernels are faster.
+Measured on a 2048x1024 f32 operand, block_amax takes 0.33 ms along axis 0 against 1.06 ms for XLA's select/abs/max
+reduction, and 1.23 ms with the RHT against 2.18 ms for xla_fp4_rht + that reduction; along the last axis 0.94 ms
+(4.8 ms with the RHT, which the pass only applies to wgrad operands, quantized along their leading token axis).
 Several contracting dims (a wgrad over batch and sequence) are merged into one, in place when they are adjacent, else
 after a transpose to (batch, free, K). A nearest-rounded operand is quantized
 once and reused by every dot that reads it the same way (q, k and v projections of one input; a dgrad and its fprop's

@@ -1,9 +1,9 @@
-"""How XLA's sharding runs the block-local kernels on shards (docs/design.md, "Sharding").
+"""How XLA's sharding runs the block-local kernels on shards (docs/design.md §5).
 
-`xla_fp4_qdq` and `xla_fp4_rht` are block-local once the global decode scale is an operand: 1x16 blocks along the
-quantization axis K, or 16x16 tiles of K and a partner group of dims (the flattened trailing dims, or the leading ones
-when K is last: numerics/nvfp4.py). A shard can run the kernel alone when its extent along those dims keeps whole
-blocks. Both halves of XLA's sharding get what they need:
+`xla_fp4_qdq`, `xla_fp4_block_amax` and `xla_fp4_rht` are block-local (qdq once the global decode scale is an
+operand): 1x16 blocks along the quantization axis K, or 16x16 tiles of K and a partner group of dims (the flattened
+trailing dims, or the leading ones when K is last: numerics/nvfp4.py). A shard can run the kernel alone when its
+extent along those dims keeps whole blocks. Both halves of XLA's sharding get what they need:
 
 - propagation (Shardy): `sharding_rule()` is the call's `sdy.sharding_rule`. Every dim is its own factor and passes
   through to the result; K (and a single-dim 2D partner) is the compound (blocks, 16) with the 16 marked
@@ -14,7 +14,8 @@ blocks. Both halves of XLA's sharding get what they need:
   (from `stablehlo.partition_id` through a constant table) into the key: shards of one tensor draw different bits,
   replicas of one shard the same bits, and the same program gives the same bits every run.
 
-The global amax stays a plain reduction in the pass's output, which the partitioner turns into a scalar all-reduce.
+The global amax stays a plain max reduction of xla_fp4_block_amax's per-block maxima in the pass's output, which the
+SPMD partitioner turns into a scalar all-reduce.
 """
 
 import dataclasses
