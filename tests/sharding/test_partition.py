@@ -1,0 +1,62 @@
+"""The partitioner's pieces, without devices: block alignment, replicating a dim, shard indices, Shardy rules."""
+
+from jax._src.interpreters import mlir
+from jax._src.lib import xla_client as xc
+from jax._src.lib.mlir import ir
+
+from xla_fp4 import kernels
+from xla_fp4.sharding import partition as p
+
+
+def test_blocks_stay_whole_on_every_shard():
+  one_d = p.Blocking.of(2, 1, block_2d=False)
+  assert one_d.split_blocks([64, 128], [4, 8]) == set()  # 128 / 8 = 16: whole blocks; rows split freely
+  assert one_d.split_blocks([64, 96], [1, 8]) == {1}  # 96 / 8 = 12 splits blocks
+  two_d = p.Blocking.of(2, 0, block_2d=True)  # K = dim 0, tiles pair it with dim 1
+  assert two_d.split_blocks([64, 48], [4, 3]) == set()
+  assert two_d.split_blocks([64, 48], [1, 4]) == {1}  # 48 / 4 = 12 splits the tiles' second side
+  # A 3-D partner group (dims 1, 2 flattened): splitting dim 1 keeps runs of (extent x 8) positions whole.
+  three_d = p.Blocking.of(3, 0, block_2d=True)
+  assert three_d.split_blocks([32, 4, 8], [1, 2, 1]) == set()  # runs of 2 * 8 = 16
+  assert three_d.split_blocks([32, 4, 4], [1, 2, 1]) == {1}  # runs of 2 * 4 = 8
+
+
+def _groups(sharding, rank):
+  """shard index -> the set of devices holding it."""
+  table = p._shard_index_table(sharding, rank, 8)
+  out = {}
+  for device, shard in enumerate(table):
+    out.setdefault(int(shard), set()).add(device)
+  return out
+
+
+def test_replicating_a_dim_keeps_the_other_split():
+  sharding = xc.HloSharding.iota_tile([2, 4])  # (data=2, model=4) over 8 devices
+  assert _groups(sharding, 2) == {i: {i} for i in range(8)}
+  rows = p._replicate_dims(sharding, 2, {1})
+  assert p._tiles_and_devices(rows, 2)[0] == [2, 1]
+  assert _groups(rows, 2) == {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}  # replicas of a row shard share its index
+  assert p._replicate_dims(sharding, 2, {0, 1}).is_replicated()
+  assert p._replicate_dims(sharding, 2, set()) is sharding
+
+
+def test_shard_salts_leave_shard_zero_unchanged_and_differ():
+  salts = p._shard_salts(list(range(8)))
+  assert salts[0] == 0 and len(set(int(s) for s in salts)) == 8
+
+
+def test_sharding_rules():
+  with mlir.make_ir_context(), ir.Location.unknown():
+    f32 = ir.F32Type.get()
+    x = ir.RankedTensorType.get([32, 64], f32)
+    scalar = ir.RankedTensorType.get([], f32)
+    qdq = p.sharding_rule(kernels.QDQ_TARGET, [x, scalar, scalar], [x], {"axis": 1, "block_2d": False})
+    assert str(qdq) == ("#sdy.op_sharding_rule<([i, jk], [], [])->([i, jk]) {i=32, j=4, k=16} "
+                        "need_replication={k}, custom>")
+    blocks = ir.RankedTensorType.get([32, 4], f32)
+    amax = p.sharding_rule(kernels.BLOCK_AMAX_TARGET, [x], [blocks], {"axis": 1})
+    assert str(amax) == "#sdy.op_sharding_rule<([i, jk])->([i, j]) {i=32, j=4, k=16} need_replication={k}, custom>"
+    one_block = ir.RankedTensorType.get([32, 16], f32)
+    amax1 = p.sharding_rule(kernels.BLOCK_AMAX_TARGET, [one_block], [ir.RankedTensorType.get([32, 1], f32)],
+                            {"axis": 1})
+    assert str(amax1) == "#sdy.op_sharding_rule<([i, j])->([i, k]) {i=32, j=16, k=1} need_replication={j}, custom>"
