@@ -238,19 +238,23 @@ def test_platforms_without_compiled_kernels_get_the_pure_jax_reference(monkeypat
     assert jnp.array_equal(ffi["params"][layer]["kernel"], ref["params"][layer]["kernel"]), layer
 
 
+def _gradient_with_and_without_pass(loss, *args):
+  """(gradient without the pass, with it in strict mode, the pass's decision rows)."""
+  base = jax.jit(jax.grad(loss))(*args)
+  xla_fp4.enable(strict=True)
+  try:
+    return base, jax.jit(jax.grad(loss))(*args), xla_fp4.explain(jax.grad(loss), *args)
+  finally:
+    xla_fp4.disable()
+
+
 def test_float64_layers_stay_in_high_precision_with_a_reason():
   """The kernels take f32/bf16/f16: an f64 linear layer (jax_enable_x64) is kept, so nothing can fail at run time."""
   with jax.enable_x64(True):
     w = jax.random.normal(jax.random.key(0), (64, 64), jnp.float64)
     x = jax.random.normal(jax.random.key(1), (32, 64), jnp.float64)
     loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731
-    base = jax.jit(jax.grad(loss))(w, x)
-    xla_fp4.enable(strict=True)
-    try:
-      rows = xla_fp4.explain(jax.grad(loss), w, x)
-      got = jax.jit(jax.grad(loss))(w, x)
-    finally:
-      xla_fp4.disable()
+    base, got, rows = _gradient_with_and_without_pass(loss, w, x)
   linear = [r for r in rows if r["role"] != "other"]
   assert linear and all(r["decision"] == "keep" and r["rule"] == "dtype" for r in linear), rows
   assert got.dtype == jnp.float64 and jnp.array_equal(got, base)
@@ -262,13 +266,7 @@ def test_bf16_einsum_with_two_contracting_dims_runs_on_cpu():
   a = jax.random.normal(jax.random.key(0), (2, 128, 4, 64)).astype(jnp.bfloat16)
   w = (jax.random.normal(jax.random.key(1), (4, 64, 256)) * 0.05).astype(jnp.bfloat16)
   loss = lambda w, a: jnp.sum(jnp.einsum("bthd,hdo->bto", a, w).astype(jnp.float32) ** 2)  # noqa: E731
-  base = jax.jit(jax.grad(loss))(w, a)
-  xla_fp4.enable(strict=True)
-  try:
-    rows = xla_fp4.explain(jax.grad(loss), w, a)
-    got = jax.jit(jax.grad(loss))(w, a)
-  finally:
-    xla_fp4.disable()
+  base, got, rows = _gradient_with_and_without_pass(loss, w, a)
   assert {r["role"] for r in rows if r["decision"] == "nvfp4"} >= {"fprop", "wgrad"}, rows
   assert got.dtype == jnp.bfloat16 and bool(jnp.isfinite(got).all()) and not jnp.array_equal(got, base)
   rel = float(jnp.linalg.norm((got - base).astype(jnp.float32)) / jnp.linalg.norm(base.astype(jnp.float32)))
