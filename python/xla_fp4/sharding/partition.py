@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 import threading
+import types
 
 import numpy as np
 from jax._src.interpreters import mlir
@@ -107,10 +108,21 @@ def sharding_rule(target, operand_types, result_types, attrs):
       result_mappings=[tensor(result)] * len(result_types), is_custom=True, need_replication_factors=need_replication)
 
 
+# XLA calls the partitioner once per kernel call of every compile; a fresh MLIR context costs ~5 ms, so the callbacks
+# share one (MLIR contexts are not thread-safe: the lock) and decode each distinct backend_config once.
+_context_lock = threading.Lock()
+
+
+@functools.cache
+def _context():
+  return mlir.make_ir_context()
+
+
+@functools.lru_cache(maxsize=None)
 def _decode_config(target, backend_config):
-  """The call's attributes {name: int|bool} from its backend_config (the MLIR dictionary text)."""
+  """The call's attributes {name: int|bool} (read-only) from its backend_config (the MLIR dictionary text)."""
   text = backend_config.decode() if isinstance(backend_config, bytes) else str(backend_config)
-  with mlir.make_ir_context():
+  with _context_lock, _context():
     config = ir.DictAttr(ir.Attribute.parse(text))
     out = {}
     for i in range(len(config)):
@@ -118,7 +130,7 @@ def _decode_config(target, backend_config):
       attr = named.attr
       want = kernels.ATTRIBUTES[target][named.name]
       out[named.name] = ir.BoolAttr(attr).value if want is bool else ir.IntegerAttr(attr).value
-  return out
+  return types.MappingProxyType(out)
 
 
 def _tiles_and_devices(sharding, rank):
@@ -179,7 +191,7 @@ def _ir_type(shape):
 
 def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
   """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard; `salts` (per partition) go into the key."""
-  with mlir.make_ir_context(), ir.Location.unknown():
+  with _context_lock, _context(), ir.Location.unknown():
     module = ir.Module.create()
     arg_types, result_type = [_ir_type(s) for s in arg_shapes], _ir_type(result_shape)
     with ir.InsertionPoint(module.body):
