@@ -10,15 +10,14 @@ After, in a program that is not partitioned (every tensor is whole on its device
 The kernel measures the operand (amax -> s_dec = amax / (6 * 448); the stochastic-rounding key) and returns q·scale,
 exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha.
 In a partitioned program the amax must be global, so it is a plain reduce that XLA partitions into an all-reduce:
-  %xp   = stablehlo.optimization_barrier %x     ; the kernel and the reduction read the same rounded values
-  %xb   = stablehlo.custom_call @xla_fp4_block_amax(%xp) {axis, rht, rht_seed}  ; max |.| per 1x16 block, NaN as Inf
+  %xb   = stablehlo.custom_call @xla_fp4_block_amax(%x) {axis, rht, rht_seed}  ; max |.| per 1x16 block, NaN as Inf
   %amax = stablehlo.reduce(%xb) applies stablehlo.maximum
   %sx   = stablehlo.multiply %amax, 1/2688
-  %qx   = stablehlo.custom_call @xla_fp4_qdq(%xp, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
+  %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
             apply_global_scale = false, sdy.sharding_rule = ...}
 Both forms compute the same numbers. How each op partitions (measured with benchmarks/sharding.py: dot FLOPs and
-collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the barriers and the
-GEMM are plain StableHLO that XLA partitions itself; xla_fp4_block_amax and xla_fp4_qdq carry a Shardy rule and a
+collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the scale's barrier and
+the GEMM are plain StableHLO that XLA partitions itself; xla_fp4_block_amax and xla_fp4_qdq carry a Shardy rule and a
 registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
 any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable`
 was not used: it covers leading batch dims only. The plain-StableHLO twins were not used: the kernels are faster.
@@ -291,9 +290,8 @@ class Emitter:
                                              rht=recipe.rht, rht_seed=self.seed,
                                              salt=formats.fold_in_int(self.seed, site_id))
     else:
-      pinned = _pinned(x)
-      s_dec, key, _ = self._scale_and_key(pinned, axis, recipe, site_id)
-      q = self.kernels.qdq(pinned, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
+      s_dec, key, _ = self._scale_and_key(x, axis, recipe, site_id)
+      q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
                            rht=recipe.rht, rht_seed=self.seed)
     if not stochastic:
       self._quantized.setdefault(x, []).append((axis, recipe.block_2d, recipe.rht, q, s_dec))
@@ -386,7 +384,6 @@ class Emitter:
     return acc, _const(1.0, _f32())  # alpha is applied inside the GEMM, as cuBLASLt does
 
   def _packed(self, x, recipe, site_id):
-    x = _pinned(x)
     s_dec, key, stochastic = self._scale_and_key(x, 1, recipe, site_id)
     packed = self.kernels.quantize_packed(x, s_dec, key, block_2d=recipe.block_2d, stochastic=stochastic,
                                           rht=recipe.rht, rht_seed=self.seed)
@@ -425,13 +422,6 @@ def _as_matrices(a, b, dims):
                                      lhs_contracting_dimensions=[new_dims[0][0]],
                                      rhs_contracting_dimensions=[new_dims[1][0]])
   return out[0], out[1], dims, shape
-
-
-def _pinned(x):
-  """x behind an optimization barrier, for a kernel and the reductions that measure its operand: without it XLA may
-  fuse x's producer into the amax reduction at higher precision (dropping an f32 -> bf16 -> f32 rounding pair), and
-  measure values the kernel's operand never holds (seen with bf16 tanh activations)."""
-  return hlo.OptimizationBarrierOp([x]).results[0]
 
 
 def _before_in_program_order(value, op):
