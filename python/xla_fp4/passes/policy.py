@@ -6,7 +6,7 @@ about 16% of the blocks kept in high precision, weighted to the end (the paper k
 blocks); GEMMs whose contraction is not a multiple of 16, or that are tiny, kept.
 
 In a scanned layer stack one dot serves every layer: the decision there is `nvfp4` with `keep_blocks`, and the rewrite
-selects per iteration between the NVFP4 result and the high-precision one on the block index.
+runs per iteration either the NVFP4 GEMM or the high-precision one, on the block index (a stablehlo.case).
 """
 
 import dataclasses
@@ -41,7 +41,7 @@ class Decision:
   reason: str
   lhs: Optional[OperandRecipe] = None
   rhs: Optional[OperandRecipe] = None
-  keep_blocks: tuple = ()  # scanned stacks: block indices that select the high-precision result
+  keep_blocks: tuple = ()  # scanned stacks: block indices that run the high-precision dot
 
 
 def kept_blocks(config: Config, num_blocks: int) -> frozenset:
@@ -112,7 +112,7 @@ def decide(analysis: Analysis, config: Config, rules=None):
     if site.index in analysis.block_values:
       keep_blocks = tuple(sorted(b for b in ctx.kept_blocks if b < (site.num_stacked or 0)))
       if keep_blocks:
-        reason += f"; scanned stack: blocks {list(keep_blocks)} select the high-precision result"
+        reason += f"; scanned stack: blocks {list(keep_blocks)} run the high-precision dot"
     elif site.num_stacked and ctx.kept_blocks:
       reason += "; nested scanned stack without a per-iteration block index: every iteration runs in NVFP4"
     decisions.append(Decision(index=site.index, decision="nvfp4", rule=rule.name, reason=reason, lhs=lhs, rhs=rhs,
