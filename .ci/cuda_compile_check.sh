@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile check of the CUDA kernels and the cuBLASLt FP4 GEMM for sm_90 and sm_100a: configures and builds the
-# extension with XLA_FP4_ENABLE_CUDA=ON into build/cuda-check, checks that both architectures' code is in it and that
-# it imports. Nothing here needs a GPU; tests/kernels/test_cuda_kernels.py runs the kernels on one.
+# extensions with XLA_FP4_CUDA=ON into build/cuda-check, checks that both architectures' code is in the CUDA module and
+# that it imports. Nothing here needs a GPU; tests/kernels/test_cuda_kernels.py runs the kernels on one.
 # Exits 0 with "SKIPPED: <reason>" only when there is no nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,31 +38,37 @@ if ! "$PY" -c "import nanobind, ninja" 2>/dev/null; then
 fi
 export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"  # the venv's ninja
 
-cmake -S . -B "$BUILD" -G Ninja -DXLA_FP4_ENABLE_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
+cmake -S . -B "$BUILD" -G Ninja -DXLA_FP4_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
   -DCMAKE_CUDA_ARCHITECTURES="90;100a" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')"
 cmake --build "$BUILD" -j "$(nproc)"
 
 EXT=$(ls "$BUILD"/_xla_fp4_ext*.so)
+CUDA_EXT=$(ls "$BUILD"/_xla_fp4_cuda*.so)
 # Both architectures reached nvcc (and it succeeded); cuobjdump, where the toolkit has it, lists the SASS as well.
 for arch in sm_90 sm_100a; do
   grep -q "code=\[[^]]*$arch" "$BUILD/build.ninja" || { echo "FAILED: nvcc was not asked for $arch code"; exit 1; }
 done
 CUOBJDUMP=$(command -v cuobjdump || true)
 if [[ -n "$CUOBJDUMP" ]]; then
-  "$CUOBJDUMP" --list-elf "$EXT"
+  "$CUOBJDUMP" --list-elf "$CUDA_EXT"
 fi
 
-# The CUDA build must still import without a GPU, and say why the FP4 GEMM cannot run.
-"$PY" - "$EXT" <<'PYEOF'
+# The CUDA module must import without a GPU, have a handler for every CPU target, and say why the FP4 GEMM cannot
+# run; the CPU module must say it was built with CUDA.
+"$PY" - "$EXT" "$CUDA_EXT" <<'PYEOF'
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("xla_fp4._xla_fp4_ext", sys.argv[1])
-ext = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ext)
-if not hasattr(ext, "cuda_registrations"):
-    sys.exit("FAILED: the CUDA build does not export cuda_registrations (extension.cc must call AddCudaBindings)")
-targets = sorted(ext.cuda_registrations())
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+ext, cuda = load("xla_fp4._xla_fp4_ext", sys.argv[1]), load("xla_fp4._xla_fp4_cuda", sys.argv[2])
+print("CPU module:", ext.cuda_build)
+assert ext.cuda_build.startswith("built for sm_90, sm_100a"), ext.cuda_build
+targets = sorted(cuda.registrations())
 assert targets == sorted(ext.registrations()), (targets, sorted(ext.registrations()))
+assert tuple(cuda.ffi_api_version) == tuple(ext.ffi_api_version)
 print("CUDA targets:", ", ".join(targets))
-print("fp4_gemm_supported():", ext.fp4_gemm_supported())
+print("fp4_gemm_supported():", cuda.fp4_gemm_supported())
 PYEOF
 echo "PASSED: CUDA compile check (sm_90, sm_100a)"

@@ -1,23 +1,40 @@
-# The CUDA kernels and the cuBLASLt FP4 GEMM (XLA_FP4_ENABLE_CUDA=ON). Included by CMakeLists.txt after the
-# _xla_fp4_ext target and Python_EXECUTABLE / XLA_FFI_INCLUDE_DIR exist.
+# The CUDA kernels and the cuBLASLt FP4 GEMM, as the extension module xla_fp4._xla_fp4_cuda. Included by
+# CMakeLists.txt (XLA_FP4_CUDA AUTO or ON) after Python_EXECUTABLE and XLA_FFI_INCLUDE_DIR exist; sets
+# XLA_FP4_CUDA_STATUS. AUTO builds the kernels when nvcc >= 12.8 and cuBLASLt are found and otherwise says in one line
+# why not; ON makes each missing piece an error.
 #
 # The kernels build into a static library of their own so that the host-compiler flags of the extension never reach
-# nvcc. cuBLASLt comes from the nvidia-cublas wheel of the Python environment doing the build (the CUDA toolkit may
-# not ship it), found by asking Python; XLA_FP4_CUBLAS_ROOT (a folder with include/cublasLt.h and lib/) overrides it.
+# nvcc. cuBLASLt comes from NVIDIA's wheel (the CUDA toolkit may not ship it): the one in the environment being
+# installed into (under pip's build isolation the interpreter's prefix is still that environment), else the build
+# environment's, else the toolkit's; XLA_FP4_CUBLAS_ROOT (a folder with include/cublasLt.h and lib/) overrides them.
 
+macro(xla_fp4_without_cuda reason)
+  if(XLA_FP4_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "XLA_FP4_CUDA=ON but ${reason}")
+  endif()
+  set(XLA_FP4_CUDA_STATUS "not built: ${reason}")
+  message(WARNING "xla_fp4: building without the CUDA kernels: ${reason}")
+  return()  # from this file: CMakeLists.txt goes on with the CPU kernels
+endmacro()
+
+if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX})
+  find_program(XLA_FP4_NVCC nvcc PATHS /usr/local/cuda/bin NO_CACHE)
+  if(XLA_FP4_NVCC)
+    set(ENV{CUDACXX} "${XLA_FP4_NVCC}")
+  endif()
+endif()
 include(CheckLanguage)
 check_language(CUDA)
 if(NOT CMAKE_CUDA_COMPILER)
-  message(FATAL_ERROR "XLA_FP4_ENABLE_CUDA=ON but no CUDA compiler was found: put nvcc on PATH or set CUDACXX "
-                      "(e.g. CUDACXX=/usr/local/cuda/bin/nvcc)")
+  xla_fp4_without_cuda("no working CUDA compiler (nvcc) was found: put nvcc on PATH or set CUDACXX")
 endif()
-if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  # sm_90 SASS + PTX (Hopper, and JIT for anything newer), sm_100a SASS (Blackwell B200/GB200).
-  set(CMAKE_CUDA_ARCHITECTURES "90;100a")
+execute_process(COMMAND "${CMAKE_CUDA_COMPILER}" --version OUTPUT_VARIABLE _nvcc_version)
+string(REGEX MATCH "release ([0-9]+)\\.([0-9]+)" _ "${_nvcc_version}")
+set(_cuda_version "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}")
+if(NOT CMAKE_MATCH_1 OR _cuda_version VERSION_LESS 12.8)
+  xla_fp4_without_cuda("${CMAKE_CUDA_COMPILER} is CUDA '${_cuda_version}'; the FP4 types need CUDA 12.8 or newer")
 endif()
-enable_language(CUDA)
-find_package(CUDAToolkit REQUIRED)
-message(STATUS "CUDA ${CUDAToolkit_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
+set(_cuda_major "${CMAKE_MATCH_1}")
 
 set(XLA_FP4_CUBLAS_ROOT "" CACHE PATH "Folder with include/cublasLt.h and lib/libcublasLt.so* (default: the wheel)")
 if(NOT XLA_FP4_CUBLAS_ROOT)
@@ -25,15 +42,20 @@ if(NOT XLA_FP4_CUBLAS_ROOT)
   # Prints the folder and its package path (nvidia/cu13), which is where the wheel puts it in any site-packages.
   execute_process(
     COMMAND "${Python_EXECUTABLE}" -c "
-import importlib, os, sys
-for name in ('nvidia.cu${CUDAToolkit_VERSION_MAJOR}', 'nvidia.cublas'):
+import importlib, os, sys, sysconfig
+packages = ('nvidia/cu${_cuda_major}', 'nvidia/cublas')
+target = [sysconfig.get_paths()[k] for k in ('purelib', 'platlib')]
+build = []
+for name in packages:
     try:
-        roots = importlib.import_module(name).__path__
+        build += list(importlib.import_module(name.replace('/', '.')).__path__)
     except ImportError:
-        continue
-    for root in roots:
-        if os.path.exists(os.path.join(root, 'include', 'cublasLt.h')):
-            print(root + ';' + name.replace('.', '/'))
+        pass
+for root in target + build:
+    for package in packages:
+        folder = root if root.endswith(package) else os.path.join(root, package)
+        if os.path.exists(os.path.join(folder, 'include', 'cublasLt.h')):
+            print(folder + ';' + package)
             sys.exit()
 "
     OUTPUT_VARIABLE _cublas_wheel OUTPUT_STRIP_TRAILING_WHITESPACE)
@@ -42,10 +64,26 @@ for name in ('nvidia.cu${CUDAToolkit_VERSION_MAJOR}', 'nvidia.cublas'):
     list(GET _cublas_wheel 1 _cublas_package_path)
   endif()
 endif()
+
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  # sm_90 SASS + PTX (Hopper, and JIT for anything newer), sm_100a SASS (Blackwell B200/GB200); -DCMAKE_CUDA_ARCHITECTURES
+  # or the CUDAARCHS environment variable overrides this.
+  if(DEFINED ENV{CUDAARCHS})
+    set(CMAKE_CUDA_ARCHITECTURES "$ENV{CUDAARCHS}")
+  else()
+    set(CMAKE_CUDA_ARCHITECTURES "90;100a")
+  endif()
+endif()
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+
 if(XLA_FP4_CUBLAS_ROOT)
   find_library(XLA_FP4_CUBLASLT_LIBRARY
     NAMES cublasLt "libcublasLt.so.${CUDAToolkit_VERSION_MAJOR}"
-    PATHS "${XLA_FP4_CUBLAS_ROOT}/lib" NO_DEFAULT_PATH REQUIRED)
+    PATHS "${XLA_FP4_CUBLAS_ROOT}/lib" NO_DEFAULT_PATH)
+  if(NOT XLA_FP4_CUBLASLT_LIBRARY)
+    xla_fp4_without_cuda("${XLA_FP4_CUBLAS_ROOT} has include/cublasLt.h but no lib/libcublasLt.so*")
+  endif()
   add_library(xla_fp4_cublaslt SHARED IMPORTED)
   set_target_properties(xla_fp4_cublaslt PROPERTIES
     IMPORTED_LOCATION "${XLA_FP4_CUBLASLT_LIBRARY}"
@@ -55,10 +93,10 @@ elseif(TARGET CUDA::cublasLt)
   add_library(xla_fp4_cublaslt ALIAS CUDA::cublasLt)
   message(STATUS "cuBLASLt: the CUDA toolkit's")
 else()
-  message(FATAL_ERROR "cuBLASLt not found: install NVIDIA's wheel into the build environment (CUDA 13: pip install "
-                      "'nvidia-cublas==${CUDAToolkit_VERSION_MAJOR}.${CUDAToolkit_VERSION_MINOR}.*'; CUDA 12: "
-                      "nvidia-cublas-cu12), or set XLA_FP4_CUBLAS_ROOT")
+  xla_fp4_without_cuda("cuBLASLt was not found: install NVIDIA's wheel into the environment (CUDA 13: pip install "
+                       "'nvidia-cublas==${_cuda_version}.*'; CUDA 12: nvidia-cublas-cu12), or set XLA_FP4_CUBLAS_ROOT")
 endif()
+message(STATUS "CUDA ${CUDAToolkit_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
 
 add_library(xla_fp4_cuda STATIC
   xla_fp4/cuda/qdq_kernels.cu
@@ -79,16 +117,20 @@ target_compile_options(xla_fp4_cuda PRIVATE
 # The static runtime: importing the extension needs no libcudart; the driver is loaded on first use only.
 target_link_libraries(xla_fp4_cuda PUBLIC CUDA::cudart_static xla_fp4_cublaslt)
 
-target_sources(_xla_fp4_ext PRIVATE xla_fp4/cuda/bindings.cc)
-target_compile_definitions(_xla_fp4_ext PRIVATE XLA_FP4_WITH_CUDA)
-target_link_libraries(_xla_fp4_ext PRIVATE xla_fp4_cuda)
+nanobind_add_module(_xla_fp4_cuda NB_STATIC xla_fp4/cuda/bindings.cc)
+target_include_directories(_xla_fp4_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
+target_include_directories(_xla_fp4_cuda SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
+target_link_libraries(_xla_fp4_cuda PRIVATE xla_fp4_cuda)
 if(XLA_FP4_CUBLASLT_LIBRARY)
-  # Installed, site-packages/xla_fp4/_xla_fp4_ext.so finds the wheel's site-packages/nvidia/cu13/lib (where JAX's CUDA
+  # Installed, site-packages/xla_fp4/_xla_fp4_cuda.so finds the wheel's site-packages/nvidia/cu13/lib (where JAX's CUDA
   # plugin loads it from too); the configure-time folder is the fallback.
   get_filename_component(_cublas_dir "${XLA_FP4_CUBLASLT_LIBRARY}" DIRECTORY)
   set(_rpath "${_cublas_dir}")
   if(_cublas_package_path)
     set(_rpath "$ORIGIN/../${_cublas_package_path}/lib;${_rpath}")
   endif()
-  set_target_properties(_xla_fp4_ext PROPERTIES BUILD_RPATH "${_cublas_dir}" INSTALL_RPATH "${_rpath}")
+  set_target_properties(_xla_fp4_cuda PROPERTIES BUILD_RPATH "${_cublas_dir}" INSTALL_RPATH "${_rpath}")
 endif()
+install(TARGETS _xla_fp4_cuda LIBRARY DESTINATION xla_fp4)
+string(REPLACE ";" ", sm_" _archs "${CMAKE_CUDA_ARCHITECTURES}")
+set(XLA_FP4_CUDA_STATUS "built for sm_${_archs} with CUDA ${CUDAToolkit_VERSION}")

@@ -1,5 +1,7 @@
-// The Python extension xla_fp4._xla_fp4_ext: the FFI handlers as PyCapsules (registered by python/xla_fp4/kernels.py),
-// plus element-wise access to the format helpers of nvfp4_format.h for the tests (submodule `format`).
+// The Python extension xla_fp4._xla_fp4_ext: the CPU FFI handlers as PyCapsules (registered by
+// python/xla_fp4/kernels.py), the build's facts the registration checks, plus element-wise access to the format
+// helpers of nvfp4_format.h for the tests (submodule `format`). The CUDA handlers are a module of their own
+// (cuda/bindings.cc).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
@@ -8,8 +10,11 @@
 #include "xla_fp4/cpu_kernels.h"
 #include "xla_fp4/ffi_targets.h"
 #include "xla_fp4/nvfp4_format.h"
-#ifdef XLA_FP4_WITH_CUDA
-#include "xla_fp4/cuda/bindings.h"
+#include "xla/ffi/api/c_api.h"
+#ifdef XLA_FP4_HAS_BUILD_INFO
+#include "xla_fp4/build_info.h"  // XLA_FP4_CUDA_STATUS, written by CMakeLists.txt
+#else
+#define XLA_FP4_CUDA_STATUS "not built: this build (Bazel) builds the CPU kernels only"
 #endif
 
 namespace nb = nanobind;
@@ -43,9 +48,9 @@ NB_MODULE(_xla_fp4_ext, m) {
     d[xla_fp4::kGemmPackedTarget] = Handler(XlaFp4GemmPackedCpu);
     return d;
   }, "Target name -> PyCapsule of the CPU FFI handler.");
-#ifdef XLA_FP4_WITH_CUDA
-  xla_fp4::cuda::AddCudaBindings(m);  // cuda_registrations(), fp4_gemm_supported()
-#endif
+  // The XLA FFI API the handlers were compiled against: an XLA whose API is older rejects them when its backend starts.
+  m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  m.attr("cuda_build") = XLA_FP4_CUDA_STATUS;  // "built for <archs> ..." or "not built: <why>" (CMakeLists.txt)
 
   nb::module_ f = m.def_submodule("format", "nvfp4_format.h helpers, element-wise into a caller-provided output.");
   f.attr("INV_E2M1_MAX") = xla_fp4::kInvE2M1Max;

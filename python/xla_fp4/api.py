@@ -14,7 +14,7 @@ from xla_fp4.passes.analyze import EXCLUDE_SCOPE
 def enable_config(cfg):
   from xla_fp4 import kernels
   from xla_fp4.sharding import partition
-  kernels.register()
+  kernels.register_all()  # every platform built; a platform that cannot register gets the StableHLO form, and a warning
   partition.register()
   hook.install(cfg)
 

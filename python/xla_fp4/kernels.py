@@ -37,6 +37,7 @@ what was wrong. Nothing here touches JAX backends, so `register()` is safe in a 
 """
 
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,9 @@ ATTRIBUTES = {
 TARGETS = tuple(ATTRIBUTES)
 
 _lock = threading.Lock()
-_registered = set()  # platforms whose targets are registered
+_registered = set()  # XLA platform names whose targets are registered: "cpu", "CUDA"
+_refused = {}  # XLA platform name -> why its targets were not registered
+_warned = set()  # reasons register_all() has warned about
 
 
 def _load_extension():
@@ -90,43 +93,155 @@ def extension():
   return _ext
 
 
-def _register(platform, registrations):
+def _cuda_built():
+  return _ext is not None and _ext.cuda_build.startswith("built")
+
+
+def _load_cuda():
+  """(xla_fp4._xla_fp4_cuda, "") or (None, why not). Imported on first use: it loads cuBLASLt."""
+  if _ext is None:
+    return None, _reason
+  if not _cuda_built():
+    return None, f"the xla_fp4 CUDA kernels were {_ext.cuda_build} (docs/cuda.md)"
+  try:
+    from xla_fp4 import _xla_fp4_cuda
+  except ImportError as e:
+    return None, f"the xla_fp4 CUDA kernels were built but do not load: {e}"
+  return _xla_fp4_cuda, ""
+
+
+def cuda_extension():
+  """The CUDA extension module; raises RuntimeError with the reason when it is not built or does not load."""
+  module, why = _load_cuda()
+  if module is None:
+    raise RuntimeError(why)
+  return module
+
+
+def _xla_platform(platform):
+  """XLA's name for a JAX backend platform: cpu, or CUDA for JAX's cuda/gpu (how custom-call targets are keyed)."""
+  return "CUDA" if platform.lower() in ("cuda", "gpu") else platform.lower()
+
+
+def runtime_ffi_api():
+  """(major, minor) of the XLA FFI API of the running jaxlib, read from the headers it ships; None if unreadable."""
+  import re
+  try:
+    with open(f"{jax.ffi.include_dir()}/xla/ffi/api/c_api.h") as f:
+      text = f.read()
+  except OSError:
+    return None
+  found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR")]
+  return None if None in found else tuple(int(m.group(1)) for m in found)
+
+
+def _ffi_mismatch(module):
+  """Why XLA would refuse `module`'s handlers (it accepts handlers built against its own or an older minor API)."""
+  built, running = tuple(module.ffi_api_version), runtime_ffi_api()
+  if running is None or (built[0] == running[0] and built[1] <= running[1]):
+    return None
+  return (f"the xla_fp4 kernels were built against XLA FFI API {built[0]}.{built[1]} but this jaxlib "
+          f"({jax.lib.__version__}) runs {running[0]}.{running[1]}; reinstall xla-fp4 so it builds against this "
+          "jaxlib: pip install --force-reinstall --no-deps --no-build-isolation .")
+
+
+def _register(xla_platform, module):
+  """Register `module`'s handlers for `xla_platform` once; raises RuntimeError with the reason when XLA would not
+  take them (an incompatible FFI API fails the whole backend at start-up, so it is checked here first)."""
   with _lock:
-    if platform in _registered:
+    if xla_platform in _registered:
       return
-    for name, capsule in registrations.items():
-      jax.ffi.register_ffi_target(name, capsule, platform=platform, api_version=1)
-    _registered.add(platform)
+    if xla_platform in _refused:
+      raise RuntimeError(_refused[xla_platform])
+    why = _ffi_mismatch(module)
+    if why is not None:
+      _refused[xla_platform] = why
+      raise RuntimeError(why)
+    # CPU targets register at once; CUDA ones wait in JAX until its CUDA plugin starts (xla_client keeps them).
+    for name, capsule in module.registrations().items():
+      jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=1)
+    _registered.add(xla_platform)
 
 
 def register():
-  """Register the CPU targets with XLA (idempotent). Raises RuntimeError when the extension is not built."""
-  _register("cpu", extension().registrations())
+  """Register the CPU targets with XLA (idempotent). Raises RuntimeError with the reason when that is not possible."""
+  _register("cpu", extension())
+
+
+def register_cuda():
+  """Register the CUDA targets if the CUDA kernels were built and load (idempotent); returns whether they were."""
+  module, why = _load_cuda()
+  if module is None:
+    return False
+  _register("CUDA", module)
+  return True
+
+
+def register_all():
+  """Register every platform the kernels were built for; never raises, warns once for each platform whose kernels
+  exist but cannot be registered. {platform: (registered, reason)}; the pass uses the plain StableHLO form of the
+  kernels on a platform whose targets are not registered."""
+  out = {}
+  for platform, load in (("cpu", lambda: (_ext, _reason)), ("CUDA", _load_cuda)):
+    module, why = load()
+    built = module is not None or (platform == "CUDA" and _cuda_built())
+    if module is not None:
+      try:
+        _register(platform, module)
+        why = f"{platform} FFI kernels registered"
+      except RuntimeError as e:
+        why = str(e)
+    ok = platform in _registered
+    if not ok and (built or platform == "cpu") and why not in _warned:
+      _warned.add(why)
+      warnings.warn(f"xla_fp4: {why}. NVFP4 on {platform} uses the plain StableHLO form of the kernels (same numbers, "
+                    "slower).", RuntimeWarning, stacklevel=2)
+    out[platform] = (ok, why)
+  return out
 
 
 def registered(platform):
   """Whether the FFI targets are registered for `platform` (a backend's platform name: cpu, cuda, gpu)."""
+  return platform is not None and _xla_platform(platform) in _registered
+
+
+def status(platform):
+  """(registered, reason) for `platform`: which kernels the pass can call there, or why it uses the StableHLO form."""
   if platform is None:
-    return False
-  return ("CUDA" if platform.lower() in ("cuda", "gpu") else platform.lower()) in _registered
+    return False, "no platform"
+  xla_platform = _xla_platform(platform)
+  if xla_platform in _registered:
+    return True, f"{xla_platform} FFI kernels"
+  if xla_platform in _refused:
+    return False, _refused[xla_platform]
+  if xla_platform == "CUDA":
+    module, why = _load_cuda()
+    return False, why or "the CUDA FFI kernels are not registered (xla_fp4.enable() registers them)"
+  if xla_platform == "cpu":
+    return False, _reason if _ext is None else "the CPU FFI kernels are not registered (xla_fp4.enable() registers them)"
+  return False, f"xla_fp4 has no kernels for platform {platform!r}"
+
+
+def info():
+  """What was built and what registers, per platform (`python -m xla_fp4 info`). Registers the targets."""
+  out = {"jax": jax.__version__, "jaxlib XLA FFI API": runtime_ffi_api()}
+  if _ext is None:
+    return {**out, "cpu kernels": _reason}
+  out["kernels built against XLA FFI API"] = tuple(_ext.ffi_api_version)
+  out["CUDA kernels"] = _ext.cuda_build
+  for platform, (ok, why) in register_all().items():
+    out[f"{platform} registration"] = why
+  if registered("CUDA"):
+    out["FP4 GEMM"] = fp4_gemm_supported()[1] or "runs (compute capability 10.x, cuBLASLt >= 12.8)"
+  return out
 
 
 def fp4_gemm_supported():
   """(True, reason) when an FP4 tensor-core GEMM can run here (CUDA build, compute capability 10.x, cuBLASLt >= 12.8)."""
-  if _ext is None:
-    return False, _reason
-  if not hasattr(_ext, "fp4_gemm_supported"):
-    return False, "the xla_fp4 extension was built without CUDA (see docs/cuda.md)"
-  return tuple(_ext.fp4_gemm_supported())
-
-
-def register_cuda():
-  """Register the CUDA targets if the extension was built with them (idempotent); returns whether it was."""
-  ext = extension()
-  if not hasattr(ext, "cuda_registrations"):
-    return False
-  _register("CUDA", ext.cuda_registrations())
-  return True
+  module, why = _load_cuda()
+  if module is None:
+    return False, why
+  return tuple(module.fp4_gemm_supported())
 
 
 def backend_config_attributes(target, attrs):

@@ -1,7 +1,8 @@
 """Decision rows and tables: what the pass decided for each dot, and why.
 
-A row is a dict: module, index, layer, role, phase, block, lhs_shape, rhs_shape, flops, decision, reason, rule.
-Dump directories hold `{n:04d}_{module}.decisions.json` (rows + unmatched rules) and a `.decisions.txt` table.
+A row is a dict: index, layer, role, phase, block, lhs_shape, rhs_shape, dtype, flops, decision, rule, reason, recipe,
+keep_blocks. Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and which GEMM run
+and why; rows; unmatched rules) and a `.decisions.txt` table.
 """
 
 import glob
@@ -32,7 +33,7 @@ def _shape(s):
   return "x".join(map(str, s))
 
 
-def table(rows, unmatched_rules=(), title=""):
+def table(rows, unmatched_rules=(), title="", backend=None):
   header = ("#", "layer", "role", "block", "lhs", "rhs", "decision", "recipe (lhs | rhs)", "reason")
   body = []
   for r in rows:
@@ -46,6 +47,8 @@ def table(rows, unmatched_rules=(), title=""):
   fp4 = sum(r["flops"] for r in rows if r["decision"] == "nvfp4")
   lines.append(f"{sum(r['decision'] == 'nvfp4' for r in rows)}/{len(rows)} dots in NVFP4, "
                f"{100 * fp4 / total if total else 0:.1f}% of dot FLOPs")
+  if backend:
+    lines.append(f"kernels: {backend['kernels']}; GEMM: {backend['gemm']} ({backend['gemm_reason']})")
   if unmatched_rules:
     lines.append(f"rules that matched nothing: {', '.join(unmatched_rules)}")
   return "\n".join(l for l in lines if l is not None) + "\n"
@@ -78,4 +81,4 @@ def nvfp4_flop_share(dump_dir, module_filter=None):
 
 def print_report(dump_dir):
   for name, payload in load(dump_dir):
-    print(table(payload["decisions"], payload.get("unmatched_rules", ()), title=name))
+    print(table(payload["decisions"], payload.get("unmatched_rules", ()), title=name, backend=payload.get("backend")))

@@ -1,6 +1,7 @@
 """The CUDA kernels against the pure-JAX reference, bit for bit; the cuBLASLt FP4 GEMM against numerics.dot_general.
 
-Needs an extension built with XLA_FP4_ENABLE_CUDA=ON (docs/cuda.md) and a CUDA device; the GEMM also needs
+Needs the CUDA kernels built (`pip install .` builds them where nvcc >= 12.8 and cuBLASLt are found; docs/cuda.md)
+and a CUDA device; the GEMM also needs
 compute capability 10.x. Each test skips with the reason otherwise. References run on the CPU backend: they define the
 numbers.
 """
@@ -32,10 +33,11 @@ RHT_SEED = 1234
 
 
 def _built_with_cuda():
-  ext = extension_or_skip()
-  if not hasattr(ext, "cuda_registrations"):
-    pytest.skip("the xla_fp4 extension was built without CUDA: rebuild with XLA_FP4_ENABLE_CUDA=ON (docs/cuda.md)")
-  return ext
+  extension_or_skip()
+  module, why = kernels._load_cuda()
+  if module is None:
+    pytest.skip(why)
+  return module
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ def _loss(w, x):
   return jnp.sum(_f(x, w) ** 2)
 
 
-def _run(**options):
-  x = jax.random.normal(jax.random.key(0), (2, 16, 64))  # the wgrad contracts over two dims
-  w = jax.random.normal(jax.random.key(1), (64, 48))
+def _run(dtype=jnp.float32, **options):
+  x = jax.random.normal(jax.random.key(0), (2, 16, 64), dtype)  # the wgrad contracts over two dims
+  w = jax.random.normal(jax.random.key(1), (64, 48), dtype)
   xla_fp4.enable(strict=True, **options)
   try:
     return jax.jit(_f)(x, w), jax.jit(jax.grad(_loss))(w, x)
@@ -26,11 +26,13 @@ def _run(**options):
     xla_fp4.disable()
 
 
-def test_native_equals_emulate_bit_for_bit_with_nearest_rounding():
-  emulated = _run(backend="emulate", stochastic_rounding=False)
-  native = _run(backend="native", stochastic_rounding=False)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_equals_emulate_bit_for_bit_with_nearest_rounding(dtype):
+  """The FP4 GEMM writes the dot's own output type (alpha applied to the f32 accumulator first, one rounding)."""
+  emulated = _run(dtype, backend="emulate", stochastic_rounding=False)
+  native = _run(dtype, backend="native", stochastic_rounding=False)
   for e, n in zip(emulated, native):
-    assert jnp.array_equal(e, n)
+    assert e.dtype == n.dtype == dtype and jnp.array_equal(e, n)
 
 
 def test_native_with_stochastic_rounding_stays_close():

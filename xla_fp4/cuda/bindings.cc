@@ -1,32 +1,32 @@
-#include "xla_fp4/cuda/bindings.h"
-
+// The Python extension xla_fp4._xla_fp4_cuda (built by cmake/cuda.cmake): the CUDA FFI handlers as PyCapsules, to be
+// registered for platform "CUDA" under the same target names as the CPU handlers, and the run-time gate of the FP4
+// GEMM. A module of its own so that importing the CPU kernels never needs the CUDA libraries.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include "xla/ffi/api/c_api.h"
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/ffi_targets.h"
 
-namespace xla_fp4::cuda {
-
 namespace nb = nanobind;
 
-void AddCudaBindings(nb::module_& m) {
-  m.def("cuda_registrations", [] {
+NB_MODULE(_xla_fp4_cuda, m) {
+  m.doc() = "xla-fp4 CUDA kernels (XLA FFI handlers) and the cuBLASLt FP4 GEMM.";
+  m.def("registrations", [] {
     auto capsule = [](XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); };
     nb::dict d;
-    d[kQdqTarget] = capsule(XlaFp4QdqCuda);
-    d[kQdqWithScaleTarget] = capsule(XlaFp4QdqWithScaleCuda);
-    d[kRhtTarget] = capsule(XlaFp4RhtCuda);
-    d[kBlockAmaxTarget] = capsule(XlaFp4BlockAmaxCuda);
-    d[kQuantizePackedTarget] = capsule(XlaFp4QuantizePackedCuda);
-    d[kDequantizePackedTarget] = capsule(XlaFp4DequantizePackedCuda);
-    d[kGemmPackedTarget] = capsule(XlaFp4GemmPackedCuda);
+    d[xla_fp4::kQdqTarget] = capsule(XlaFp4QdqCuda);
+    d[xla_fp4::kQdqWithScaleTarget] = capsule(XlaFp4QdqWithScaleCuda);
+    d[xla_fp4::kRhtTarget] = capsule(XlaFp4RhtCuda);
+    d[xla_fp4::kBlockAmaxTarget] = capsule(XlaFp4BlockAmaxCuda);
+    d[xla_fp4::kQuantizePackedTarget] = capsule(XlaFp4QuantizePackedCuda);
+    d[xla_fp4::kDequantizePackedTarget] = capsule(XlaFp4DequantizePackedCuda);
+    d[xla_fp4::kGemmPackedTarget] = capsule(XlaFp4GemmPackedCuda);
     return d;
   }, "Target name -> PyCapsule of the CUDA FFI handler (register with platform='CUDA').");
-  m.def("fp4_gemm_supported", &Fp4GemmSupported,
+  m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  m.def("fp4_gemm_supported", &xla_fp4::cuda::Fp4GemmSupported,
         "(True, '') when cuBLASLt's FP4 GEMM can run on every visible CUDA device (compute capability 10.x, "
         "cuBLASLt >= 12.8); otherwise (False, reason). Initializes the CUDA runtime: call it after JAX has started.");
 }
-
-}  // namespace xla_fp4::cuda

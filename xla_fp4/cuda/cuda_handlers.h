@@ -1,5 +1,5 @@
 // The CUDA FFI handlers of xla-fp4 (registered for platform "CUDA" under the same target names as the CPU handlers)
-// and the run-time gate of the FP4 GEMM. Only compiled when the extension is built with XLA_FP4_ENABLE_CUDA=ON.
+// and the run-time gate of the FP4 GEMM. Built into xla_fp4._xla_fp4_cuda (cmake/cuda.cmake).
 #ifndef XLA_FP4_CUDA_CUDA_HANDLERS_H_
 #define XLA_FP4_CUDA_CUDA_HANDLERS_H_
 

@@ -29,6 +29,7 @@ class Result:
   rows: list  # decision rows (report.py format)
   unmatched_rules: list
   changed: bool
+  backend: dict = None  # Backend.describe() when anything was rewritten
 
 
 def clone_module(module: ir.Module) -> ir.Module:
@@ -55,27 +56,52 @@ def num_partitions(module) -> int:
   return ir.IntegerAttr(attrs["mhlo.num_partitions"]).value if "mhlo.num_partitions" in attrs else 1
 
 
-def _kernels_for(platform, module):
-  """Compiled FFI kernels where the platform has them registered, else calls to the lowered pure-JAX reference."""
-  from xla_fp4 import kernels
-  if kernels.registered(platform):
-    return rewrite_mod.FfiKernels(partitioned=num_partitions(module) > 1)
-  return rewrite_mod.ReferenceKernels(module)
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """What the rewrite emits on one platform, and why (shown in the decision report)."""
+  kernel_set: object  # rewrite.FfiKernels or rewrite.ReferenceKernels
+  kernels: str  # which kernels run: "cpu FFI kernels", "CUDA FFI kernels", or the plain StableHLO form and why
+  gemm: str  # "native" (packed operands, FP4 GEMM) or "emulate" (high-precision GEMM on q·scale operands)
+  gemm_reason: str
+
+  def describe(self):
+    return {"kernels": self.kernels, "gemm": self.gemm, "gemm_reason": self.gemm_reason}
 
 
-def _use_native(backend, platform, kernel_set):
-  """native: packed operands + FP4 GEMM. auto picks it only where an FP4 GEMM runs in hardware (sm_100+)."""
-  if backend == "emulate":
-    return False
-  has_packed = isinstance(kernel_set, rewrite_mod.FfiKernels)
-  if backend == "native":
-    if not has_packed:
-      raise RuntimeError(f"XLA_FP4_BACKEND=native needs the compiled kernels for platform {platform!r}; "
+def _is_cuda(platform):
+  return (platform or "").lower() in ("cuda", "gpu")
+
+
+def choose_backend(config: Config, platform, module, kernels=None) -> Backend:
+  """The kernel set and GEMM for `platform`: the platform's FFI kernels where they are registered, else the plain
+  StableHLO form lowered from `xla_fp4.numerics`; the FP4 GEMM where config.backend asks for it (native) or where one
+  runs in hardware (auto: CUDA with compute capability 10.x and cuBLASLt >= 12.8). `kernels(module)` overrides."""
+  from xla_fp4 import kernels as kernels_mod
+  registered, why = kernels_mod.status(platform)
+  if kernels is not None:
+    kernel_set = kernels(module)
+    described = type(kernel_set).__name__
+  elif registered:
+    kernel_set, described = rewrite_mod.FfiKernels(partitioned=num_partitions(module) > 1), why
+  else:
+    kernel_set, described = rewrite_mod.ReferenceKernels(module), f"plain StableHLO form ({why})"
+  packed = kernel_set.has_packed
+  if config.backend == "emulate":
+    return Backend(kernel_set, described, "emulate", "XLA_FP4_BACKEND=emulate")
+  if _is_cuda(platform):
+    fp4_gemm, fp4_why = kernels_mod.fp4_gemm_supported()
+  else:
+    fp4_gemm, fp4_why = False, f"no FP4 tensor cores on {platform} (XLA_FP4_BACKEND=native runs the C++ reference GEMM)"
+  if config.backend == "native":
+    if not packed:
+      raise RuntimeError(f"XLA_FP4_BACKEND=native needs the compiled kernels for platform {platform!r} ({described}); "
                          "build them (see docs/cuda.md) or use XLA_FP4_BACKEND=emulate")
-    return True
-  from xla_fp4 import kernels
-  return has_packed and platform is not None and platform.lower() in ("cuda", "gpu") and \
-      kernels.fp4_gemm_supported()[0]
+    if _is_cuda(platform) and not fp4_gemm:  # the GEMM would fail at run time: refuse at compile time instead
+      raise RuntimeError(f"XLA_FP4_BACKEND=native: {fp4_why}; use XLA_FP4_BACKEND=emulate or auto")
+    return Backend(kernel_set, described, "native", "XLA_FP4_BACKEND=native")
+  if fp4_gemm and packed:
+    return Backend(kernel_set, described, "native", "auto: cuBLASLt FP4 GEMM (compute capability 10.x)")
+  return Backend(kernel_set, described, "emulate", f"auto: {fp4_why if not fp4_gemm else described}")
 
 
 def decisions(module: ir.Module, config: Config):
@@ -95,10 +121,10 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     selected = [d for d in decided if d.decision == "nvfp4"]
     notes = {}
     if selected:
-      kernel_set = kernels(new) if kernels else _kernels_for(platform, new)
-      use_native = _use_native(config.backend, platform, kernel_set)
+      backend = choose_backend(config, platform, new, kernels)
+      use_native = backend.gemm == "native"
       partitioned = num_partitions(new) > 1
-      emitter = rewrite_mod.Emitter(kernel_set, config.seed, whole_tensors=not partitioned,
+      emitter = rewrite_mod.Emitter(backend.kernel_set, config.seed, whole_tensors=not partitioned,
                                     matrix_gemm=(platform or "").lower() == "cpu")
       plumbed = {}  # (func name, id of the original entry call) -> block value inside the function
       for d in selected:
@@ -117,10 +143,12 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
             block_value = plumbed[key] = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
           else:
             notes[d.index] = "block index unavailable per iteration: every iteration runs in NVFP4"
-        native = use_native and rewrite_mod.native_eligible(site) and not partitioned
-        if use_native and not native:
-          why = "the packed GEMM takes no batch dims" if not partitioned else \
-              "partitioned program: the packed kernels have no partitioner"
+        native, why = use_native, None
+        if use_native:
+          why = "partitioned program: the packed kernels have no partitioner" if partitioned else \
+              rewrite_mod.native_ineligible(site, cuda=_is_cuda(platform))
+          native = why is None
+        if why:
           notes[d.index] = "; ".join(filter(None, [notes.get(d.index), f"{why}: emulated"]))
         y = emitter.emit(dot, site, d, block_value, native=native)
         dot.results[0].replace_all_uses_with(y)
@@ -128,7 +156,8 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
       if not new.operation.verify():
         raise RuntimeError("xla_fp4 produced a module that does not verify")
     rows = report.rows(analysis.sites, decided, notes)
-  return Result(module=new if selected else module, rows=rows, unmatched_rules=unmatched, changed=bool(selected))
+  return Result(module=new if selected else module, rows=rows, unmatched_rules=unmatched, changed=bool(selected),
+                backend=backend.describe() if selected else None)
 
 
 def dump(dump_dir, before: ir.Module, result: Result):
@@ -140,9 +169,10 @@ def dump(dump_dir, before: ir.Module, result: Result):
     f.write(before.operation.get_asm(enable_debug_info=True))
   with open(stem + ".after.mlir", "w") as f:
     f.write(result.module.operation.get_asm(enable_debug_info=True))
-  payload = {"module": module_name(before), "decisions": result.rows, "unmatched_rules": result.unmatched_rules}
+  payload = {"module": module_name(before), "backend": result.backend, "decisions": result.rows,
+             "unmatched_rules": result.unmatched_rules}
   with open(stem + ".decisions.json", "w") as f:
     json.dump(payload, f, indent=1)
   with open(stem + ".decisions.txt", "w") as f:
-    f.write(report.table(result.rows, result.unmatched_rules, title=module_name(before)))
+    f.write(report.table(result.rows, result.unmatched_rules, title=module_name(before), backend=result.backend))
   return stem

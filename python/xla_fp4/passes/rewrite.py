@@ -43,6 +43,7 @@ reference GEMM on CPU) with alpha = s_dec_a * s_dec_b; scales, keys, RHT and the
 
 import hashlib
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -111,8 +112,19 @@ def _digest(x):
   return _reduce(bits, hlo.AddOp, _const(0, _u32()), _u32())
 
 
+class KernelSet(typing.Protocol):
+  """What the emitter calls to quantize (all ops take and return MLIR values; attributes as in xla_fp4/kernels.py).
+  `has_packed`: whether quantize_packed and gemm_packed exist, i.e. whether the native backend can run."""
+  has_packed: bool
+
+  def qdq_with_scale(self, x, salt, **attrs): ...
+  def block_amax(self, x, **attrs): ...
+  def qdq(self, x, s_dec, key, **attrs): ...
+
+
 class FfiKernels:
   """Custom calls to the compiled FFI targets (C++ on CPU, CUDA on GPU); contract in xla_fp4/kernels.py."""
+  has_packed = True
 
   def __init__(self, partitioned=False):
     from xla_fp4 import kernels  # the compiled extension is only needed on this path
@@ -192,6 +204,7 @@ def _ref_qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
 
 class ReferenceKernels:
   """Calls to private functions lowered from the pure-JAX reference; for platforms without compiled kernels."""
+  has_packed = False
 
   def __init__(self, module):
     self.module = module
@@ -314,7 +327,9 @@ class Emitter:
       return case.results[0]
 
   def _nvfp4(self, dot, site, decision, native):
-    acc, alpha = (self._native_gemm if native else self._emulated_gemm)(dot, site, decision)
+    if native:
+      return self._native_gemm(dot, site, decision)
+    acc, alpha = self._emulated_gemm(dot, site, decision)
     out_type = _tensor_type(dot.results[0])
     y = hlo.MulOp(acc, _broadcast(alpha, _tensor_type(acc))).result  # fold both s_dec into the f32 output
     if out_type.element_type != _f32():
@@ -370,7 +385,8 @@ class Emitter:
     return acc, hlo.MulOp(sa, sb).result
 
   def _native_gemm(self, dot, site, decision):
-    """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM -> (acc f32 in the dot's shape, alpha)."""
+    """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM, which applies alpha = s_dec_a * s_dec_b to its f32
+    accumulator and writes the dot's own output type (f32, bf16 or f16), as cuBLASLt's epilogue does."""
     (lc, rc), _ = site.contracting, site.batch
     a = _matrix(_canonical(dot.operands[0], (), lc))  # (M, K)
     b = _matrix(_canonical(dot.operands[1], (), rc))  # (N, K)
@@ -378,10 +394,9 @@ class Emitter:
     pb, sb = self._packed(b, decision.rhs, 2 * site.index + 1)
     alpha = hlo.MulOp(sa, sb).result
     m, n = _tensor_type(a).shape[0], _tensor_type(b).shape[0]
-    acc = self.kernels.gemm_packed(pa, pb, alpha, ir.RankedTensorType.get([m, n], _f32()))
-    out_shape = _tensor_type(dot.results[0]).shape
-    acc = hlo.ReshapeOp(ir.RankedTensorType.get(out_shape, _f32()), acc).result
-    return acc, _const(1.0, _f32())  # alpha is applied inside the GEMM, as cuBLASLt does
+    out_type = _tensor_type(dot.results[0])
+    y = self.kernels.gemm_packed(pa, pb, alpha, ir.RankedTensorType.get([m, n], out_type.element_type))
+    return hlo.ReshapeOp(out_type, y).result
 
   def _packed(self, x, recipe, site_id):
     s_dec, key, stochastic = self._scale_and_key(x, 1, recipe, site_id)
@@ -485,9 +500,15 @@ def _matrix(x):
   return hlo.ReshapeOp(ir.RankedTensorType.get([math.prod(t.shape[:-1]), t.shape[-1]], t.element_type), x).result
 
 
-def native_eligible(site):
-  """The packed FP4 GEMM multiplies plain matrices: any dot without batch dims (free and contracting dims merge)."""
-  return not site.batch[0]
+def native_ineligible(site, cuda):
+  """Why the packed FP4 GEMM cannot run `site`, or None. It multiplies plain matrices (free and contracting dims merge
+  into M, N and K; M and N need no alignment, the scales are padded to 128x4 tiles); cuBLASLt also needs K-major rows
+  of 16 bytes (K a multiple of 32)."""
+  if site.batch[0]:
+    return "the packed GEMM takes no batch dims"
+  if cuda and site.k % 32:
+    return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={site.k}"
+  return None
 
 
 def plumb_block_value(value, entry_call, func_op):

@@ -1,0 +1,145 @@
+"""The GPU check: the pass on a GPU uses its CUDA kernels, computes what the CPU emulation computes, and how fast.
+
+    benchmarks/gpu_check.sh                      # build with CUDA, the CUDA kernel tests, then this script
+    python benchmarks/gpu_check.py --out F.json  # this script alone (the extension already built with CUDA)
+    python benchmarks/gpu_check.py --platform cpu --small   # the same checks with CPU standing in for the GPU (CI)
+
+One train step of the small GPT of examples/train_lm.py (bf16 activations and weights as MaxText trains, f32 loss),
+gradients with XLA_FP4=1 in the emulate backend:
+  - the compiled HLO of the step on the device calls the xla_fp4 custom-call targets (the CUDA FFI kernels: on a GPU
+    the platform's registration is what makes XLA accept the calls);
+  - the step on the device equals the CPU emulation of the same step up to the GEMMs' summation order: the quantized
+    operands are bit-identical (tests/kernels/test_cuda_kernels.py), the accumulations are not, so loss and gradients
+    are compared with a tolerance (gradient rel. L2 <= 2e-2, |loss difference| <= 1e-3 relative);
+  - the step time with the pass against the unrewritten step, side by side (median of --repeats);
+  - on compute capability 10.x (Blackwell) the native backend too: packed operands and cuBLASLt's FP4 GEMM, checked
+    against the emulated step on the same device.
+Writes one JSON file (default benchmarks/results/gpu_check.json) and exits non-zero when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+GRAD_TOL = 2e-2  # gradient rel. L2, device vs CPU emulation (different GEMM summation orders)
+LOSS_TOL = 1e-3  # relative loss difference
+
+
+def _model(small):
+  import train_lm
+  cfg = train_lm.ModelConfig(seq=32 if small else 128, d_model=64 if small else 256, layers=2 if small else 4,
+                             heads=2 if small else 4, d_ff=256 if small else 1024)
+  return train_lm, train_lm.GPT(cfg), cfg
+
+
+def _inputs(small):
+  train_lm, model, cfg = _model(small)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, cfg.seq), jnp.int32))["params"]
+  params = jax.device_get(jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))  # the same values on every device
+  batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (4 if small else 16, cfg.seq + 1), dtype=np.int32)
+  step = jax.jit(jax.value_and_grad(functools.partial(train_lm.loss_fn, model)))
+  return step, params, jnp.asarray(batch)
+
+
+def _on(device, tree):
+  return jax.device_put(tree, device)
+
+
+def _targets(compiled_text):
+  return sorted(set(re.findall(r'custom_call_target="(xla_fp4_[a-z_0-9]+)"', compiled_text)))
+
+
+def _run(step, params, batch, device, repeats):
+  """(loss, grads as numpy f32, custom-call targets in the compiled HLO, median seconds)."""
+  args = _on(device, (params, batch))
+  compiled = step.lower(*args).compile()
+  loss, grads = jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  grads = [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
+  return float(loss), grads, _targets(compiled.as_text()), statistics.median(times) if times else None
+
+
+def _compare(a, b):
+  """(relative loss difference, worst per-leaf gradient rel. L2) of two runs."""
+  loss = abs(a[0] - b[0]) / max(abs(b[0]), 1e-12)
+  grad = max(float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-12)) for x, y in zip(a[1], b[1]))
+  return loss, grad
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--platform", default="cuda", help="the device platform to check (cpu: a stand-in, for CI)")
+  p.add_argument("--small", action="store_true", help="a tiny model (CI)")
+  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.json")
+  args = p.parse_args(argv)
+
+  import xla_fp4
+  from xla_fp4 import kernels
+  try:
+    device = jax.devices(args.platform)[0]
+  except RuntimeError as e:
+    sys.exit(f"gpu_check: no {args.platform} device ({e}); run it on a machine with an NVIDIA GPU and jax[cuda]")
+  cpu = jax.devices("cpu")[0]
+  step, params, batch = _inputs(args.small)
+  result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=str(getattr(device, "device_kind", device)), platform=args.platform, jax=jax.__version__,
+                small=args.small, checks={})
+  checks = result["checks"]
+
+  baseline = _run(step, params, batch, device, args.repeats)  # no pass installed yet
+  xla_fp4.enable(backend="emulate")
+  result["kernels"] = kernels.info()
+  emulated = _run(step, params, batch, device, args.repeats)
+  reference = _run(step, params, batch, cpu, 0)  # the CPU emulation: C++ kernels, the numbers of xla_fp4.numerics
+  loss_diff, grad_diff = _compare(emulated, reference)
+  checks["device runs the xla_fp4 targets"] = dict(
+      ok="xla_fp4_qdq_with_scale" in emulated[2] and kernels.registered(args.platform), targets=emulated[2],
+      registered=kernels.status(args.platform)[1])
+  checks["device == CPU emulation"] = dict(ok=loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL,
+                                           loss=[emulated[0], reference[0]], loss_rel_diff=loss_diff,
+                                           grad_rel_l2=grad_diff, tolerance=dict(loss=LOSS_TOL, grad=GRAD_TOL))
+  result["step_seconds"] = dict(none=baseline[3], emulate=emulated[3], ratio_emulate=emulated[3] / baseline[3])
+
+  fp4_gemm, why = kernels.fp4_gemm_supported() if args.platform != "cpu" else (False, "cpu stand-in")
+  result["fp4_gemm"] = dict(supported=fp4_gemm, reason=why)
+  if fp4_gemm:
+    xla_fp4.enable(backend="native")
+    native = _run(step, params, batch, device, args.repeats)
+    loss_diff, grad_diff = _compare(native, emulated)
+    checks["native == emulate on the device"] = dict(
+        ok="xla_fp4_gemm_packed" in native[2] and loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL,
+        targets=native[2], loss_rel_diff=loss_diff, grad_rel_l2=grad_diff)
+    result["step_seconds"].update(native=native[3], ratio_native=native[3] / baseline[3])
+  xla_fp4.disable()
+
+  result["ok"] = all(c["ok"] for c in checks.values())
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+  for name, c in checks.items():
+    print(f"{'PASS' if c['ok'] else 'FAIL'}  {name}: {json.dumps({k: v for k, v in c.items() if k != 'ok'}, default=str)}")
+  print(f"step seconds: {json.dumps(result['step_seconds'])}\nwrote {args.out}")
+  return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

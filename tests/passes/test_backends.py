@@ -1,0 +1,196 @@
+"""Which kernels and which GEMM the pass uses on each platform, and registration that cannot happen.
+
+CUDA platforms are faked (a stand-in for the CUDA extension module, a faked FP4-GEMM probe): the choice is plain logic
+over kernels.status() and kernels.fp4_gemm_supported(), so it is tested on CPU; benchmarks/gpu_check.py checks the
+real thing on a GPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.lib import xla_client
+
+import xla_fp4
+from xla_fp4 import config, kernels, report
+from xla_fp4.passes import pipeline, rewrite
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+  """kernels' registration bookkeeping, emptied for the test and restored after it."""
+  monkeypatch.setattr(kernels, "_registered", set())
+  monkeypatch.setattr(kernels, "_refused", {})
+  monkeypatch.setattr(kernels, "_warned", set())
+
+
+def _module():
+  x = jnp.zeros((32, 64))
+  return jax.jit(lambda x, w: x @ w).lower(x, jnp.zeros((64, 64))).compiler_ir("stablehlo")
+
+
+def _choose(platform, **options):
+  module = _module()
+  with module.context:
+    return pipeline.choose_backend(config.load(enabled=True, **options), platform, module)
+
+
+def _fake_cuda(monkeypatch, fp4_gemm):
+  """A stand-in for xla_fp4._xla_fp4_cuda: the CPU handlers under the CUDA names, and an FP4-GEMM probe answer."""
+  ext = kernels.extension()
+  fake = types.SimpleNamespace(registrations=ext.registrations, ffi_api_version=ext.ffi_api_version,
+                               fp4_gemm_supported=lambda: fp4_gemm)
+  monkeypatch.setattr(kernels, "_load_cuda", lambda: (fake, ""))
+  return fake
+
+
+def test_cpu_uses_its_ffi_kernels_and_emulates_in_auto():
+  xla_fp4.enable()
+  try:
+    backend = _choose("cpu")
+  finally:
+    xla_fp4.disable()
+  assert isinstance(backend.kernel_set, rewrite.FfiKernels) and backend.kernels == "cpu FFI kernels"
+  assert backend.gemm == "emulate" and "no FP4 tensor cores on cpu" in backend.gemm_reason
+
+
+def test_unregistered_platform_gets_the_stablehlo_form_with_the_reason(fresh_registry):
+  backend = _choose("cpu")
+  assert isinstance(backend.kernel_set, rewrite.ReferenceKernels)
+  assert backend.kernels.startswith("plain StableHLO form (") and "not registered" in backend.kernels
+  with pytest.raises(RuntimeError, match="XLA_FP4_BACKEND=native needs the compiled kernels"):
+    _choose("cpu", backend="native")
+  rocm = _choose("rocm")
+  assert "xla_fp4 has no kernels for platform 'rocm'" in rocm.kernels and rocm.gemm == "emulate"
+
+
+def test_cuda_registers_at_plugin_time_and_waits_for_the_cuda_backend(fresh_registry, monkeypatch):
+  """register_all() registers every platform built; CUDA targets wait in JAX's queue until the CUDA plugin starts
+  (here it never does), so registering on a machine without a GPU is harmless."""
+  _fake_cuda(monkeypatch, (False, "the FP4 GEMM needs compute capability 10.x; device 0 is 9.0"))
+  monkeypatch.setattr(xla_client, "_custom_callback", {})
+  status = kernels.register_all()
+  assert status["CUDA"] == (True, "CUDA FFI kernels registered") and status["cpu"][0]
+  if "CUDA" not in xla_client._custom_callback_handler:  # no CUDA backend in this jaxlib: queued
+    queued = {name for name, *_ in xla_client._custom_callback["CUDA"]}
+    assert queued == set(kernels.TARGETS)
+  assert kernels.registered("cuda") and kernels.registered("gpu")
+
+
+@pytest.mark.parametrize("fp4_gemm, gemm, reason", [
+    ((True, ""), "native", "auto: cuBLASLt FP4 GEMM"),
+    ((False, "the FP4 GEMM needs compute capability 10.x; device 0 is 9.0"), "emulate", "device 0 is 9.0"),
+])
+def test_auto_on_cuda_picks_the_fp4_gemm_where_it_runs(fresh_registry, monkeypatch, fp4_gemm, gemm, reason):
+  _fake_cuda(monkeypatch, fp4_gemm)
+  kernels.register_all()
+  backend = _choose("cuda")
+  assert isinstance(backend.kernel_set, rewrite.FfiKernels) and backend.kernels == "CUDA FFI kernels"
+  assert backend.gemm == gemm and reason in backend.gemm_reason
+
+
+def test_native_on_a_gpu_without_fp4_gemm_is_refused_at_compile_time(fresh_registry, monkeypatch):
+  """cuBLASLt's FP4 GEMM would fail at run time on Hopper; the pass refuses (the hook then compiles the original)."""
+  _fake_cuda(monkeypatch, (False, "the FP4 GEMM needs compute capability 10.x; device 0 is 9.0"))
+  kernels.register_all()
+  with pytest.raises(RuntimeError, match="device 0 is 9.0"):
+    _choose("cuda", backend="native")
+
+
+def test_cuda_not_built_says_why(fresh_registry, monkeypatch):
+  monkeypatch.setattr(kernels, "_cuda_built", lambda: False)
+  monkeypatch.setattr(kernels, "_load_cuda", lambda: (None, "the xla_fp4 CUDA kernels were not built: no nvcc"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # a CUDA build that does not exist is no reason to warn on a CPU machine
+    assert kernels.register_all()["CUDA"] == (False, "the xla_fp4 CUDA kernels were not built: no nvcc")
+  backend = _choose("cuda")
+  assert isinstance(backend.kernel_set, rewrite.ReferenceKernels) and "no nvcc" in backend.kernels
+  assert "no nvcc" in backend.gemm_reason
+
+
+def test_the_build_says_whether_it_has_cuda():
+  ext = kernels.extension()
+  assert ext.cuda_build.startswith(("built for sm_", "not built: ")), ext.cuda_build
+  module, why = kernels._load_cuda()
+  assert (module is not None) == ext.cuda_build.startswith("built") or "do not load" in why
+
+
+@pytest.mark.parametrize("built, running, refused", [((0, 3), (0, 3), False), ((0, 3), (0, 5), False),
+                                                     ((0, 5), (0, 3), True), ((1, 0), (0, 9), True)])
+def test_ffi_api_compatibility(monkeypatch, built, running, refused):
+  monkeypatch.setattr(kernels, "runtime_ffi_api", lambda: running)
+  why = kernels._ffi_mismatch(types.SimpleNamespace(ffi_api_version=built))
+  assert (why is not None) == refused
+  if refused:
+    assert f"built against XLA FFI API {built[0]}.{built[1]}" in why and "--no-build-isolation" in why
+
+
+def test_the_running_jaxlib_api_is_read_and_the_build_is_accepted():
+  running = kernels.runtime_ffi_api()
+  assert running is not None and len(running) == 2
+  assert kernels._ffi_mismatch(kernels.extension()) is None, (kernels.extension().ffi_api_version, running)
+
+
+def test_native_needs_k_a_multiple_of_32_on_cuda_only():
+  site = lambda k, batch=((), ()): types.SimpleNamespace(k=k, batch=batch)  # noqa: E731
+  assert rewrite.native_ineligible(site(48), cuda=False) is None
+  assert "K a multiple of 32, K=48" in rewrite.native_ineligible(site(48), cuda=True)
+  assert rewrite.native_ineligible(site(64), cuda=True) is None
+  assert "no batch dims" in rewrite.native_ineligible(site(64, ((0,), (0,))), cuda=False)
+
+
+def test_report_shows_the_backend():
+  text = report.table([], title="m", backend={"kernels": "CUDA FFI kernels", "gemm": "emulate",
+                                              "gemm_reason": "auto: device 0 is 9.0"})
+  assert "kernels: CUDA FFI kernels; GEMM: emulate (auto: device 0 is 9.0)" in text
+
+
+def test_a_registration_that_xla_would_refuse_leaves_a_running_program(tmp_path):
+  """Kernels built against a newer XLA FFI API than the running jaxlib's would kill JAX's CPU backend at start-up.
+  The plugin checks first: one warning, no registration, and the pass emits the plain StableHLO form; the program
+  runs, computes the same numbers as with the kernels, and the dump says why."""
+  script = textwrap.dedent("""
+      import json, sys, warnings
+      warnings.simplefilter("always")
+      from xla_fp4 import kernels
+      if sys.argv[1] == "refuse":
+        kernels.runtime_ffi_api = lambda: (0, 0)  # as if this jaxlib were older than the kernels' headers
+      import jax, jax.numpy as jnp
+      with warnings.catch_warnings(record=True) as caught:
+        w = jax.random.normal(jax.random.key(0), (64, 64))
+        x = jax.random.normal(jax.random.key(1), (32, 64))
+        g = jax.jit(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2)))(w)
+      print(json.dumps({"grad": g.ravel()[:8].tolist(), "warnings": [str(c.message) for c in caught]}))
+  """)
+  out = {}
+  for mode in ("refuse", "accept"):
+    env = dict(os.environ, XLA_FP4="1", XLA_FP4_DUMP_DIR=str(tmp_path / mode), XLA_FP4_STOCHASTIC_ROUNDING="0")
+    proc = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out[mode]["backend"] = report.load(tmp_path / mode)[0][1]["backend"]
+  refused = [w for w in out["refuse"]["warnings"] if "XLA FFI API" in w]
+  assert len(refused) == 1 and "plain StableHLO form" in refused[0], out["refuse"]["warnings"]
+  assert out["refuse"]["backend"]["kernels"].startswith("plain StableHLO form (the xla_fp4 kernels were built")
+  assert out["accept"]["backend"]["kernels"] == "cpu FFI kernels"
+  assert out["refuse"]["grad"] == out["accept"]["grad"]
+
+
+def test_gpu_check_runs_with_the_cpu_standing_in(tmp_path):
+  """benchmarks/gpu_check.py end to end (the GPU check's logic, its JSON), with the CPU as the device."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = tmp_path / "gpu_check.json"
+  proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_check.py"), "--platform", "cpu",
+                         "--small", "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["ok"] and set(result["checks"]) == {"device runs the xla_fp4 targets", "device == CPU emulation"}
+  assert "xla_fp4_qdq_with_scale" in result["checks"]["device runs the xla_fp4 targets"]["targets"]
+  assert result["step_seconds"]["ratio_emulate"] > 0 and result["kernels"]["cpu registration"]
