@@ -117,6 +117,15 @@ class FpMode {
 #endif
     return m;
   }
+  // Whether subnormal inputs read as zero (DAZ), as XLA runs its CPU executables: a kernel that compares bit patterns
+  // instead of doing float arithmetic must flush them itself to agree with XLA's reductions.
+  bool DenormalsAreZero() const {
+#if defined(__SSE__) || defined(__x86_64__)
+    return (csr_ & 0x0040u) != 0;
+#else
+    return false;
+#endif
+  }
   void Apply() const {
 #if defined(__SSE__) || defined(__x86_64__)
     _mm_setcsr(csr_);

@@ -299,7 +299,7 @@ void RhtImpl(ffi::ThreadPool& pool, const T* x, float* y, const Geometry& g, con
 // shape with the axis divided by 16). 1D blocks only: the tile's rows (kRow, axis last) or its columns (kCol).
 template <Blocks kBlocks, RhtAlong kRht, typename T>
 XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, const View& view, const float* sign_quarter,
-                                          int64_t t_begin, int64_t t_end) {
+                                          uint32_t smallest, int64_t t_begin, int64_t t_end) {
   alignas(64) float v[kBlock][kBlock];
   alignas(64) uint32_t m[kBlock];
   for (int64_t t = t_begin; t < t_end; ++t) {
@@ -310,7 +310,7 @@ XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, const View& v
         uint32_t mi = 0;
         for (int j = 0; j < kBlock; ++j) {
           const uint32_t a = MagnitudeBits(v[i][j]);
-          mi = a > mi ? a : mi;
+          mi = a > mi && a >= smallest ? a : mi;
         }
         m[i] = mi;
       }
@@ -321,7 +321,7 @@ XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, const View& v
       for (int i = 0; i < kBlock; ++i) {
         for (int j = 0; j < kBlock; ++j) {
           const uint32_t a = MagnitudeBits(v[i][j]);
-          m[j] = a > m[j] ? a : m[j];
+          m[j] = a > m[j] && a >= smallest ? a : m[j];
         }
       }
       // The tile's 16 lines are one block of every column: block row = line / 16.
@@ -337,12 +337,14 @@ void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, const Geometr
   const Blocks blocks = g.axis_last() ? Blocks::kRow : Blocks::kCol;
   const View view = ViewOf(g, blocks);
   const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
+  // Magnitudes are compared as bits, which no FP mode flushes: under DAZ (XLA's CPU mode) subnormals count as zero.
+  const uint32_t smallest = FpMode::Current().DenormalsAreZero() ? 0x00800000u : 0u;
   WithRht(RhtDirection(g, rht), [&](auto along) {
     ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
       if (blocks == Blocks::kRow) {
-        BlockAmaxTiles<Blocks::kRow, decltype(along)::value>(x, amax, view, sq, begin, end);
+        BlockAmaxTiles<Blocks::kRow, decltype(along)::value>(x, amax, view, sq, smallest, begin, end);
       } else {
-        BlockAmaxTiles<Blocks::kCol, decltype(along)::value>(x, amax, view, sq, begin, end);
+        BlockAmaxTiles<Blocks::kCol, decltype(along)::value>(x, amax, view, sq, smallest, begin, end);
       }
     });
     return 0;

@@ -288,7 +288,7 @@ def jax_nested_scan(groups=3, per_group=2):
 
 
 def jax_nested_jit():
-  params = _dense_params([D, H, D])
+  params = _dense_params([D, D, D])  # two layers of one shape: repeated subtrees, i.e. blocks
   x = _x((B, D))
 
   @jax.jit
@@ -351,7 +351,7 @@ def jax_shard_map():
   """A data-parallel MLP under shard_map over all (forced host) devices; needs >= 2 devices to be meaningful."""
   from jax.sharding import Mesh, PartitionSpec as P
   mesh = Mesh(np.array(jax.devices()), ("data",))
-  params = _dense_params([D, H, D])
+  params = _dense_params([D, D, D])  # two layers of one shape: repeated subtrees, i.e. blocks
   x = _x((len(jax.devices()) * B, D))
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
@@ -361,3 +361,104 @@ def jax_shard_map():
     return jax.lax.pmean(jax.grad(loss)(p, x), "data")
 
   return grads, (params, x)
+
+
+# ------------------------------------------------------------------ probes: names that mislead, structure that does not
+
+
+class ProbeClassifier(nn.Module):
+  """A ViT-like classifier whose layer names mislead: `patch_embed` and `multihead_<i>` are no heads, `mlp_h_0` is no
+  block (one numbered module), and the real head is named `classifier`."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(D, name="patch_embed")(x)
+    for i in range(2):
+      h = nn.LayerNorm(name=f"ln_{i}")(x)
+      x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS, name=f"multihead_{i}")(h, h)
+    x = x + nn.Dense(D, name="mlp_h_0")(nn.gelu(x))
+    return nn.Dense(V, name="classifier")(x.mean(1))
+
+
+def probe_classifier():
+  model = ProbeClassifier()
+  x = _x((B, S, H))
+  labels = jnp.asarray(np.random.default_rng(4).integers(0, V, (B,)), jnp.int32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def loss(p, x, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), labels).mean()
+
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), x, labels)
+
+
+class ProbeEncoderDecoder(nn.Module):
+  """An encoder and a decoder of `n` blocks each (encoder/layers_<i>, decoder/layers_<i>): 2n blocks, the decoder's
+  last the network's last."""
+  n: int = 6
+
+  @nn.compact
+  def __call__(self, x):
+    def stack(name, x):
+      for i in range(self.n):
+        x = x + nn.Dense(D, name=f"{name}/layers_{i}/fc2")(nn.gelu(nn.Dense(F, name=f"{name}/layers_{i}/fc1")(x)))
+      return x
+    return nn.Dense(V, name="out")(stack("decoder", stack("encoder", x)))
+
+
+def probe_encoder_decoder():
+  model = ProbeEncoderDecoder()
+  x = _x((B, S, D))
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  labels = jnp.asarray(np.random.default_rng(5).integers(0, V, (B, S)), jnp.int32)
+
+  def loss(p, x, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), labels).mean()
+
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), x, labels)
+
+
+def probe_shared_helper(layers=8):
+  """One jitted `dense` applied to every layer: JAX emits one function with a call site per layer."""
+  params = [jnp.asarray(np.random.default_rng(10 + i).standard_normal((D, D)) / 8, jnp.float32) for i in range(layers)]
+
+  @jax.jit
+  def dense(w, x):
+    return x @ w
+
+  def loss(ws, x):
+    for w in ws:
+      x = jnp.tanh(dense(w, x))
+    return jnp.mean(x ** 2)
+
+  return jax.jit(jax.grad(loss)), (params, _x((B * S, D)))
+
+
+def probe_activation_product():
+  """One jitted `mm` for a linear layer (x @ w, h @ w) and for a product of two activations (h @ h.T)."""
+  @jax.jit
+  def mm(a, b):
+    return a @ b
+
+  def loss(w, x):
+    h = jnp.tanh(mm(x, w))
+    return jnp.mean(mm(h, h.T) ** 2) + jnp.mean(mm(h, w) ** 2)
+
+  w = jnp.asarray(np.random.default_rng(20).standard_normal((D, D)) / 8, jnp.float32)
+  return jax.jit(jax.grad(loss)), (w, _x((B * S, D)))
+
+
+def probe_gradient_penalty():
+  """A loss with a gradient in it (d f / d x, as in WGAN-GP): higher-order differentiation."""
+  def f(w1, w2, x):
+    return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2))
+
+  def loss(p, x):
+    gx = jax.grad(f, argnums=2)(p[0], p[1], x)
+    return f(p[0], p[1], x) + jnp.mean(gx ** 2)
+
+  r = np.random.default_rng(30)
+  p = tuple(jnp.asarray(r.standard_normal((D, D)) / 8, jnp.float32) for _ in range(2))
+  return jax.jit(jax.grad(loss)), (p, _x((B * S, D)))

@@ -106,23 +106,23 @@ def _check_block_values(a, module, num_stacked):
     ("linen_mlp", {}, "LinenMLP/", "head"),
     ("linen_mlp", {"dtype": jnp.bfloat16}, "LinenMLP/", "head"),
     ("nnx_mlp", {}, "", "head"),  # fc1/fc2 under jax.named_scope("trunk"): see test_nnx_named_scope
-    ("jax_mlp", {}, "", None),
-    ("jax_mlp", {"dtype": jnp.bfloat16}, "", None),
+    ("jax_mlp", {}, "", "layer_2"),
+    ("jax_mlp", {"dtype": jnp.bfloat16}, "", "layer_2"),
 ], ids=["linen", "linen-bf16", "nnx", "jax", "jax-bf16"])
 def test_mlp(builder, kwargs, prefix, head):
+  """The head is the layer whose output reaches the loss with no other linear layer in between, whatever its name."""
   _, a = _analysis(builder, **kwargs)
   assert _roles(a) == {"fprop": 3, "dgrad": 2, "wgrad": 3}  # the batch input has no gradient: no dgrad for layer 0
   if builder == "nnx_mlp":
     a = dataclasses.replace(a, sites=[dataclasses.replace(s, layer=s.layer.removeprefix("trunk/")) for s in a.sites])
-  names = ["fc1", "fc2", "head"] if head else ["layer_0", "layer_1", "layer_2"]
+  names = ["fc1", "fc2", "head"] if head == "head" else ["layer_0", "layer_1", "layer_2"]
   first = prefix + names[0]
   assert _by_layer(a) == {**{prefix + n: ["dgrad", "fprop", "wgrad"] for n in names}, first: ["fprop", "wgrad"]}
-  assert all(s.is_head == (s.layer == prefix + (head or "-")) for s in a.sites)
-  if head is None:  # layer_<i> names a block
-    assert {s.layer: s.block for s in a.sites} == {"layer_0": 0, "layer_1": 1, "layer_2": 2}
-    assert a.num_blocks == 3
-  else:
-    assert all(s.block is None for s in a.sites) and a.num_blocks == 0
+  assert all(s.is_head == (s.layer == prefix + head) for s in a.sites)
+  assert {s.head_reason for s in a.sites if s.is_head} == {
+      "its output reaches the loss with no other linear layer in between"}
+  # Numbered (fc1, fc2, layer_<i>) yet no blocks: D->H, H->H and H->D are no repeated subtrees.
+  assert all(s.block is None for s in a.sites) and a.num_blocks == 0
   dtype = "bf16" if kwargs.get("dtype") == jnp.bfloat16 else "f32"
   assert {s.dtype for s in a.sites} == {dtype}
   _check_consistent(a)
@@ -292,3 +292,74 @@ def test_shard_map():
       ("fprop", "layer_0", 0, "p['layer_0']['w']"), ("wgrad", "layer_0", 0, "p['layer_0']['w']"),
       ("fprop", "layer_1", 1, "p['layer_1']['w']"), ("dgrad", "layer_1", 1, "p['layer_1']['w']"),
       ("wgrad", "layer_1", 1, "p['layer_1']['w']")])
+
+
+# --------------------------------------------------------------------------------- probes: decisions from dataflow
+
+
+def test_misleading_names_do_not_decide():
+  """The head is found by dataflow (`classifier`, not `patch_embed` or `multihead_*`); one numbered module (`mlp_h_0`)
+  is no block, while the two attention modules, which hold the same layers, are blocks 0 and 1."""
+  _, a = _analysis("probe_classifier")
+  linear = {s.layer.removeprefix("ProbeClassifier/"): s for s in a.sites if s.role != "other"}
+  assert {k for k, s in linear.items() if s.is_head} == {"classifier"}
+  assert {k: s.block for k, s in linear.items() if s.block is not None} == {
+      f"multihead_{i}/{p}": i for i in range(2) for p in ("query", "key", "value", "out")}
+  assert a.num_blocks == 2 and linear["mlp_h_0"].block is None and linear["patch_embed"].block is None
+
+
+def test_blocks_run_across_stacks_in_network_order():
+  """An encoder and a decoder of 6 blocks each: 12 blocks, numbered encoder first; the policy's last blocks are the
+  decoder's last, not the middle of the network (encoder/layers_5)."""
+  from xla_fp4 import config
+  from xla_fp4.passes import policy
+  _, a = _analysis("probe_encoder_decoder")
+  assert a.num_blocks == 12
+  blocks = {s.layer.removeprefix("ProbeEncoderDecoder/"): s.block for s in a.sites if s.role != "other"}
+  assert blocks["encoder/layers_0/fc1"] == 0 and blocks["encoder/layers_5/fc2"] == 5
+  assert blocks["decoder/layers_0/fc1"] == 6 and blocks["decoder/layers_5/fc2"] == 11 and blocks["out"] is None
+  decided, _ = policy.decide(a, config.load(environ={}, enabled=True))
+  kept = {a.sites[d.index].layer.split("/", 1)[1].rsplit("/", 1)[0] for d in decided
+          if d.rule == "high_precision_block"}
+  assert kept == {"decoder/layers_4", "decoder/layers_5"}  # round(16% of 12) = 2, both at the end
+
+
+def _decided(builder):
+  """The pipeline's decision rows (call sites specialized, as the compile hook sees it) of a probe program."""
+  from xla_fp4 import config
+  from xla_fp4.passes import pipeline
+  fn, args = getattr(models, builder)()
+  rows, _ = pipeline.decisions(fn.lower(*args).compiler_ir("stablehlo"), config.load(environ={}, enabled=True))
+  return rows
+
+
+def test_a_helper_shared_by_every_layer_is_analysed_per_call_site():
+  """8 layers through one jitted `dense`: 8 layers, each with its weight, block and decision (the pipeline gives each
+  call site its own copy of the function); the last is the head."""
+  rows = _decided("probe_shared_helper")
+  roles = collections.Counter((r["layer"], r["role"]) for r in rows)
+  layers = [f"dense/{i}" for i in range(8)]
+  assert roles == {**{(l, "fprop"): 1 for l in layers}, **{(l, "wgrad"): 1 for l in layers},
+                   **{(l, "dgrad"): 1 for l in layers[1:]}}, roles
+  assert {r["layer"]: r["block"] for r in rows} == {l: i for i, l in enumerate(layers)}
+  assert {r["layer"] for r in rows if r["rule"] == "head"} == {"dense/7"}
+  assert {r["layer"] for r in rows if r["decision"] == "nvfp4"} == set(layers[:7])
+
+
+def test_the_backward_of_an_activation_product_stays_high_precision():
+  """`mm` serves a linear layer and h @ h.T: the product's backward dots read no weight and no layer's activation
+  and gradient pair, so they stay `other` (kept); the linear uses of w get fprop, dgrad and wgrad."""
+  rows = _decided("probe_activation_product")
+  other = [r for r in rows if r["role"] == "other"]
+  assert len(other) == 3 and all(r["decision"] == "keep" for r in other), rows  # h @ h.T and its two transposes
+  assert collections.Counter(r["role"] for r in rows if r["role"] != "other") == {"fprop": 2, "wgrad": 2, "dgrad": 1}
+
+
+def test_higher_order_differentiation_is_kept_in_high_precision():
+  """A gradient penalty: dots under two derivatives (jvp(jvp(...)), jvp(transpose(...)), ...) are kept; the plain
+  first-order step of the same layers keeps its recipe."""
+  rows = _decided("probe_gradient_penalty")
+  kept = [r for r in rows if r["rule"] == "higher_order"]
+  assert len(kept) == 11 and all(r["decision"] == "keep" for r in kept), rows
+  assert collections.Counter(r["role"] for r in rows if r["decision"] == "nvfp4") == {"fprop": 2, "wgrad": 2,
+                                                                                      "dgrad": 1}

@@ -166,7 +166,7 @@ def test_a_registration_that_xla_would_refuse_leaves_a_running_program(tmp_path)
       with warnings.catch_warnings(record=True) as caught:
         w = jax.random.normal(jax.random.key(0), (64, 64))
         x = jax.random.normal(jax.random.key(1), (32, 64))
-        g = jax.jit(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2)))(w)
+        g = jax.jit(jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2)))(w)
       print(json.dumps({"grad": g.ravel()[:8].tolist(), "warnings": [str(c.message) for c in caught]}))
   """)
   out = {}

@@ -33,7 +33,9 @@ How (docs/design.md §4):
   `entry_call` (the func.call that enters the dot's function; None when the dot sees the value itself). A wgrad takes
   the value from a dot of its own function that slices the same (or a same-sized) stack. Nested scans (a slice of a
   slice) give no value: the flat layer index exists nowhere in the program, so only `num_stacked` (the product) is set.
-- head: the layer name (`head`, `logits`, ...) or a weight that also feeds a gather (a tied embedding, `Embed.attend`).
+- head: a linear layer whose output reaches the loss with no other dot in between: its backward dots' gradient
+  operand is computed from the loss and the layer's own output only (`_heads`). The layer name (`head`, `logits`,
+  ...) only breaks the tie where that dataflow cannot be followed, and the reason says so.
 
 The jaxlib 0.10 MLIR bindings expose no accessors for location structure, so names are read from the printed
 location (`loc("name"(child))`): only the leading quoted NameLoc name is taken.
@@ -51,8 +53,7 @@ _FILE_LOC_RE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
 _TRANSFORM_RE = re.compile(r"^[\w.]+\((.*)\)$")  # jvp(MLP), transpose(jvp(MLP)), vmap(f), jit(step)
 _NOISE = {"while", "body", "eval_jaxpr", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "remat2",
           "core_call", "custom_jvp_call", "custom_vjp_call", "pjit", "shard_map", "scan", "xla_fp4_exclude_end"}
-_BLOCK_RE = re.compile(r"(?:^|[/.\['_])(?:blocks?|layers?|h|transformer_?blocks?|encoder_?blocks?|decoder_?blocks?)"
-                       r"[_'\]\[/]*(\d+)", re.I)
+_INDEXED_RE = re.compile(r"^(.*?)_?(\d+)$")  # a path component that numbers a module: layers_3, block3, 3
 _HEAD_RE = re.compile(r"(head|logits|unembed|embed\w*|lm_out|output_projection)$", re.I)
 _PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
                  "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding",
@@ -75,8 +76,12 @@ class DotSite:
   weight_arg: Optional[str]  # the @main argument the layer's weight comes from
   block: Optional[int]  # static block index
   num_stacked: Optional[int]  # layers in the scanned stack when the block is per iteration
+  block_offset: Optional[int]  # global block index of the scanned stack's first layer
   is_head: bool
+  head_reason: Optional[str]  # how the head was found (dataflow, or the name where the dataflow is inconclusive)
   excluded_scope: bool
+  ad_order: int  # derivatives nested around the dot (jvp( in its name stack): 1 in a gradient step, >1 in a gradient
+  #                taken inside the loss (a gradient penalty), 0 outside differentiation
   lhs_shape: tuple
   rhs_shape: tuple
   out_shape: tuple
@@ -158,12 +163,15 @@ def _path_from_arg(arg_name: str) -> str:
   return "/".join(parts)
 
 
-def _static_block(*texts):
-  for t in texts:
-    if t:
-      m = _BLOCK_RE.search(t)
-      if m:
-        return int(m.group(1))
+def _indexed_subtree(path):
+  """(stack, index, rest) of the outermost numbered component of a parameter path: decoder/layers_3/mlp/wi_0 ->
+  ("decoder/layers", 3, "mlp/wi_0"), layers/3/q -> ("layers", 3, "q"); None when no component is numbered."""
+  parts = path.split("/") if path else []
+  for n, part in enumerate(parts):
+    m = _INDEXED_RE.match(part)
+    if m:
+      stem = m.group(1) if m.group(1) else ""
+      return "/".join(parts[:n] + ([stem] if stem else [])), int(m.group(2)), "/".join(parts[n + 1:])
   return None
 
 
@@ -307,34 +315,6 @@ def _dot_dims(op):
           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)))
 
 
-def _feeds_gather(mod, arg_index):
-  """Whether @main argument `arg_index` is also an embedding table: it feeds the operand of a gather (jnp.take is
-  outlined into a private function) through pass-through ops, calls and while carries. A tied output head."""
-  main = mod.funcs.get("main")
-  if main is None:
-    return False
-  todo = [main.regions[0].blocks[0].arguments[arg_index]]
-  seen = 0
-  while todo and seen < 256:
-    v = todo.pop()
-    seen += 1
-    for use in v.uses:
-      user = use.owner.operation if hasattr(use.owner, "operation") else use.owner
-      if user.name == "stablehlo.gather" and use.operand_number == 0:
-        return True
-      if user.name in _PASS_THROUGH or user.name == "stablehlo.optimization_barrier":
-        todo.extend(user.results if user.name in _PASS_THROUGH else [user.results[use.operand_number]])
-      elif user.name == "func.call":
-        callee = mod.funcs.get(ir.FlatSymbolRefAttr(user.attributes["callee"]).value)
-        if callee is not None:
-          todo.append(callee.regions[0].blocks[0].arguments[use.operand_number])
-      elif user.name == "stablehlo.while":
-        todo.append(user.regions[1].blocks[0].arguments[use.operand_number])
-      elif user.name == "sdy.manual_computation":
-        todo.append(user.regions[0].blocks[0].arguments[use.operand_number])
-  return False
-
-
 def _root(mod, value):
   """The value a pass-through chain starts from, followed out of functions with a single call site (nested jit,
   remat and custom_jvp bodies): dots that read the same tensor get the same root."""
@@ -352,10 +332,130 @@ def _root(mod, value):
       value = calls[0].operands[ir.BlockArgument(value).arg_number]
       continue
     op = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+    if op.name == "func.call":  # a value a function passes through (a residual returned by a jitted forward)
+      callee = mod.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+      inner = _terminator(callee.regions[0]).operands[ir.OpResult(value).result_number] if callee else None
+      if inner is None or not isinstance(inner.owner, ir.Block):
+        return value
+      value = op.operands[ir.BlockArgument(inner).arg_number]
+      continue
     if op.name not in _PASS_THROUGH:
       return value
     value = op.operands[0]
   return value
+
+
+def _users(value):
+  for use in value.uses:
+    yield (use.owner.operation if hasattr(use.owner, "operation") else use.owner), use.operand_number
+
+
+def _terminator(region):
+  block = region.blocks[0]
+  return block.operations[len(block.operations) - 1]
+
+
+class _Dataflow:
+  """Walks over values across functions, loops and branches, cut at dot_generals, for the head analysis: a head is the
+  linear layer whose output reaches the loss with no other dot in between (docs/design.md §3)."""
+
+  LIMIT = 20000  # values visited per walk; beyond it the answer is "inconclusive"
+
+  def __init__(self, mod):
+    self.mod = mod
+
+  def no_dot_upstream(self, value, barrier):
+    """Whether the slice upstream of `value`, cut at every dot_general, reaches no dot for which `barrier(op)` holds:
+    True, False, or None when the slice could not be followed to its end. Calls are followed in context: a callee's
+    argument entered through one call's result leads back to that call's operand only."""
+    todo, seen = [(value, ())], set()
+    while todo:
+      v, calls = todo.pop()
+      if (v, calls[-1:]) in seen:
+        continue
+      seen.add((v, calls[-1:]))
+      if len(seen) > self.LIMIT:
+        return None
+      if isinstance(v.owner, ir.Block):
+        arg = ir.BlockArgument(v)
+        parent = arg.owner.owner
+        parent = parent.operation if parent is not None else None
+        if parent is None:
+          return None
+        if parent.name == "func.func":
+          fname = ir.StringAttr(parent.attributes["sym_name"]).value
+          if calls:
+            todo.append((calls[-1].operands[arg.arg_number], calls[:-1]))
+          elif fname != "main":
+            todo.extend((call.operands[arg.arg_number], ()) for call in self.mod.calls.get(fname, []))
+        elif parent.name == "stablehlo.while":
+          todo.append((parent.operands[arg.arg_number], calls))
+          todo.append((_terminator(parent.regions[1]).operands[arg.arg_number], calls))
+        elif parent.name == "sdy.manual_computation":
+          todo.append((parent.operands[arg.arg_number], calls))
+        else:
+          return None
+        continue
+      res = ir.OpResult(v)
+      op = res.owner.operation if hasattr(res.owner, "operation") else res.owner
+      if op.name == "stablehlo.dot_general":
+        if barrier(op):
+          return False
+        continue
+      if op.name == "func.call":
+        callee = self.mod.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+        if callee is None:
+          return None
+        todo.append((_terminator(callee.regions[0]).operands[res.result_number], calls + (op,)))
+      elif op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if", "sdy.manual_computation"):
+        body = [1] if op.name == "stablehlo.while" else range(len(op.regions))
+        todo.extend((_terminator(op.regions[r]).operands[res.result_number], calls) for r in body)
+        todo.extend((o, calls) for o in op.operands)
+      else:
+        todo.extend((o, calls) for o in op.operands)
+    return True
+
+  def reaches_loss(self, value):
+    """True when `value` reaches a scalar result of @main (a loss) through no dot; False when it does not; None when
+    the walk could not finish."""
+    todo, seen = [value], set()
+    while todo:
+      v = todo.pop()
+      if v in seen:
+        continue
+      seen.add(v)
+      if len(seen) > self.LIMIT:
+        return None
+      for user, i in _users(v):
+        if user.name == "stablehlo.dot_general":
+          continue
+        if user.name == "func.return":
+          fname = self.mod.enclosing_func(user)
+          if fname == "main":
+            if not _shape(v):
+              return True
+            continue
+          todo.extend(call.results[i] for call in self.mod.calls.get(fname, []))
+        elif user.name in ("stablehlo.return", "sdy.return"):
+          parent = user.parent
+          if parent is None:
+            return None
+          if parent.name == "stablehlo.while" and user.block == parent.regions[0].blocks[0]:
+            continue  # the loop condition
+          todo.append(parent.results[i])
+        elif user.name == "func.call":
+          callee = self.mod.funcs.get(ir.FlatSymbolRefAttr(user.attributes["callee"]).value)
+          if callee is None:
+            return None
+          todo.append(callee.regions[0].blocks[0].arguments[i])
+        elif user.name == "stablehlo.while":
+          todo.append(user.results[i])
+          todo.append(user.regions[1].blocks[0].arguments[i])
+        elif user.name == "sdy.manual_computation":
+          todo.append(user.regions[0].blocks[0].arguments[i])
+        else:
+          todo.extend(user.results)
+    return False
 
 
 def _phase(stack):
@@ -413,12 +513,26 @@ def _pair_backward(dots):
 
   for i in backward:
     d = dots[i]
-    for j in candidates(i):
-      same = [k for k in (0, 1) if d.sources[k] is not None and d.sources[k].arg == dots[j].src.arg]
-      if same:
-        d.role, d.w, d.src, d.partner = "dgrad", same[0], d.sources[same[0]], j
-        break
+    matches = [(j, k) for j in candidates(i) for k in (0, 1)
+               if d.sources[k] is not None and d.sources[k].arg == dots[j].src.arg]
+    if len({j for j, _ in matches}) > 1:
+      # One weight read by several fprops (x @ w and h @ w): the dgrad belongs to the fprop whose activation a
+      # sibling backward dot (its wgrad) reads together with this dgrad's gradient.
+      linked = [(j, k) for j, k in matches
+                if any(o != i and d.roots[1 - k] in dots[o].roots and dots[j].roots[1 - dots[j].w] in dots[o].roots
+                       for o in backward)]
+      matches = linked or matches
+    if matches:
+      j, k = matches[0]
+      d.role, d.w, d.src, d.partner = "dgrad", k, d.sources[k], j
   claimed = set()
+  # Operands of forward products of two activations (no weight): a backward dot without a value link to a layer
+  # that reads one of these is that product's transpose, not a wgrad.
+  products = {r for d in dots if d.phase == "forward" and d.role == "other" for r in d.roots}
+  gradients = {}  # fprop index -> the gradient operand roots of its dgrads
+  for k in backward:
+    if dots[k].role == "dgrad":
+      gradients.setdefault(dots[k].partner, []).append(dots[k].roots[1 - dots[k].w])
   for i in backward:
     d = dots[i]
     if d.role != "other":
@@ -433,9 +547,12 @@ def _pair_backward(dots):
       if any(grad == r for r in d.roots):
         partner = dots[g].partner
         break
+    if partner is None:  # reads the layer's activation, and (where the layer has a dgrad) the dgrad's gradient
+      partner = next((j for j in shaped if any(dots[j].roots[1 - dots[j].w] == r for r in d.roots) and
+                      all(g in d.roots for g in gradients.get(j, [g for g in d.roots]))), None)
     if partner is None:
-      partner = next((j for j in shaped if any(dots[j].roots[1 - dots[j].w] == r for r in d.roots)), None)
-    if partner is None:
+      if any(r in products for r in d.roots):
+        continue  # no link to a layer, and it reads what a product of activations (h @ h.T) reads: its transpose
       free = [j for j in shaped if j not in claimed]
       partner = (free or shaped)[-1]
     claimed.add(partner)
@@ -461,6 +578,108 @@ def _local_source(dots, wgrad, src):
   return dataclasses.replace(src, index=None, entry_call=None)
 
 
+def _loop_of(mod, op):
+  """The innermost stablehlo.while around `op`, through the first call site of outlined functions; None if none."""
+  cur = op.parent
+  while cur is not None:
+    if cur.name == "stablehlo.while":
+      return cur
+    if cur.name == "func.func":
+      calls = mod.calls.get(ir.StringAttr(cur.attributes["sym_name"]).value)
+      cur = calls[0] if calls else None
+    cur = cur.parent if cur is not None else None
+  return None
+
+
+def _blocks(mod, dots):
+  """({dot index: (global block, num_stacked, block_offset)}, number of blocks). Blocks are the repeated parameter
+  subtrees: numbered children of one parent (decoder/layers_0..3, layers/0..11) of which at least two hold the same
+  layers (sub-paths and weight shapes: fc1/fc2 or differently sized MLP layers are no blocks), and the layers of a
+  scanned stack (a stacked weight sliced per iteration). Stacks are numbered in the order their first
+  fprop runs (an encoder's blocks before a decoder's), so that "the last blocks" are the last of the network. A
+  layer's backward dots take its fprop's block."""
+  stacks = {}  # key -> {"first": fprop index, "size": int, "fprops": {fprop index: local index or None}, "layout"}
+  first_use = {}  # weight argument -> its first fprop (a remat copy in the backward loop joins the forward's stack)
+  for j, f in enumerate(dots):
+    if f.role != "fprop":
+      continue
+    first = dots[first_use.setdefault(f.src.arg, j)]
+    if f.src.stacked is not None:
+      key, local, size = ("scan", _loop_of(mod, first.op)), None, f.src.stacked
+    else:
+      arg_name = mod.main_args[f.src.arg] if f.src.arg < len(mod.main_args) else ""
+      found = _indexed_subtree(_path_from_arg(arg_name)) or _indexed_subtree(f.path)
+      if found is None:
+        continue
+      key, local, size = ("static", found[0]), found[1], found[1] + 1
+    stack = stacks.setdefault(key, {"first": j, "size": 0, "fprops": {}, "layout": {}})
+    stack["size"] = max(stack["size"], size)
+    stack["fprops"][j] = local
+    if local is not None:  # what this numbered subtree holds: (sub-path, weight shape) of each layer
+      stack["layout"].setdefault(local, set()).add((found[2], _shape(f.op.operands[f.w])))
+  offset, by_fprop = 0, {}
+  for key, stack in sorted(stacks.items(), key=lambda kv: kv[1]["first"]):
+    layouts = [frozenset(v) for v in stack["layout"].values()]
+    if key[0] == "static" and len(set(layouts)) == len(layouts):
+      continue  # no two numbered subtrees hold the same layers: nothing repeats
+    for j, local in stack["fprops"].items():
+      by_fprop[j] = (offset + local, None, None) if local is not None else (None, stack["size"], offset)
+    offset += stack["size"]
+  out = {}
+  for i, d in enumerate(dots):
+    owner = i if d.role == "fprop" else d.partner
+    if d.role != "other" and owner in by_fprop:
+      out[i] = by_fprop[owner]
+  return out, offset
+
+
+def _heads(mod, dots):
+  """{fprop index: how it was found} for the output heads: a head is a linear layer whose output reaches the loss with
+  no other dot in between. In a gradient step that is a layer whose backward dots take a gradient that no other
+  backward dot has touched: the slice upstream of their gradient operand holds forward dots only (the activations
+  the loss is computed from), where any layer between this one and the loss would have put its dgrad. In a program
+  without backward dots (an eval step) a head's output reaches a scalar result of @main (a loss) through no dot.
+  Where the dataflow cannot be followed to its end the layer name breaks the tie, and the reason says so."""
+  flow = _Dataflow(mod)
+  backward = {d.op: d.phase == "backward" for d in dots}  # operations hash and compare by the op they wrap
+  is_backward = lambda op: backward.get(op, True)  # noqa: E731
+  any_backward = any(d.phase == "backward" for d in dots)
+  layers = {}  # weight argument -> its fprops (remat recomputes a layer's fprop: one verdict for all copies)
+  for j, f in enumerate(dots):
+    if f.role == "fprop":
+      layers.setdefault(f.src.arg, []).append(j)
+  heads = {}
+  for fprops in layers.values():
+    verdicts = []
+    for d in dots:
+      if d.partner not in fprops:
+        continue
+      f = dots[d.partner]
+      if d.role == "dgrad":
+        grad = d.op.operands[1 - d.w]
+      else:  # wgrad: the operand that is not the fprop's activation
+        others = [k for k in (0, 1) if d.roots[k] != f.roots[1 - f.w]]
+        if len(others) != 1:
+          continue
+        grad = d.op.operands[others[0]]
+      verdicts.append(flow.no_dot_upstream(grad, is_backward))
+    if not verdicts:
+      if any_backward:  # a layer without gradient in a gradient step (frozen): nothing says it feeds the loss
+        continue
+      verdicts = [flow.reaches_loss(dots[j].op.results[0]) for j in fprops]
+    if False in verdicts:
+      continue
+    f = dots[fprops[0]]
+    if None not in verdicts:
+      reason = "its output reaches the loss with no other linear layer in between"
+    elif _HEAD_RE.search(f.path.split("/")[-1] if f.path else ""):
+      reason = "by its name (the dataflow to the loss could not be followed)"
+    else:
+      continue
+    heads.update((j, reason) for j in fprops)
+  return heads
+
+
 def analyze(module) -> Analysis:
   mod = _Module(module)
   tracer = _Tracer(mod)
@@ -481,6 +700,8 @@ def analyze(module) -> Analysis:
       if d.w is not None:
         d.role, d.src = "fprop", d.sources[d.w]
   _pair_backward(dots)
+  heads = _heads(mod, dots)
+  blocks, num_blocks = _blocks(mod, dots)
 
   sites, ops, block_values = [], {}, {}
   for i, d in enumerate(dots):
@@ -494,23 +715,16 @@ def analyze(module) -> Analysis:
     batch = int(math.prod([ls[x] for x in lb]))
     m = batch * int(math.prod([ls[x] for x in range(len(ls)) if x not in lc and x not in lb]))
     n = int(math.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb]))
-    block = _static_block(layer, arg_name)
-    stacked = None
-    if src is not None and src.stacked is not None:
-      block, stacked = None, src.stacked
-      if src.index is not None:
-        block_values[i] = (src.index, src.entry_call)
-    is_head = d.role != "other" and (bool(_HEAD_RE.search(layer.split("/")[-1] if layer else "")) or
-                                     _feeds_gather(mod, src.arg))
+    block, stacked, offset = blocks.get(i, (None, None, None))
+    if stacked is not None and src.index is not None:
+      block_values[i] = (src.index, src.entry_call)
+    head = heads.get(i if d.role == "fprop" else d.partner) if d.role != "other" else None
     sites.append(DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
         weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, block=block,
-        num_stacked=stacked, is_head=is_head, excluded_scope=EXCLUDE_SCOPE in d.stack, lhs_shape=ls, rhs_shape=rs,
+        num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head, excluded_scope=EXCLUDE_SCOPE in d.stack, ad_order=d.stack.count("jvp("), lhs_shape=ls, rhs_shape=rs,
         out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
         operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]), m=m, n=n, k=k,
         flops=2 * int(math.prod(out)) * k, contracting=(lc, rc), batch=(lb, rb)))
     ops[i] = op
-  static = [s.block for s in sites if s.block is not None and s.role != "other"]
-  stacks = [s.num_stacked for s in sites if s.num_stacked]
-  num_blocks = max([max(static) + 1 if static else 0] + stacks)
   return Analysis(sites=sites, ops=ops, block_values=block_values, num_blocks=num_blocks)

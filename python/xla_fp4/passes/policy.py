@@ -63,6 +63,10 @@ def default_rules(config: Config):
            when=lambda s, c: s.role == "other"),
       Rule(name="dtype", decision="keep", reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
            when=lambda s, c: not set(s.operand_dtypes) <= QUANTIZABLE_DTYPES),
+      Rule(name="higher_order", decision="keep",
+           reason="inside a derivative of a derivative (a gradient in the loss): the recipe is for first-order "
+                  "gradients, so kept in high precision",
+           when=lambda s, c: s.ad_order > 1),
       Rule(name="exclude_scope", decision="keep", reason="inside xla_fp4.exclude()",
            when=lambda s, c: s.excluded_scope),
       Rule(name="exclude_regex", decision="keep", reason=f"layer path matches XLA_FP4_EXCLUDE={config.exclude!r}",
@@ -104,13 +108,15 @@ def decide(analysis: Analysis, config: Config, rules=None):
     rule = next(r for r in rules if r.when(site, ctx))
     used.add(rule.name)
     if rule.decision == "keep":
-      decisions.append(Decision(index=site.index, decision="keep", rule=rule.name, reason=rule.reason))
+      reason = rule.reason + (f": {site.head_reason}" if rule.name == "head" and site.head_reason else "")
+      decisions.append(Decision(index=site.index, decision="keep", rule=rule.name, reason=reason))
       continue
     lhs, rhs = recipe_for(site, config)
     keep_blocks = ()
     reason = rule.reason
     if site.index in analysis.block_values:
-      keep_blocks = tuple(sorted(b for b in ctx.kept_blocks if b < (site.num_stacked or 0)))
+      first = site.block_offset or 0  # the stack's blocks, numbered from its first layer
+      keep_blocks = tuple(sorted(b - first for b in ctx.kept_blocks if first <= b < first + (site.num_stacked or 0)))
       if keep_blocks:
         reason += f"; scanned stack: blocks {list(keep_blocks)} run the high-precision dot"
     elif site.num_stacked and ctx.kept_blocks:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import xla_fp4
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 
 def fprop(x, w):
@@ -41,8 +42,11 @@ def excluded(x, w):
 
 
 def head(x, w):
-  with jax.named_scope("head"):
-    return x @ w
+  """A gradient step of one layer, named for nothing: its output reaches the loss directly, so it is the head."""
+  def loss(w, x):
+    with jax.named_scope("classifier"):
+      return jnp.sum(jnp.tanh(x @ w))
+  return jax.grad(loss)(w, x)
 
 
 def scanned(ws, x):
@@ -92,7 +96,8 @@ CASES = {
 // CHECK-NOT: stablehlo.dot_general
 // CHECK: return""", 2),
     "backward_dgrad_wgrad": (train_linear, (jax.ShapeDtypeStruct((32, 64), jnp.float32),
-                                             jax.ShapeDtypeStruct((64, 64), jnp.float32)), "", """
+                                             jax.ShapeDtypeStruct((64, 64), jnp.float32)), "keep_head=0", """
+// (The one layer is the output head: keep_head=0 puts it in NVFP4.)
 // CHECK-LABEL: func.func public @main
 // wgrad: both operands get the random Hadamard transform along the token dim; the gradient rounds stochastically
 // (its key mixes in a wrapping sum of its bits, computed by the kernel)
@@ -123,11 +128,15 @@ CASES = {
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
-    "keep_head": (head, (X, W), "", """
+    "keep_head": (head, (X, jax.ShapeDtypeStruct((64, 64), jnp.float32)), "", """
+// fprop, dgrad and wgrad of the head stay as they were.
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
-// CHECK: stablehlo.dot_general"""),
-    "head_in_nvfp4_when_asked": (head, (X, W), "keep_head=0", """
+// CHECK: stablehlo.dot_general
+// CHECK: stablehlo.dot_general
+// CHECK-NOT: xla_fp4_qdq
+// CHECK: return"""),
+    "head_in_nvfp4_when_asked": (head, (X, jax.ShapeDtypeStruct((64, 64), jnp.float32)), "keep_head=0", """
 // CHECK-LABEL: func.func public @main
 // CHECK: stablehlo.custom_call @xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
@@ -156,6 +165,7 @@ CASES = {
 def main():
   for name, (fn, args, config, checks, *partitions) in CASES.items():
     text = jax.jit(fn).lower(*args).as_text(debug_info=True)
+    text = text.replace(f'"{ROOT}/', '"')  # source locations relative to the checkout: no machine's path in the file
     if partitions:  # as if jitted over that many devices (the pass reads only the module's attribute)
       text = text.replace("mhlo.num_partitions = 1 :", f"mhlo.num_partitions = {partitions[0]} :", 1)
     with open(os.path.join(HERE, f"{name}.mlir"), "w") as f:

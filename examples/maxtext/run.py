@@ -1,0 +1,156 @@
+"""MaxText, unmodified, with and without XLA_FP4=1: loss gap, step time, FLOP share, and the pass's decisions.
+
+    python examples/maxtext/run.py                    # every configuration below, 8 steps each way
+    python examples/maxtext/run.py --configs default --steps 4 --out /tmp/mt.json    # the CI smoke test
+
+Builds (once) a Python 3.12 venv with `maxtext[tpu]==0.2.4` (which pins jax 0.10.2) outside the checkout
+(MAXTEXT_VENV, default ~/.cache/xla_fp4/maxtext-venv), installs this checkout into it the way a user would
+(`pip install .`, pip's isolated build), then runs MaxText's own trainer on CPU with synthetic data, a small dense
+decoder, for each configuration: once as is, once with XLA_FP4=1 and a dump dir. From MaxText's log it takes each
+step's loss and time; from the dumps the pass's decisions, checked against the paper's policy (arXiv 2509.25149 §4):
+the logits head and the attention products kept, about 16% of the decoder layers (weighted to the end) kept, every
+other decoder linear layer's fprop, dgrad and wgrad in NVFP4. Writes one JSON file and exits non-zero when a run
+fails or a decision breaks the policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("MAXTEXT_VENV", Path.home() / ".cache" / "xla_fp4" / "maxtext-venv"))
+MAXTEXT = "maxtext[tpu]==0.2.4"
+SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=512",
+         "base_num_decoder_layers=4", "max_target_length=128", "vocab_size=256",
+         "per_device_batch_size=1", "dataset_type=synthetic", "enable_checkpointing=false"]
+# name -> extra MaxText overrides. default: MaxText's own defaults (bf16 activations, scanned decoder layers).
+CONFIGS = {
+    "default": [],
+    "f32": ["dtype=float32", "weight_dtype=float32"],
+    "unscanned": ["scan_layers=false"],
+    "remat_full": ["remat_policy=full"],
+    "remat_minimal": ["remat_policy=minimal"],
+    "llama2": ["model_name=llama2-7b", "override_model_config=true"],
+}
+STEP_RE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+),.* loss: ([0-9.]+)")
+
+
+def _python312():
+  for cand in [os.environ.get("PYTHON312", ""), shutil.which("python3.12") or "",
+               *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))]:
+    if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+                               capture_output=True).returncode == 0:
+      return cand
+  sys.exit("examples/maxtext/run.py needs a Python 3.12 interpreter (MaxText 0.2.4 supports 3.12); set PYTHON312")
+
+
+def setup():
+  """The venv (built once) with MaxText and this checkout installed; returns its python."""
+  python = VENV / "bin" / "python"
+  if not (VENV / ".maxtext_ok").exists():
+    print(f"== building {VENV} with {MAXTEXT} (first time: several minutes)", flush=True)
+    subprocess.run([_python312(), "-m", "venv", str(VENV)], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", MAXTEXT], check=True)
+    (VENV / ".maxtext_ok").write_text(MAXTEXT + "\n")
+  print(f"== installing this checkout into {VENV} (pip install ., isolated build)", flush=True)
+  subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)], check=True)
+  return python
+
+
+def train(python, name, overrides, steps, fp4, dump_dir, log):
+  config = subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
+                           "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
+  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4")}
+  if fp4:
+    env.update(XLA_FP4="1", XLA_FP4_DUMP_DIR=str(dump_dir))
+  cmd = [str(python), "-m", "maxtext.trainers.pre_train.train", config, f"run_name={name}",
+         f"base_output_directory={dump_dir.parent / 'maxtext_out'}", f"steps={steps}", *SMALL, *overrides]
+  start = time.time()
+  with open(log, "w") as f:
+    proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=dump_dir.parent, timeout=1800)
+  text = Path(log).read_text()
+  steps_seen = [(int(s), float(t), float(l)) for s, t, l in STEP_RE.findall(text)]
+  warnings = sorted(set(re.findall(r"xla_fp4: [^\n]*", text)))
+  return dict(returncode=proc.returncode, wall_s=round(time.time() - start, 1), log=str(log), warnings=warnings,
+              losses=[l for _, _, l in steps_seen],
+              # Step 0 compiles; the median of the others is the step time.
+              step_s=statistics.median([t for s, t, _ in steps_seen if s > 0]) if len(steps_seen) > 1 else None)
+
+
+def check_policy(dump_dir):
+  """The pass's decisions over every dumped train step, against the paper's policy; (summary, [violations])."""
+  rows = []
+  for path in sorted(glob.glob(str(dump_dir / "*.decisions.json"))):  # the format of xla_fp4/report.py
+    payload = json.loads(Path(path).read_text())
+    if "train_step" in payload["module"]:
+      rows += [dict(r, module=payload["module"]) for r in payload["decisions"]]
+  bad = []
+  for r in rows:
+    layer, what = r["layer"] or "", f"{r['module']} #{r['index']} {r['layer']} {r['role']}: {r['decision']} ({r['reason']})"
+    if "logits_dense" in layer and r["decision"] != "keep":
+      bad.append("the logits head must stay in high precision: " + what)
+    if r["role"] == "other" and r["decision"] != "keep":
+      bad.append("attention products stay in high precision: " + what)
+    if "decoder/layers" in layer and r["role"] != "other" and r["decision"] == "keep" and r["rule"] != "high_precision_block":
+      bad.append("decoder linear layers run in NVFP4: " + what)
+  scanned = [r for r in rows if r["block"] == "scan" and r["decision"] == "nvfp4"]
+  kept_blocks = sorted({b for r in scanned for b in r["keep_blocks"]} |
+                       {r["block"] for r in rows if r["rule"] == "high_precision_block"})
+  if not kept_blocks:
+    bad.append("no decoder layer kept in high precision (the paper keeps ~16%, weighted to the end)")
+  total = sum(r["flops"] for r in rows)
+  fp4 = sum(r["flops"] for r in rows if r["decision"] == "nvfp4")
+  summary = dict(dots=len(rows), nvfp4_dots=sum(r["decision"] == "nvfp4" for r in rows),
+                 nvfp4_flop_share=round(fp4 / total, 4) if total else 0.0, kept_blocks=kept_blocks,
+                 head_rows=sorted({f"{r['role']}:{r['decision']}" for r in rows if "logits_dense" in (r["layer"] or "")}))
+  return summary, bad
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+  p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--work", type=Path, default=Path("/tmp/xla_fp4_maxtext"), help="logs, dumps, MaxText's output")
+  p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "maxtext.json")
+  args = p.parse_args(argv)
+  python = setup()
+  results, failed = {}, []
+  for name in args.configs:
+    work = args.work / name
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "dump").mkdir(parents=True)
+    base = train(python, f"{name}_base", CONFIGS[name], args.steps, False, work / "dump", work / "base.log")
+    nvfp4 = train(python, f"{name}_fp4", CONFIGS[name], args.steps, True, work / "dump", work / "fp4.log")
+    entry = dict(overrides=CONFIGS[name], baseline=base, nvfp4=nvfp4)
+    ok = base["returncode"] == 0 and nvfp4["returncode"] == 0 and len(nvfp4["losses"]) == args.steps
+    if ok:
+      entry["decisions"], entry["policy_violations"] = check_policy(work / "dump")
+      entry["loss_gap_last"] = round(nvfp4["losses"][-1] - base["losses"][-1], 4)
+      entry["step_time_ratio"] = round(nvfp4["step_s"] / base["step_s"], 3) if base["step_s"] else None
+      ok = not entry["policy_violations"] and not nvfp4["warnings"]
+    entry["ok"] = ok
+    results[name] = entry
+    if not ok:
+      failed.append(name)
+    print(f"{'PASS' if ok else 'FAIL'} {name}: loss {base['losses'][-1:]} -> {nvfp4['losses'][-1:]}, "
+          f"step {base['step_s']} -> {nvfp4['step_s']} s, {entry.get('decisions')}, "
+          f"violations {entry.get('policy_violations', [])[:3]}, warnings {nvfp4['warnings'][:2]}", flush=True)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(json.dumps(dict(maxtext=MAXTEXT, steps=args.steps, small=SMALL, results=results), indent=1) + "\n")
+  print(f"wrote {args.out}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
