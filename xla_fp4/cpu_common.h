@@ -192,7 +192,7 @@ inline void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_per_item,
 
 // ---- 16x16 tiles ----
 
-// A tensor viewed as (outer, K, inner) around the quantization axis (numerics/quantize.py). A tile is 16 consecutive
+// A tensor viewed as (outer, K, inner) around the quantization axis (numerics/nvfp4.py canonical_axis). A tile is 16 consecutive
 // positions along K times up to 16 "columns": consecutive inner positions, or consecutive outer rows when the axis is
 // the last one (inner == 1). These are exactly the 2D scaling tiles; a 1D block is one column of a tile.
 struct Geometry {
@@ -259,7 +259,7 @@ struct RhtSigns {
   }
 };
 
-// How a tensor is quantized (numerics/quantize.py _encode with the caller's s_dec).
+// How a tensor is quantized (numerics/nvfp4.py _encode with the caller's s_dec).
 struct Recipe {
   bool block_2d;
   bool stochastic;

@@ -191,7 +191,7 @@ XLA_FP4_HOST_DEVICE inline void Rht16(float* v, const float* sign_quarter) {
   for (int j = 0; j < kBlock; ++j) v[j] *= sign_quarter[j];
 }
 
-// ---- the recipe (numerics/quantize.py _encode / _decode) ----
+// ---- the recipe (numerics/nvfp4.py _encode / _decode) ----
 
 // |v| as bits for a per-tensor amax in which NaN counts as +Inf: for non-negative floats the integer order is the float
 // order. An Inf or NaN anywhere makes s_dec Inf, so the whole tensor decodes to NaN (docs/design.md §2).

@@ -353,7 +353,7 @@ void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, const Geometr
 
 // ---- FFI: validation ----
 
-// x's shape viewed around `axis` (numerics.quantize.canonical_axis).
+// x's shape viewed around `axis` (numerics/nvfp4.py canonical_axis).
 ffi::Error AxisGeometry(ffi::Span<const int64_t> dims, int64_t axis, Geometry* g) {
   const int64_t rank = static_cast<int64_t>(dims.size());
   if (rank == 0 || axis < -rank || axis >= rank) {

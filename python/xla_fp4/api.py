@@ -8,7 +8,7 @@ import jax
 from xla_fp4 import config as config_mod
 from xla_fp4 import hook, report
 from xla_fp4.passes import pipeline
-from xla_fp4.passes.analyze import EXCLUDE_SCOPE
+from xla_fp4.passes.analyze import EXCLUDE_ATTRIBUTE
 
 
 def enable_config(cfg):
@@ -30,8 +30,12 @@ def disable():
 
 
 class _Exclude(contextlib.ContextDecorator):
+  """Marks every op traced inside with a frontend attribute (jax's set_xla_metadata), which JAX also writes on the
+  backward pass's transposed dots; the pass keeps marked dots in high precision."""
+
   def __enter__(self):
-    self._scope = jax.named_scope(EXCLUDE_SCOPE)
+    from jax.experimental import xla_metadata
+    self._scope = xla_metadata.set_xla_metadata(**{EXCLUDE_ATTRIBUTE: "true"})
     return self._scope.__enter__()
 
   def __exit__(self, *exc):

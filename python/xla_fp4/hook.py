@@ -1,8 +1,11 @@
-"""The compile hook: the one module that touches JAX private API.
+"""The compile hook: where the pass meets JAX's compilation (a private API: jax._src.compiler).
 
 `jax._src.compiler.compile_or_get_cached(backend, computation, ...)` is the funnel of jit, AOT compile, grad, pmap and
 shard_map (docs/design.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the
 persistent cache key is computed from it, so rewritten and original programs never share cache entries).
+Other private JAX modules the project uses: jax._src.lib.mlir (the MLIR bindings and dialects; passes/), jax._src
+.interpreters.mlir (custom_call, the IR context; rewrite.py) and jax._src.xla_bridge / custom partitioning
+(sharding/partition.py); docs/design.md §4 lists what each relies on.
 """
 
 import inspect

@@ -26,6 +26,13 @@ def _tokens():
   return jnp.asarray(np.random.default_rng(1).integers(0, V, (B, S)), jnp.int32)
 
 
+def _grad_of(loss):
+  """jax.grad(loss), with the loss attached (`.loss`) for the tests that train with it."""
+  grad = jax.grad(loss)
+  grad.loss = loss
+  return grad
+
+
 def _sgd_step(loss_fn):
   opt = optax.sgd(1e-2)
 
@@ -251,11 +258,11 @@ def jax_mlp(dtype=jnp.float32):
   return step, (params, opt_init(params), x)
 
 
-def jax_scan_mlp(checkpoint=False, num_layers=4):
+def jax_scan_mlp(checkpoint=False, num_layers=4, batch=B):
   rng = np.random.default_rng(3)
   params = {"layers": {"w1": jnp.asarray(rng.standard_normal((num_layers, D, H)) / 8, jnp.float32),
                        "w2": jnp.asarray(rng.standard_normal((num_layers, H, D)) / 8, jnp.float32)}}
-  x = _x((B, D))
+  x = _x((batch, D))
 
   def layer(x, w):
     return x + jax.nn.relu(x @ w["w1"]) @ w["w2"], None
@@ -266,7 +273,7 @@ def jax_scan_mlp(checkpoint=False, num_layers=4):
     x, _ = jax.lax.scan(body, x, p["layers"])
     return jnp.mean(x ** 2)
 
-  return jax.grad(loss), (params, x)
+  return _grad_of(loss), (params, x)
 
 
 def jax_nested_scan(groups=3, per_group=2):
@@ -344,7 +351,7 @@ def jax_einsum(experts=2):
     e = jnp.einsum("etd,edf->etf", y.reshape(experts, B * S // experts, D), p["experts"])
     return jnp.mean(e ** 2)
 
-  return jax.grad(loss), (params, x)
+  return _grad_of(loss), (params, x)
 
 
 def jax_shard_map():
@@ -462,3 +469,23 @@ def probe_gradient_penalty():
   r = np.random.default_rng(30)
   p = tuple(jnp.asarray(r.standard_normal((D, D)) / 8, jnp.float32) for _ in range(2))
   return jax.jit(jax.grad(loss)), (p, _x((B * S, D)))
+
+
+# ------------------------------------------------------------------------ third party: layers that ship in Equinox
+
+
+def equinox_attention_mlp():
+  """Equinox's own MultiheadAttention and MLP (eqx.nn, a PyPI package no one here wrote), the first layer fed the raw
+  input, the weight on the left (W @ x under vmap), parameters as an eqx.partition pytree."""
+  import equinox as eqx
+  key = jax.random.key(0)
+  model = (eqx.nn.MultiheadAttention(num_heads=HEADS, query_size=D, key=key),
+           eqx.nn.MLP(in_size=D, out_size=D, width_size=D, depth=4, activation=jax.nn.gelu, key=key))
+  params, static = eqx.partition(model, eqx.is_array)
+
+  def loss(p, x):
+    attn, mlp = eqx.combine(p, static)
+    return jnp.mean(jax.vmap(mlp)(x + attn(x, x, x)) ** 2)
+
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), _x((S * 2, D)))

@@ -356,10 +356,28 @@ def test_the_backward_of_an_activation_product_stays_high_precision():
 
 
 def test_higher_order_differentiation_is_kept_in_high_precision():
-  """A gradient penalty: dots under two derivatives (jvp(jvp(...)), jvp(transpose(...)), ...) are kept; the plain
-  first-order step of the same layers keeps its recipe."""
+  """A gradient penalty: the inner gradient's backward dots (jvp(transpose(...))) and the outer gradient of those
+  (transpose(jvp(transpose(...)))) are kept: 2 + 4 dots. The forward passes and their first-order gradients keep
+  their recipe."""
   rows = _decided("probe_gradient_penalty")
   kept = [r for r in rows if r["rule"] == "higher_order"]
-  assert len(kept) == 11 and all(r["decision"] == "keep" for r in kept), rows
-  assert collections.Counter(r["role"] for r in rows if r["decision"] == "nvfp4") == {"fprop": 2, "wgrad": 2,
-                                                                                      "dgrad": 1}
+  assert len(kept) == 6 and all(r["decision"] == "keep" for r in kept), rows
+  assert collections.Counter(r["role"] for r in rows if r["decision"] == "nvfp4") == {"fprop": 4, "wgrad": 4,
+                                                                                      "dgrad": 2}
+
+
+def test_equinox_layers():
+  """eqx.nn.MultiheadAttention + eqx.nn.MLP: q/k/v read the raw input (both operands are @main arguments; the weight
+  is the one a backward dot takes the gradient of), the MLP's five Linear layers of one shape are blocks 0-4, and the
+  last is the head."""
+  _, a = _analysis("equinox_attention_mlp")
+  layers = _by_layer(a)
+  for proj in ("query_proj", "key_proj", "value_proj"):
+    name = next(k for k in layers if k.endswith(proj))
+    assert layers[name] == ["fprop", "wgrad"], layers  # the input has no gradient
+  mlp = {k.rsplit("/", 1)[-1]: v for k, v in layers.items() if "layers/" in k}
+  assert mlp == {str(i): ["dgrad", "fprop", "wgrad"] for i in range(5)}, layers
+  blocks = {s.layer.rsplit("/", 1)[-1]: s.block for s in a.sites if "layers/" in s.layer}
+  assert blocks == {str(i): i for i in range(5)} and a.num_blocks == 5
+  assert {s.layer.rsplit("/", 1)[-1] for s in a.sites if s.is_head} == {"4"}
+  _check_consistent(a)

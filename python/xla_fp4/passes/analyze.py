@@ -20,22 +20,32 @@ How (docs/design.md §4):
 - pairing: a backward dot pairs with the fprops of the same source frame (the innermost frame equal, the shorter frame
   list a subsequence of the longer: backward and remat copies carry more outer frames) and, where the name stack names
   the layer (linen, named scopes), of the same layer path. It is dgrad when an operand traces to the fprop's weight
-  argument; wgrad when its result has the weight's shape (up to a permutation) and it shares the gradient operand with
-  that layer's dgrad or the activation with the fprop (values compared through pass-through ops and single-call-site
-  functions), else the last not yet paired fprop of that shape (JAX transposes in reverse program order). Without a
-  forward partner (custom_vjp, hand-written backward) the dot is `other`: the conservative choice.
+  argument (a weight read by several fprops: the fprop whose activation a sibling backward dot reads together with
+  this dot's gradient); wgrad when its result has the weight's shape (up to a permutation) and it shares the gradient
+  operand with that layer's dgrad or reads the fprop's activation and the dgrad's gradient (values compared through
+  pass-through ops and single-call-site functions, which the pipeline's per-call-site copies make the rule), else the
+  last not yet paired fprop of that shape (JAX transposes in reverse program order), unless it reads an operand of a
+  forward product of two activations (then it is that product's transpose). Without a forward partner (custom_vjp,
+  hand-written backward) the dot is `other`: the conservative choice.
 - layer: the name-stack path without transforms, noise scopes and einsum specs; where it does not name the weight's
   module (Flax NNX, plain pytrees: locations carry no module names) the weight's argument path is appended
   (`state['layers'][3]['q']['kernel'].value` -> `layers/3/q`).
-- block: an integer in the layer path (`block_3`, `layers/3`) or the weight's argument name (`['layers'][3]`); in
+- block (`_blocks`): repeated parameter subtrees, i.e. numbered siblings in the weight's parameter path (or the layer
+  path) of which at least two hold the same layers (sub-paths and weight shapes): `decoder/layers_3`, `layers/3`, not
+  `fc1`/`fc2`; and scanned stacks. Stacks are numbered in the order their first fprop runs, into one global block
+  index (an encoder's blocks before a decoder's); a scanned stack records its first block as `block_offset`. In
   scanned stacks the weight comes from a dynamic_slice of a stacked parameter, whose start index is the block index
-  of the current iteration: `Analysis.block_values[i] = (value, entry_call)`, the value visible in the scope of
+  of the current iteration within the stack: `Analysis.block_values[i] = (value, entry_call)`, the value visible in the scope of
   `entry_call` (the func.call that enters the dot's function; None when the dot sees the value itself). A wgrad takes
   the value from a dot of its own function that slices the same (or a same-sized) stack. Nested scans (a slice of a
   slice) give no value: the flat layer index exists nowhere in the program, so only `num_stacked` (the product) is set.
 - head: a linear layer whose output reaches the loss with no other dot in between: its backward dots' gradient
   operand is computed from the loss and the layer's own output only (`_heads`). The layer name (`head`, `logits`,
   ...) only breaks the tie where that dataflow cannot be followed, and the reason says so.
+- excluded: the dot, or an op or call site around it, carries the `xla_fp4_exclude` frontend attribute that
+  `xla_fp4.exclude()` sets (jax's set_xla_metadata; JAX copies it onto the transposed dots).
+- higher_order: a `transpose(` inside a `jvp(`, or two `transpose(`, in the name stack: the dot belongs to the
+  derivative of a derivative. (Two `jvp(` alone are no sign: MaxText's rematted forward is `jvp(jvp(...))`.)
 
 The jaxlib 0.10 MLIR bindings expose no accessors for location structure, so names are read from the printed
 location (`loc("name"(child))`): only the leading quoted NameLoc name is taken.
@@ -52,14 +62,14 @@ _NAME_LOC_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"(\(|\)$)')
 _FILE_LOC_RE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
 _TRANSFORM_RE = re.compile(r"^[\w.]+\((.*)\)$")  # jvp(MLP), transpose(jvp(MLP)), vmap(f), jit(step)
 _NOISE = {"while", "body", "eval_jaxpr", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "remat2",
-          "core_call", "custom_jvp_call", "custom_vjp_call", "pjit", "shard_map", "scan", "xla_fp4_exclude_end"}
+          "core_call", "custom_jvp_call", "custom_vjp_call", "pjit", "shard_map", "scan"}
 _INDEXED_RE = re.compile(r"^(.*?)_?(\d+)$")  # a path component that numbers a module: layers_3, block3, 3
 _HEAD_RE = re.compile(r"(head|logits|unembed|embed\w*|lm_out|output_projection)$", re.I)
 _PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
                  "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding",
                  "sdy.sharding_constraint", "sdy.reshard"}
 _SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement"}
-EXCLUDE_SCOPE = "xla_fp4_exclude"
+EXCLUDE_ATTRIBUTE = "xla_fp4_exclude"  # the frontend attribute xla_fp4.exclude() sets (jax's set_xla_metadata)
 ROLES = ("fprop", "dgrad", "wgrad", "other")
 
 
@@ -80,8 +90,8 @@ class DotSite:
   is_head: bool
   head_reason: Optional[str]  # how the head was found (dataflow, or the name where the dataflow is inconclusive)
   excluded_scope: bool
-  ad_order: int  # derivatives nested around the dot (jvp( in its name stack): 1 in a gradient step, >1 in a gradient
-  #                taken inside the loss (a gradient penalty), 0 outside differentiation
+  higher_order: bool  # the dot differentiates a derivative: a transpose inside a jvp, or two transposes (a gradient
+  #                    taken inside the loss, as a gradient penalty does)
   lhs_shape: tuple
   rhs_shape: tuple
   out_shape: tuple
@@ -163,16 +173,17 @@ def _path_from_arg(arg_name: str) -> str:
   return "/".join(parts)
 
 
-def _indexed_subtree(path):
-  """(stack, index, rest) of the outermost numbered component of a parameter path: decoder/layers_3/mlp/wi_0 ->
-  ("decoder/layers", 3, "mlp/wi_0"), layers/3/q -> ("layers", 3, "q"); None when no component is numbered."""
+def _indexed_subtrees(path):
+  """[(stack, index, rest)] for each numbered component of a parameter path, outermost first:
+  decoder/layers_3/mlp/wi_0 -> [("decoder/layers", 3, "mlp/wi_0"), ("decoder/layers_3/mlp/wi", 0, "")]."""
   parts = path.split("/") if path else []
+  out = []
   for n, part in enumerate(parts):
     m = _INDEXED_RE.match(part)
     if m:
       stem = m.group(1) if m.group(1) else ""
-      return "/".join(parts[:n] + ([stem] if stem else [])), int(m.group(2)), "/".join(parts[n + 1:])
-  return None
+      out.append(("/".join(parts[:n] + ([stem] if stem else [])), int(m.group(2)), "/".join(parts[n + 1:])))
+  return out
 
 
 def _shape(v):
@@ -236,7 +247,7 @@ class _Module:
 @dataclasses.dataclass
 class _Source:
   arg: int  # @main argument index
-  index: Any = None  # dynamic_slice start index (layer of a stacked weight), in `scope_call`'s caller scope
+  index: Any = None  # dynamic_slice start index (layer of a stacked weight), in `entry_call`'s caller scope
   stacked: Optional[int] = None
   entry_call: Any = None  # the call op through which the dot's function was entered, if any
 
@@ -458,6 +469,22 @@ class _Dataflow:
     return False
 
 
+def _excluded(mod, op):
+  """Whether xla_fp4.exclude() marked `op`, or an op or call site around it: JAX writes set_xla_metadata's key into
+  the `mhlo.frontend_attributes` of every op traced in its scope, the transposed dots of the backward pass included."""
+  cur = op
+  while cur is not None:
+    if "mhlo.frontend_attributes" in cur.attributes and \
+        EXCLUDE_ATTRIBUTE in ir.DictAttr(cur.attributes["mhlo.frontend_attributes"]):
+      return True
+    if cur.name == "func.func":
+      calls = mod.calls.get(ir.StringAttr(cur.attributes["sym_name"]).value)
+      cur = calls[0] if calls else None
+    else:
+      cur = cur.parent
+  return False
+
+
 def _phase(stack):
   return "backward" if "transpose(" in stack and "rematted_computation" not in stack else "forward"
 
@@ -600,28 +627,31 @@ def _blocks(mod, dots):
   layer's backward dots take its fprop's block."""
   stacks = {}  # key -> {"first": fprop index, "size": int, "fprops": {fprop index: local index or None}, "layout"}
   first_use = {}  # weight argument -> its first fprop (a remat copy in the backward loop joins the forward's stack)
+  static = {}  # fprop index -> its numbered components, outermost first
   for j, f in enumerate(dots):
     if f.role != "fprop":
       continue
     first = dots[first_use.setdefault(f.src.arg, j)]
     if f.src.stacked is not None:
-      key, local, size = ("scan", _loop_of(mod, first.op)), None, f.src.stacked
-    else:
-      arg_name = mod.main_args[f.src.arg] if f.src.arg < len(mod.main_args) else ""
-      found = _indexed_subtree(_path_from_arg(arg_name)) or _indexed_subtree(f.path)
-      if found is None:
-        continue
-      key, local, size = ("static", found[0]), found[1], found[1] + 1
-    stack = stacks.setdefault(key, {"first": j, "size": 0, "fprops": {}, "layout": {}})
-    stack["size"] = max(stack["size"], size)
-    stack["fprops"][j] = local
-    if local is not None:  # what this numbered subtree holds: (sub-path, weight shape) of each layer
-      stack["layout"].setdefault(local, set()).add((found[2], _shape(f.op.operands[f.w])))
+      stack = stacks.setdefault(("scan", _loop_of(mod, first.op)), {"first": j, "size": 0, "fprops": {}})
+      stack["size"] = max(stack["size"], f.src.stacked)
+      stack["fprops"][j] = None
+      continue
+    arg_name = mod.main_args[f.src.arg] if f.src.arg < len(mod.main_args) else ""
+    static[j] = _indexed_subtrees(_path_from_arg(arg_name)) or _indexed_subtrees(f.path)
+  layouts = {}  # candidate stack -> {index: {(sub-path, weight shape)}}: what each numbered subtree holds
+  for j, found in static.items():
+    for stack, index, rest in found:
+      layouts.setdefault(stack, {}).setdefault(index, set()).add((rest, _shape(dots[j].op.operands[dots[j].w])))
+  repeated = {k for k, v in layouts.items() if len({frozenset(x) for x in v.values()}) < len(v)}
+  for j, found in static.items():  # each layer joins the outermost of its numbered components that repeats
+    stack, index, _ = next((c for c in found if c[0] in repeated), (None, None, None))
+    if stack is not None:
+      entry = stacks.setdefault(("static", stack), {"first": j, "size": 0, "fprops": {}})
+      entry["size"] = max(entry["size"], index + 1)
+      entry["fprops"][j] = index
   offset, by_fprop = 0, {}
   for key, stack in sorted(stacks.items(), key=lambda kv: kv[1]["first"]):
-    layouts = [frozenset(v) for v in stack["layout"].values()]
-    if key[0] == "static" and len(set(layouts)) == len(layouts):
-      continue  # no two numbered subtrees hold the same layers: nothing repeats
     for j, local in stack["fprops"].items():
       by_fprop[j] = (offset + local, None, None) if local is not None else (None, stack["size"], offset)
     offset += stack["size"]
@@ -693,10 +723,18 @@ def analyze(module) -> Analysis:
     stack = f"{prefix}/{own}" if prefix and own else (prefix or own)
     dots.append(_Dot(mod, fname, op, loc_text, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
 
-  # Forward dots: fprop when an operand is a parameter (rhs preferred: x @ W), else other.
+  # Forward dots: fprop when an operand is a parameter, else other. Where both trace to @main arguments (a first
+  # layer fed the raw input), the weight is the one a backward dot takes the gradient of: it has the operand's shape
+  # and reads the other operand (the wgrad); with no such evidence the rhs (x @ W).
+  backward = [d for d in dots if d.phase == "backward"]
   for d in dots:
     if d.phase == "forward":
       d.w = 1 if d.sources[1] is not None else (0 if d.sources[0] is not None else None)
+      if d.sources[0] is not None and d.sources[1] is not None:
+        evidence = [k for k in (0, 1) if any(sorted(b.out_shape) == sorted(_shape(d.op.operands[k])) and
+                                             d.roots[1 - k] in b.roots for b in backward)]
+        if len(evidence) == 1:
+          d.w = evidence[0]
       if d.w is not None:
         d.role, d.src = "fprop", d.sources[d.w]
   _pair_backward(dots)
@@ -722,7 +760,7 @@ def analyze(module) -> Analysis:
     sites.append(DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
         weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, block=block,
-        num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head, excluded_scope=EXCLUDE_SCOPE in d.stack, ad_order=d.stack.count("jvp("), lhs_shape=ls, rhs_shape=rs,
+        num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head, excluded_scope=_excluded(mod, op), higher_order="jvp(transpose(" in d.stack or d.stack.count("transpose(") > 1, lhs_shape=ls, rhs_shape=rs,
         out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
         operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]), m=m, n=n, k=k,
         flops=2 * int(math.prod(out)) * k, contracting=(lc, rc), batch=(lb, rb)))

@@ -66,7 +66,7 @@ def default_rules(config: Config):
       Rule(name="higher_order", decision="keep",
            reason="inside a derivative of a derivative (a gradient in the loss): the recipe is for first-order "
                   "gradients, so kept in high precision",
-           when=lambda s, c: s.ad_order > 1),
+           when=lambda s, c: s.higher_order),
       Rule(name="exclude_scope", decision="keep", reason="inside xla_fp4.exclude()",
            when=lambda s, c: s.excluded_scope),
       Rule(name="exclude_regex", decision="keep", reason=f"layer path matches XLA_FP4_EXCLUDE={config.exclude!r}",

@@ -11,7 +11,7 @@ module @jit_excluded attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replica
   func.func public @main(%arg0: tensor<32x64xf32> loc("x"), %arg1: tensor<64x64xbf16> loc("w")) -> (tensor<32x64xf32> {jax.result_info = "result"}) {
     %0 = stablehlo.convert %arg0 : tensor<32x64xf32> loc(#loc12)
     %1 = stablehlo.convert %arg1 : (tensor<64x64xbf16>) -> tensor<64x64xf32> loc(#loc12)
-    %2 = stablehlo.dot_general %0, %1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32> loc(#loc12)
+    %2 = stablehlo.dot_general %0, %1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] {mhlo.frontend_attributes = {xla_fp4_exclude = "true"}} : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32> loc(#loc12)
     return %2 : tensor<32x64xf32> loc(#loc11)
   } loc(#loc)
 } loc(#loc)
@@ -25,4 +25,4 @@ module @jit_excluded attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replica
 #loc9 = loc(callsite(#loc7 at #loc8))
 #loc10 = loc(callsite(#loc6 at #loc9))
 #loc11 = loc("jit(excluded)"(#loc9))
-#loc12 = loc("jit(excluded)/xla_fp4_exclude/dot_general"(#loc10))
+#loc12 = loc("jit(excluded)/dot_general"(#loc10))

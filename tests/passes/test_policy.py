@@ -1,0 +1,137 @@
+"""The policy on its own (synthetic sites): rule order, every rule's reason, kept blocks, scanned stacks; and report.py."""
+
+import dataclasses
+import json
+
+import pytest
+
+from xla_fp4 import config, report
+from xla_fp4.passes import policy
+from xla_fp4.passes.analyze import Analysis, DotSite
+
+CFG = config.load(environ={}, enabled=True)
+
+
+def _site(index=0, **overrides):
+  """A plain NVFP4-eligible fprop of a 64x64 layer; overrides make it match other rules."""
+  base = dict(index=index, func="main", name_stack="jit(f)/jvp(m)/fc/dot_general", layer="m/fc", phase="forward",
+              role="fprop", weight_operand=1, weight_arg="p['fc']", block=None, num_stacked=None, block_offset=None,
+              is_head=False, head_reason=None, excluded_scope=False, higher_order=False, lhs_shape=(64, 64),
+              rhs_shape=(64, 64), out_shape=(64, 64), dtype="f32", operand_dtypes=("f32", "f32"), m=64, n=64, k=64,
+              flops=2 * 64 ** 3, contracting=((1,), (0,)), batch=((), ()))
+  return DotSite(**{**base, **overrides})
+
+
+def _decide(sites, num_blocks=0, block_values=None, **options):
+  analysis = Analysis(sites=sites, ops={}, block_values=block_values or {}, num_blocks=num_blocks)
+  return policy.decide(analysis, config.load(environ={}, enabled=True, **options))
+
+
+# Each rule with a site that matches it *and every later rule*: the first match must win.
+EVERY_LATER = dict(is_head=True, head_reason="its output reaches the loss", block=9)  # 10 blocks: 8, 9 kept
+CASES = [
+    ("not_linear", dict(role="other")),
+    ("dtype", dict(operand_dtypes=("f64", "f64"))),
+    ("higher_order", dict(higher_order=True)),
+    ("exclude_scope", dict(excluded_scope=True)),
+    ("exclude_regex", dict(layer="m/router")),
+    ("contraction_not_16", dict(k=24, m=8)),
+    ("tiny", dict(m=8)),
+    ("head", dict()),
+    ("high_precision_block", dict(is_head=False)),
+    ("nvfp4", dict(is_head=False, block=5)),
+]
+
+
+@pytest.mark.parametrize("rule,overrides", CASES, ids=[c[0] for c in CASES])
+def test_first_matching_rule_wins_with_its_reason(rule, overrides):
+  rules = {r.name: r for r in policy.default_rules(config.load(environ={}, enabled=True, exclude="router"))}
+  names = [c[0] for c in CASES]
+  # Everything a later rule looks at is set to match (the layer path matches XLA_FP4_EXCLUDE up to that rule); only
+  # the earlier rules' triggers are absent.
+  layer = "m/router" if names.index(rule) <= names.index("exclude_regex") else "m/fc"
+  site = _site(**{**EVERY_LATER, "layer": layer, **overrides})
+  (d,), _ = _decide([site], num_blocks=10, exclude="router")
+  assert d.rule == rule, d
+  reason = rules[rule].reason + (": its output reaches the loss" if rule == "head" else "")
+  assert d.reason == reason
+  assert (d.decision == "nvfp4") == (rule == "nvfp4") and (d.lhs is None) == (rule != "nvfp4")
+
+
+def test_rule_order_is_the_documented_one():
+  assert [r.name for r in policy.default_rules(CFG)] == [c[0] for c in CASES]
+
+
+def test_recipes_per_role():
+  """docs/design.md §2: weights 16x16 nearest; activations 1x16 nearest; gradients stochastic; wgrad through the RHT."""
+  sites = [_site(0), _site(1, role="dgrad", weight_operand=1), _site(2, role="wgrad", weight_operand=None)]
+  decided, _ = _decide(sites)
+  fprop, dgrad, wgrad = ((d.lhs, d.rhs) for d in decided)
+  assert fprop[1].block_2d and not fprop[0].block_2d and fprop[0].rounding == fprop[1].rounding == "nearest"
+  assert dgrad[0].rounding == "stochastic" and dgrad[1].block_2d and dgrad[1].rounding == "nearest"
+  assert wgrad[0].rht and wgrad[1].rht and wgrad[0].rounding == "stochastic" and wgrad[1].rounding == "nearest"
+
+
+@pytest.mark.parametrize("num_blocks,first,last", [(62, 2, 8), (12, 0, 2), (4, 0, 1), (3, 0, 0)])
+def test_kept_blocks_follow_the_paper(num_blocks, first, last):
+  """round(16%) of the blocks, 1:4 first:last: 62 blocks keep the first 2 and the last 8, as arXiv 2509.25149 §4."""
+  kept = policy.kept_blocks(CFG, num_blocks)
+  assert kept == set(range(first)) | set(range(num_blocks - last, num_blocks))
+
+
+def test_a_scanned_stack_keeps_its_share_of_the_global_blocks():
+  """An encoder (blocks 0-5, static) and a scanned decoder (blocks 6-11): the decoder's dot keeps its local blocks 4
+  and 5 (global 10 and 11) per iteration."""
+  scanned = _site(0, num_stacked=6, block_offset=6)
+  (d,), _ = _decide([scanned], num_blocks=12, block_values={0: (None, None)})
+  assert d.decision == "nvfp4" and d.keep_blocks == (4, 5)
+  assert "blocks [4, 5] run the high-precision dot" in d.reason
+
+
+def test_unmatched_rules_are_reported():
+  _, unmatched = _decide([_site()])
+  assert "nvfp4" not in unmatched and {"not_linear", "head", "tiny"} <= set(unmatched)
+
+
+# ------------------------------------------------------------------------------------------------------ report.py
+
+
+def _rows():
+  sites = [_site(0), _site(1, role="other", flops=100, lhs_shape=(8, 16), rhs_shape=(16, 8))]
+  decided, unmatched = _decide(sites)
+  return report.rows(sites, decided, {0: "a note"}), unmatched
+
+
+def test_rows_carry_decision_recipe_and_notes():
+  rows, _ = _rows()
+  assert rows[0]["decision"] == "nvfp4" and rows[0]["recipe"] == {"lhs": "1d+rn", "rhs": "2d+rn"}
+  assert rows[0]["reason"] == "linear layer; a note"
+  assert rows[1]["decision"] == "keep" and rows[1]["recipe"] is None and rows[1]["rule"] == "not_linear"
+  json.dumps(rows)  # the dump format
+
+
+def test_table_rendering():
+  rows, unmatched = _rows()
+  text = report.table(rows, unmatched, title="jit_step", backend={"kernels": "cpu FFI kernels", "gemm": "emulate",
+                                                                   "gemm_reason": "auto: no FP4 tensor cores"})
+  lines = text.splitlines()
+  assert lines[0] == "== jit_step"
+  assert lines[1].split() == ["#", "layer", "role", "block", "lhs", "rhs", "decision", "recipe", "(lhs", "|", "rhs)",
+                              "reason"]
+  assert lines[3].split()[:7] == ["0", "m/fc", "fprop", "64x64", "64x64", "nvfp4", "1d+rn"]
+  share = 100 * rows[0]["flops"] / (rows[0]["flops"] + 100)
+  assert f"1/2 dots in NVFP4, {share:.1f}% of dot FLOPs" in text
+  assert "rules that matched nothing: " in text and "kernels: cpu FFI kernels; GEMM: emulate (auto: no FP4" in text
+
+
+def test_report_of_an_empty_dump_dir_says_what_to_do(tmp_path):
+  with pytest.raises(FileNotFoundError, match="run with XLA_FP4_DUMP_DIR="):
+    report.load(str(tmp_path))
+
+
+def test_dumps_round_trip(tmp_path):
+  rows, unmatched = _rows()
+  payload = {"module": "jit_step", "backend": None, "decisions": rows, "unmatched_rules": unmatched}
+  (tmp_path / "0000_jit_step.decisions.json").write_text(json.dumps(payload))
+  assert [r["module"] for r in report.load_decisions(str(tmp_path))] == ["0000_jit_step"] * 2
+  assert report.nvfp4_flop_share(str(tmp_path)) == pytest.approx(rows[0]["flops"] / (rows[0]["flops"] + 100))
