@@ -7,8 +7,9 @@ one-device step (nearest rounding), with and without the pass.
 The program is a residual MLP train step, `x = x + gelu(x @ w1) @ w2` per layer, `jax.jit(jax.grad(loss))`, on 8 host
 devices (`--xla_force_host_platform_device_count=8`, mesh data=2 x model=4). Layouts: data parallel, FSDP, tensor
 parallel (w1 column-, w2 row-parallel over all 8 devices), 2D (batch over data, tensor parallel over model), and a
-scanned layer stack under FSDP; float32 and bfloat16. The pass runs with keep_head=0 (the last layer, whose output is
-the loss's, is the head): every GEMM goes through the partitioned kernels. Step times are also taken on a 2-device mesh (model=2), as many
+scanned layer stack under FSDP; float32 and bfloat16. The pass runs with keep_head=0 keep_first=0 keep_last=0 (the
+last layer, whose output is the loss's, would be the head, and the last block kept): every GEMM goes through the
+partitioned kernels. Step times are also taken on a 2-device mesh (model=2), as many
 devices as the machine's cores: on 8 host devices sharing 2 cores each of the pass's scalar all-reduces (the global
 amax) waits for 8 threads that take turns, a cost a GPU pod does not have. Targets (issue 8): dot FLOPs <= 1.05x and
 collective bytes (scalar all-reduces aside) <= 1.10x in every layout, and the sharded step-time ratio (pass / none) within 10% of the
@@ -128,8 +129,8 @@ def measure(layout, dtype, sizes, repeats):
     if options is None:
       xla_fp4.disable()
     else:
-      # Every layer in NVFP4 (the last one is the loss's head): each GEMM exercises the partitioned kernels.
-      xla_fp4.enable(strict=True, keep_head=False, **options)
+      # Every layer in NVFP4 (no head, no kept blocks): each GEMM exercises the partitioned kernels.
+      xla_fp4.enable(strict=True, keep_head=False, keep_first=0, keep_last=0, **options)
     # Compiled executables keep the setting they were compiled with (enable/disable clear the jit caches).
     entry = out[name] = {"sharded": step_fn(scanned).lower(*sharded_args).compile(),
                          "single": step_fn(scanned).lower(*single_args).compile()}

@@ -33,7 +33,8 @@ MAXTEXT = "maxtext[tpu]==0.2.4"
 SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=512",
          "base_num_decoder_layers=4", "max_target_length=128", "vocab_size=256",
          "per_device_batch_size=1", "dataset_type=synthetic", "enable_checkpointing=false"]
-# name -> extra MaxText overrides. default: MaxText's own defaults (bf16 activations, scanned decoder layers).
+# name -> extra MaxText overrides. default: MaxText's own defaults (bf16 activations, scanned decoder layers, remat
+# policy full, the llama2 decoder block): remat_full and llama2 restate them, and must give the default's numbers.
 CONFIGS = {
     "default": [],
     "f32": ["dtype=float32", "weight_dtype=float32"],
@@ -41,6 +42,8 @@ CONFIGS = {
     "remat_full": ["remat_policy=full"],
     "remat_minimal": ["remat_policy=minimal"],
     "llama2": ["model_name=llama2-7b", "override_model_config=true"],
+    "gemma": ["model_name=gemma-2b", "override_model_config=true"],  # logits through the tied embedding
+    "gpt3": ["model_name=gpt3-52k", "override_model_config=true"],
 }
 STEP_RE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+),.* loss: ([0-9.]+)")
 
@@ -104,16 +107,20 @@ def check_policy(dump_dir):
       bad.append("attention products stay in high precision: " + what)
     if "decoder/layers" in layer and r["role"] != "other" and r["decision"] == "keep" and r["rule"] != "high_precision_block":
       bad.append("decoder linear layers run in NVFP4: " + what)
+  if not any(r["rule"] == "head" for r in rows):
+    bad.append("no dot kept as the output head (logits_dense, or the embedding where logits_via_embedding)")
   scanned = [r for r in rows if r["block"] == "scan" and r["decision"] == "nvfp4"]
   kept_blocks = sorted({b for r in scanned for b in r["keep_blocks"]} |
                        {r["block"] for r in rows if r["rule"] == "high_precision_block"})
   if not kept_blocks:
     bad.append("no decoder layer kept in high precision (the paper keeps ~16%, weighted to the end)")
   total = sum(r["flops"] for r in rows)
-  fp4 = sum(r["flops"] for r in rows if r["decision"] == "nvfp4")
+  # A scanned dot's FLOPs cover every layer of the stack; its kept layers run the high-precision dot.
+  fp4 = sum(r["flops"] * (1 - len(r["keep_blocks"]) / (r.get("num_stacked") or 1)) for r in rows
+            if r["decision"] == "nvfp4")
   summary = dict(dots=len(rows), nvfp4_dots=sum(r["decision"] == "nvfp4" for r in rows),
                  nvfp4_flop_share=round(fp4 / total, 4) if total else 0.0, kept_blocks=kept_blocks,
-                 head_rows=sorted({f"{r['role']}:{r['decision']}" for r in rows if "logits_dense" in (r["layer"] or "")}))
+                 head=sorted({f"{r['layer']} {r['role']}" for r in rows if r["rule"] == "head"}))
   return summary, bad
 
 

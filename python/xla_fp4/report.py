@@ -1,7 +1,8 @@
 """Decision rows and tables: what the pass decided for each dot, and why.
 
 A row is a dict: index, layer, role, phase, block, lhs_shape, rhs_shape, dtype, flops, decision, rule, reason, recipe,
-keep_blocks. Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and which GEMM run
+keep_blocks, num_stacked (`flops` count every iteration of a scanned stack; `keep_blocks` of its `num_stacked` layers
+run the high-precision dot). Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and which GEMM run
 and why; rows; unmatched rules) and a `.decisions.txt` table.
 """
 
@@ -20,7 +21,7 @@ def rows(sites, decisions, notes=None):
                     lhs_shape=list(s.lhs_shape), rhs_shape=list(s.rhs_shape), dtype=s.dtype, flops=s.flops,
                     decision=d.decision, rule=d.rule, reason=reason,
                     recipe=None if d.lhs is None else {"lhs": _recipe(d.lhs), "rhs": _recipe(d.rhs)},
-                    keep_blocks=list(d.keep_blocks)))
+                    keep_blocks=list(d.keep_blocks), num_stacked=s.num_stacked))
   return out
 
 
@@ -44,7 +45,7 @@ def table(rows, unmatched_rules=(), title="", backend=None):
   fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
   lines = [f"== {title}" if title else "", fmt(header), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
   total = sum(r["flops"] for r in rows)
-  fp4 = sum(r["flops"] for r in rows if r["decision"] == "nvfp4")
+  fp4 = sum(map(nvfp4_flops, rows))
   lines.append(f"{sum(r['decision'] == 'nvfp4' for r in rows)}/{len(rows)} dots in NVFP4, "
                f"{100 * fp4 / total if total else 0:.1f}% of dot FLOPs")
   if backend:
@@ -71,12 +72,19 @@ def load_decisions(dump_dir):
   return [dict(row, module=name) for name, payload in load(dump_dir) for row in payload["decisions"]]
 
 
+def nvfp4_flops(row):
+  """The dot FLOPs a row runs in NVFP4: a scanned dot's kept layers run the high-precision dot."""
+  if row["decision"] != "nvfp4":
+    return 0
+  return row["flops"] * (1 - len(row.get("keep_blocks") or ()) / (row.get("num_stacked") or 1))
+
+
 def nvfp4_flop_share(dump_dir, module_filter=None):
   """Share of dot FLOPs that run in NVFP4 over the dumped modules (optionally only those whose name contains
   `module_filter`)."""
   rows = [r for r in load_decisions(dump_dir) if module_filter is None or module_filter in r["module"]]
   total = sum(r["flops"] for r in rows)
-  return sum(r["flops"] for r in rows if r["decision"] == "nvfp4") / total if total else 0.0
+  return sum(map(nvfp4_flops, rows)) / total if total else 0.0
 
 
 def print_report(dump_dir):

@@ -324,13 +324,17 @@ def test_blocks_run_across_stacks_in_network_order():
   assert kept == {"decoder/layers_4", "decoder/layers_5"}  # round(16% of 12) = 2, both at the end
 
 
-def _decided(builder):
-  """The pipeline's decision rows (call sites specialized, as the compile hook sees it) of a probe program."""
+def _decided_for(fn, *args):
+  """The pipeline's decision rows (call sites specialized, as the compile hook sees it) of a jitted program."""
   from xla_fp4 import config
   from xla_fp4.passes import pipeline
-  fn, args = getattr(models, builder)()
   rows, _ = pipeline.decisions(fn.lower(*args).compiler_ir("stablehlo"), config.load(environ={}, enabled=True))
   return rows
+
+
+def _decided(builder):
+  fn, args = getattr(models, builder)()
+  return _decided_for(fn, *args)
 
 
 def test_a_helper_shared_by_every_layer_is_analysed_per_call_site():
@@ -362,8 +366,10 @@ def test_higher_order_differentiation_is_kept_in_high_precision():
   rows = _decided("probe_gradient_penalty")
   kept = [r for r in rows if r["rule"] == "higher_order"]
   assert len(kept) == 6 and all(r["decision"] == "keep" for r in kept), rows
-  assert collections.Counter(r["role"] for r in rows if r["decision"] == "nvfp4") == {"fprop": 4, "wgrad": 4,
-                                                                                      "dgrad": 2}
+  # The plain term f(w1, w2, x)'s w2 feeds the loss directly: the head (3 dots).
+  assert collections.Counter(r["role"] for r in rows if r["rule"] == "head") == {"fprop": 1, "dgrad": 1, "wgrad": 1}
+  assert collections.Counter(r["role"] for r in rows if r["decision"] == "nvfp4") == {"fprop": 3, "wgrad": 3,
+                                                                                      "dgrad": 1}
 
 
 def test_equinox_layers():
@@ -381,3 +387,18 @@ def test_equinox_layers():
   assert blocks == {str(i): i for i in range(5)} and a.num_blocks == 5
   assert {s.layer.rsplit("/", 1)[-1] for s in a.sites if s.is_head} == {"4"}
   _check_consistent(a)
+
+
+def test_parallel_lists_of_layers_are_one_stack_of_blocks():
+  """{"w1": [4 layers], "w2": [4 layers]} used as x + gelu(x @ w1[i]) @ w2[i]: block i holds w1[i] and w2[i] (4 blocks,
+  not 8), so the kept last block is the whole last layer."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("sharding_benchmark", os.path.join(
+      os.path.dirname(__file__), "..", "..", "benchmarks", "sharding.py"))
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  params, x = bench.make(4, 64, 128, 16, 16, jnp.float32, False)[:2]
+  rows = _decided_for(jax.jit(jax.grad(functools.partial(bench.loss, scanned=False))), params, x)
+  fprops = [r for r in rows if r["role"] == "fprop"]
+  assert [r["block"] for r in fprops] == [0, 0, 1, 1, 2, 2, 3, 3]
+  assert [r["rule"] for r in fprops] == ["nvfp4"] * 6 + ["high_precision_block", "head"]  # w2[3] feeds the loss

@@ -135,3 +135,9 @@ def test_dumps_round_trip(tmp_path):
   (tmp_path / "0000_jit_step.decisions.json").write_text(json.dumps(payload))
   assert [r["module"] for r in report.load_decisions(str(tmp_path))] == ["0000_jit_step"] * 2
   assert report.nvfp4_flop_share(str(tmp_path)) == pytest.approx(rows[0]["flops"] / (rows[0]["flops"] + 100))
+
+
+def test_flop_share_counts_the_kept_layers_of_a_scanned_stack_as_high_precision():
+  row = dict(decision="nvfp4", flops=800, keep_blocks=[6, 7], num_stacked=8)
+  assert report.nvfp4_flops(row) == 600
+  assert report.nvfp4_flops(dict(row, decision="keep")) == 0 and report.nvfp4_flops(dict(row, keep_blocks=[])) == 800

@@ -56,12 +56,13 @@ def _free_port():
 
 def _env(dump_dir):
   env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
-  # Every layer in NVFP4 (keep_head=0; the last layer is the loss's head). With that head kept in high precision the
-  # two runs part after step 0 under stochastic rounding only (nearest rounding: equal; no pass: equal), though the
-  # pass's modules are byte-identical and the compiled programs differ only in XLA's thread partitioning of loop
-  # fusions (8 vs 4 local devices): the digest in the rounding key turns any last-bit difference of an operand into
-  # other random bits. Not yet explained; see README, Known limitations.
-  return {**env, "XLA_FP4": "1", "XLA_FP4_STRICT": "1", "XLA_FP4_KEEP_HEAD": "0", "XLA_FP4_DUMP_DIR": str(dump_dir)}
+  # Every layer in NVFP4 (no head, no kept block). With a layer kept in high precision (the last is the loss's head
+  # and the last block) the two runs part after step 0 under stochastic rounding only (nearest rounding: equal; no
+  # pass: equal), though the pass's modules are byte-identical and the compiled programs differ only in XLA's thread
+  # partitioning of loop fusions (8 vs 4 local devices): the digest in the rounding key turns any last-bit difference
+  # of an operand into other random bits. Not yet explained; see README, Known limitations.
+  return {**env, "XLA_FP4": "1", "XLA_FP4_STRICT": "1", "XLA_FP4_KEEP_HEAD": "0", "XLA_FP4_KEEP_FIRST": "0",
+          "XLA_FP4_KEEP_LAST": "0", "XLA_FP4_DUMP_DIR": str(dump_dir)}
 
 
 def _losses(stdout):

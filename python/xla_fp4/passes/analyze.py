@@ -622,7 +622,8 @@ def _blocks(mod, dots):
   """({dot index: (global block, num_stacked, block_offset)}, number of blocks). Blocks are the repeated parameter
   subtrees: numbered children of one parent (decoder/layers_0..3, layers/0..11) of which at least two hold the same
   layers (sub-paths and weight shapes: fc1/fc2 or differently sized MLP layers are no blocks), and the layers of a
-  scanned stack (a stacked weight sliced per iteration). Stacks are numbered in the order their first
+  scanned stack (a stacked weight sliced per iteration). Parallel lists whose layers interleave (w1[i], w2[i]) share
+  their block numbers. Stacks are numbered in the order their first
   fprop runs (an encoder's blocks before a decoder's), so that "the last blocks" are the last of the network. A
   layer's backward dots take its fprop's block."""
   stacks = {}  # key -> {"first": fprop index, "size": int, "fprops": {fprop index: local index or None}, "layout"}
@@ -650,11 +651,30 @@ def _blocks(mod, dots):
       entry = stacks.setdefault(("static", stack), {"first": j, "size": 0, "fprops": {}})
       entry["size"] = max(entry["size"], index + 1)
       entry["fprops"][j] = index
-  offset, by_fprop = 0, {}
-  for key, stack in sorted(stacks.items(), key=lambda kv: kv[1]["first"]):
+  # Parallel lists of one network ({"w1": [...], "w2": [...]}) are one stack of blocks when their layers interleave
+  # (w1[0], w2[0], w1[1], ...): block i is layer i of each.
+  order = sorted(stacks, key=lambda k: stacks[k]["first"])
+  firsts = {k: {i: min(j for j, l in stacks[k]["fprops"].items() if l == i) for i in set(stacks[k]["fprops"].values())}
+            for k in order if k[0] == "static"}
+  joins = {}  # stack -> the stack whose block numbers it shares
+  for n, a in enumerate(order):
+    if a not in firsts or a in joins:
+      continue
+    for b in order[n + 1:]:
+      if b in firsts and b not in joins and set(firsts[a]) == set(firsts[b]):
+        idx = sorted(firsts[a])
+        if all(firsts[a][i] < firsts[b][i] for i in idx) and \
+            all(firsts[b][i] < firsts[a][k] for i, k in zip(idx, idx[1:])):
+          joins[b] = a
+  offset, offsets, by_fprop = 0, {}, {}
+  for key in order:
+    stack = stacks[key]
+    start = offsets[joins[key]] if key in joins else offset
+    offsets[key] = start
     for j, local in stack["fprops"].items():
-      by_fprop[j] = (offset + local, None, None) if local is not None else (None, stack["size"], offset)
-    offset += stack["size"]
+      by_fprop[j] = (start + local, None, None) if local is not None else (None, stack["size"], start)
+    if key not in joins:
+      offset += stack["size"]
   out = {}
   for i, d in enumerate(dots):
     owner = i if d.role == "fprop" else d.partner
@@ -674,17 +694,17 @@ def _heads(mod, dots):
   backward = {d.op: d.phase == "backward" for d in dots}  # operations hash and compare by the op they wrap
   is_backward = lambda op: backward.get(op, True)  # noqa: E731
   any_backward = any(d.phase == "backward" for d in dots)
-  layers = {}  # weight argument -> its fprops (remat recomputes a layer's fprop: one verdict for all copies)
+  heads, recomputed = {}, []
   for j, f in enumerate(dots):
-    if f.role == "fprop":
-      layers.setdefault(f.src.arg, []).append(j)
-  heads = {}
-  for fprops in layers.values():
+    if f.role != "fprop":
+      continue
+    if "rematted_computation" in f.stack:  # remat's copy of a fprop: judged with the fprop it recomputes, below
+      recomputed.append(j)
+      continue
     verdicts = []
     for d in dots:
-      if d.partner not in fprops:
+      if d.partner != j:
         continue
-      f = dots[d.partner]
       if d.role == "dgrad":
         grad = d.op.operands[1 - d.w]
       else:  # wgrad: the operand that is not the fprop's activation
@@ -696,17 +716,18 @@ def _heads(mod, dots):
     if not verdicts:
       if any_backward:  # a layer without gradient in a gradient step (frozen): nothing says it feeds the loss
         continue
-      verdicts = [flow.reaches_loss(dots[j].op.results[0]) for j in fprops]
+      verdicts = [flow.reaches_loss(f.op.results[0])]
     if False in verdicts:
       continue
-    f = dots[fprops[0]]
     if None not in verdicts:
-      reason = "its output reaches the loss with no other linear layer in between"
+      heads[j] = "its output reaches the loss with no other linear layer in between"
     elif _HEAD_RE.search(f.path.split("/")[-1] if f.path else ""):
-      reason = "by its name (the dataflow to the loss could not be followed)"
-    else:
-      continue
-    heads.update((j, reason) for j in fprops)
+      heads[j] = "by its name (the dataflow to the loss could not be followed)"
+  layer = lambda f: (f.src.arg, _shape(f.op.operands[0]), _shape(f.op.operands[1]), _dot_dims(f.op))  # noqa: E731
+  for j in recomputed:
+    reason = next((heads[h] for h in heads if layer(dots[h]) == layer(dots[j])), None)
+    if reason is not None:
+      heads[j] = reason
   return heads
 
 
