@@ -136,7 +136,8 @@ def main(argv=None):
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
   for name, c in checks.items():
-    print(f"{'PASS' if c['ok'] else 'FAIL'}  {name}: {json.dumps({k: v for k, v in c.items() if k != 'ok'}, default=str)}")
+    details = json.dumps({k: v for k, v in c.items() if k != "ok"}, default=str)
+    print(f"{'PASS' if c['ok'] else 'FAIL'}  {name}: {details}")
   print(f"step seconds: {json.dumps(result['step_seconds'])}\nwrote {args.out}")
   return 0 if result["ok"] else 1
 

@@ -67,7 +67,9 @@ def setup():
     subprocess.run([python, "-m", "pip", "install", "-q", MAXTEXT], check=True)
     (VENV / ".maxtext_ok").write_text(MAXTEXT + "\n")
   print(f"== installing this checkout into {VENV} (pip install ., isolated build)", flush=True)
-  subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)], check=True)
+  # A build folder of its own: the checkout's dev venvs build into build/{wheel_tag} (pyproject.toml), maybe at once.
+  subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+                  "-Cbuild-dir=build/maxtext-{wheel_tag}", str(ROOT)], check=True)
   return python
 
 
@@ -85,7 +87,8 @@ def train(python, name, overrides, steps, fp4, dump_dir, log):
   text = Path(log).read_text()
   steps_seen = [(int(s), float(t), float(l)) for s, t, l in STEP_RE.findall(text)]
   warnings = sorted(set(re.findall(r"xla_fp4: [^\n]*", text)))
-  return dict(returncode=proc.returncode, wall_s=round(time.time() - start, 1), log=str(log), warnings=warnings,
+  return dict(returncode=proc.returncode, wall_s=round(time.time() - start, 1), warnings=warnings,
+              log=str(Path(log).relative_to(Path(log).parents[1])),  # under --work
               losses=[l for _, _, l in steps_seen],
               # Step 0 compiles; the median of the others is the step time.
               step_s=statistics.median([t for s, t, _ in steps_seen if s > 0]) if len(steps_seen) > 1 else None)
@@ -100,12 +103,14 @@ def check_policy(dump_dir):
       rows += [dict(r, module=payload["module"]) for r in payload["decisions"]]
   bad = []
   for r in rows:
-    layer, what = r["layer"] or "", f"{r['module']} #{r['index']} {r['layer']} {r['role']}: {r['decision']} ({r['reason']})"
+    layer = r["layer"] or ""
+    what = f"{r['module']} #{r['index']} {layer} {r['role']}: {r['decision']} ({r['reason']})"
     if "logits_dense" in layer and r["decision"] != "keep":
       bad.append("the logits head must stay in high precision: " + what)
     if r["role"] == "other" and r["decision"] != "keep":
       bad.append("attention products stay in high precision: " + what)
-    if "decoder/layers" in layer and r["role"] != "other" and r["decision"] == "keep" and r["rule"] != "high_precision_block":
+    if "decoder/layers" in layer and r["role"] != "other" and r["decision"] == "keep" and \
+        r["rule"] != "high_precision_block":
       bad.append("decoder linear layers run in NVFP4: " + what)
   if not any(r["rule"] == "head" for r in rows):
     bad.append("no dot kept as the output head (logits_dense, or the embedding where logits_via_embedding)")
@@ -154,7 +159,8 @@ def main(argv=None):
           f"step {base['step_s']} -> {nvfp4['step_s']} s, {entry.get('decisions')}, "
           f"violations {entry.get('policy_violations', [])[:3]}, warnings {nvfp4['warnings'][:2]}", flush=True)
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps(dict(maxtext=MAXTEXT, steps=args.steps, small=SMALL, results=results), indent=1) + "\n")
+  summary = dict(maxtext=MAXTEXT, steps=args.steps, small=SMALL, results=results)
+  args.out.write_text(json.dumps(summary, indent=1) + "\n")
   print(f"wrote {args.out}")
   return 1 if failed else 0
 

@@ -35,8 +35,8 @@ How (docs/design.md §4):
   `fc1`/`fc2`; and scanned stacks. Stacks are numbered in the order their first fprop runs, into one global block
   index (an encoder's blocks before a decoder's); a scanned stack records its first block as `block_offset`. In
   scanned stacks the weight comes from a dynamic_slice of a stacked parameter, whose start index is the block index
-  of the current iteration within the stack: `Analysis.block_values[i] = (value, entry_call)`, the value visible in the scope of
-  `entry_call` (the func.call that enters the dot's function; None when the dot sees the value itself). A wgrad takes
+  of the current iteration within the stack: `Analysis.block_values[i] = (value, entry_call)`, the value visible in
+  the scope of `entry_call` (the func.call that enters the dot's function; None when the dot sees the value itself). A wgrad takes
   the value from a dot of its own function that slices the same (or a same-sized) stack. Nested scans (a slice of a
   slice) give no value: the flat layer index exists nowhere in the program, so only `num_stacked` (the product) is set.
 - head: a linear layer whose output reaches the loss with no other dot in between: its backward dots' gradient
@@ -781,7 +781,9 @@ def analyze(module) -> Analysis:
     sites.append(DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
         weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, block=block,
-        num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head, excluded_scope=_excluded(mod, op), higher_order="jvp(transpose(" in d.stack or d.stack.count("transpose(") > 1, lhs_shape=ls, rhs_shape=rs,
+        num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head,
+        excluded_scope=_excluded(mod, op),
+        higher_order="jvp(transpose(" in d.stack or d.stack.count("transpose(") > 1, lhs_shape=ls, rhs_shape=rs,
         out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
         operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]), m=m, n=n, k=k,
         flops=2 * int(math.prod(out)) * k, contracting=(lc, rc), batch=(lb, rb)))
