@@ -51,6 +51,7 @@ The jaxlib 0.10 MLIR bindings expose no accessors for location structure, so nam
 location (`loc("name"(child))`): only the leading quoted NameLoc name is taken.
 """
 
+import collections
 import dataclasses
 import math
 import re
@@ -379,9 +380,9 @@ class _Dataflow:
     """Whether the slice upstream of `value`, cut at every dot_general, reaches no dot for which `barrier(op)` holds:
     True, False, or None when the slice could not be followed to its end. Calls are followed in context: a callee's
     argument entered through one call's result leads back to that call's operand only."""
-    todo, seen = [(value, ())], set()
+    todo, seen = collections.deque([(value, ())]), set()  # breadth first: the nearest dot decides most walks
     while todo:
-      v, calls = todo.pop()
+      v, calls = todo.popleft()
       if (v, calls[-1:]) in seen:
         continue
       seen.add((v, calls[-1:]))
