@@ -110,14 +110,6 @@ def _load_cuda():
   return _xla_fp4_cuda, ""
 
 
-def cuda_extension():
-  """The CUDA extension module; raises RuntimeError with the reason when it is not built or does not load."""
-  module, why = _load_cuda()
-  if module is None:
-    raise RuntimeError(why)
-  return module
-
-
 def _xla_platform(platform):
   """XLA's name for a JAX backend platform: cpu, or CUDA for JAX's cuda/gpu (how custom-call targets are keyed)."""
   return "CUDA" if platform.lower() in ("cuda", "gpu") else platform.lower()
