@@ -36,9 +36,10 @@ How (docs/design.md §4):
   index (an encoder's blocks before a decoder's); a scanned stack records its first block as `block_offset`. In
   scanned stacks the weight comes from a dynamic_slice of a stacked parameter, whose start index is the block index
   of the current iteration within the stack: `Analysis.block_values[i] = (value, entry_call)`, the value visible in
-  the scope of `entry_call` (the func.call that enters the dot's function; None when the dot sees the value itself). A wgrad takes
-  the value from a dot of its own function that slices the same (or a same-sized) stack. Nested scans (a slice of a
-  slice) give no value: the flat layer index exists nowhere in the program, so only `num_stacked` (the product) is set.
+  the scope of `entry_call` (the func.call that enters the dot's function; None when the dot sees the value itself).
+  A wgrad takes the value from a dot of its own function that slices the same (or a same-sized) stack. Nested scans
+  (a slice of a slice) give no value: the flat layer index exists nowhere in the program, so only `num_stacked` (the
+  product) is set.
 - head: a linear layer whose output reaches the loss with no other dot in between: its backward dots' gradient
   operand is computed from the loss and the layer's own output only (`_heads`). The layer name (`head`, `logits`,
   ...) only breaks the tie where that dataflow cannot be followed, and the reason says so.
@@ -244,6 +245,53 @@ class _Module:
   def enclosing_func(self, op):
     return self._enclosing_func(op.parent)
 
+  def callee(self, call):
+    """The func.func a func.call calls (None for an unknown symbol)."""
+    return self.funcs.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
+
+  def around(self, op):
+    """The ops enclosing `op`, innermost first, leaving an outlined function through its first call site."""
+    cur = op.parent
+    while cur is not None:
+      yield cur
+      if cur.name == "func.func":
+        calls = self.calls.get(ir.StringAttr(cur.attributes["sym_name"]).value)
+        cur = calls[0] if calls else None
+      else:
+        cur = cur.parent
+
+
+def specialize_call_sites(module) -> int:
+  """Give each call of a function that holds a dot_general a copy of its own (`<name>_site<k>`), so that every dot is
+  analysed and rewritten in its own calling context: one jitted `dense` helper applied to 8 layers is 8 layers, each
+  with its weight, its block and its decision. For the pipeline's clone, never the user's module; returns how many
+  copies were made. JAX lowers no recursion, so this ends."""
+  copies = 0
+  while True:
+    mod = _Module(module)
+    holds_dot = {fname for fname, op in mod.order if op.name == "stablehlo.dot_general"}
+    calls = [(fname, ir.FlatSymbolRefAttr(op.attributes["callee"]).value) for fname, op in mod.order
+             if op.name == "func.call"]
+    grown = True
+    while grown:  # a function holds a dot when it or anything it calls does
+      grown = bool({caller for caller, callee in calls if callee in holds_dot} - holds_dot)
+      holds_dot |= {caller for caller, callee in calls if callee in holds_dot}
+    shared = [(callee, sites) for callee, sites in mod.calls.items()
+              if len(sites) > 1 and callee in holds_dot and callee in mod.funcs]
+    if not shared:
+      return copies
+    for callee, sites in shared:
+      for k, site in enumerate(sites[1:], start=1):
+        copy = mod.funcs[callee].operation.clone()
+        name = f"{callee}_site{k}"
+        while name in mod.funcs:
+          name += "_"
+        copy.attributes["sym_name"] = ir.StringAttr.get(name)
+        module.body.append(copy)
+        mod.funcs[name] = copy
+        site.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
+        copies += 1
+
 
 @dataclasses.dataclass
 class _Source:
@@ -300,10 +348,10 @@ class _Tracer:
         src.index, src.stacked = None, src.stacked * _shape(op.operands[0])[0]
       return src
     if name == "func.call":
-      callee = self.mod.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+      callee = self.mod.callee(op)
       if callee is None:
         return None
-      ret = callee.regions[0].blocks[0].operations[len(callee.regions[0].blocks[0].operations) - 1]
+      ret = _terminator(callee.regions[0])
       return self.trace(ret.operands[res.result_number], stack + (op,), entry, depth + 1)
     return None
 
@@ -345,7 +393,7 @@ def _root(mod, value):
       continue
     op = value.owner.operation if hasattr(value.owner, "operation") else value.owner
     if op.name == "func.call":  # a value a function passes through (a residual returned by a jitted forward)
-      callee = mod.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+      callee = mod.callee(op)
       inner = _terminator(callee.regions[0]).operands[ir.OpResult(value).result_number] if callee else None
       if inner is None or not isinstance(inner.owner, ir.Block):
         return value
@@ -415,7 +463,7 @@ class _Dataflow:
           return False
         continue
       if op.name == "func.call":
-        callee = self.mod.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+        callee = self.mod.callee(op)
         if callee is None:
           return None
         todo.append((_terminator(callee.regions[0]).operands[res.result_number], calls + (op,)))
@@ -456,7 +504,7 @@ class _Dataflow:
             continue  # the loop condition
           todo.append(parent.results[i])
         elif user.name == "func.call":
-          callee = self.mod.funcs.get(ir.FlatSymbolRefAttr(user.attributes["callee"]).value)
+          callee = self.mod.callee(user)
           if callee is None:
             return None
           todo.append(callee.regions[0].blocks[0].arguments[i])
@@ -473,17 +521,8 @@ class _Dataflow:
 def _excluded(mod, op):
   """Whether xla_fp4.exclude() marked `op`, or an op or call site around it: JAX writes set_xla_metadata's key into
   the `mhlo.frontend_attributes` of every op traced in its scope, the transposed dots of the backward pass included."""
-  cur = op
-  while cur is not None:
-    if "mhlo.frontend_attributes" in cur.attributes and \
-        EXCLUDE_ATTRIBUTE in ir.DictAttr(cur.attributes["mhlo.frontend_attributes"]):
-      return True
-    if cur.name == "func.func":
-      calls = mod.calls.get(ir.StringAttr(cur.attributes["sym_name"]).value)
-      cur = calls[0] if calls else None
-    else:
-      cur = cur.parent
-  return False
+  return any("mhlo.frontend_attributes" in o.attributes and
+             EXCLUDE_ATTRIBUTE in ir.DictAttr(o.attributes["mhlo.frontend_attributes"]) for o in (op, *mod.around(op)))
 
 
 def _phase(stack):
@@ -608,15 +647,7 @@ def _local_source(dots, wgrad, src):
 
 def _loop_of(mod, op):
   """The innermost stablehlo.while around `op`, through the first call site of outlined functions; None if none."""
-  cur = op.parent
-  while cur is not None:
-    if cur.name == "stablehlo.while":
-      return cur
-    if cur.name == "func.func":
-      calls = mod.calls.get(ir.StringAttr(cur.attributes["sym_name"]).value)
-      cur = calls[0] if calls else None
-    cur = cur.parent if cur is not None else None
-  return None
+  return next((o for o in mod.around(op) if o.name == "stablehlo.while"), None)
 
 
 def _blocks(mod, dots):

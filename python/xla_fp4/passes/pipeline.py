@@ -46,60 +46,6 @@ def clone_module(module: ir.Module) -> ir.Module:
   return new
 
 
-def specialize_call_sites(module: ir.Module) -> int:
-  """Give each call of a function that holds a dot_general a copy of its own (`<name>_site<k>`), so that every dot is
-  analysed and rewritten in its own calling context: one jitted `dense` helper applied to 8 layers is 8 layers, each
-  with its weight, its block and its decision. Called on the pipeline's clone, never on the user's module; returns how
-  many copies were made. JAX lowers no recursion, so this ends."""
-  copies = 0
-  while True:
-    funcs = {ir.StringAttr(op.attributes["sym_name"]).value: op for op in module.body.operations
-             if op.operation.name == "func.func"}
-    calls, holds_dot = {}, {}
-
-    def visit(fname):
-      def walk(op):
-        if op.name == "stablehlo.dot_general":
-          holds_dot[fname] = True
-        elif op.name == "func.call":
-          calls.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op.operation)
-        return ir.WalkResult.ADVANCE
-      holds_dot.setdefault(fname, False)
-      funcs[fname].operation.walk(walk, ir.WalkOrder.PRE_ORDER)
-
-    for name in funcs:
-      visit(name)
-    # A function holds a dot when it or anything it calls does (fixpoint over the call graph).
-    callees = {name: set() for name in funcs}
-    for callee, sites in calls.items():
-      for site in sites:
-        caller = site.parent
-        while caller.name != "func.func":
-          caller = caller.parent
-        callees[ir.StringAttr(caller.attributes["sym_name"]).value].add(callee)
-    changed = True
-    while changed:
-      changed = False
-      for name, called in callees.items():
-        if not holds_dot[name] and any(holds_dot.get(c) for c in called):
-          holds_dot[name] = changed = True
-    shared = [(callee, sites) for callee, sites in calls.items()
-              if len(sites) > 1 and holds_dot.get(callee) and callee in funcs]
-    if not shared:
-      return copies
-    for callee, sites in shared:
-      for k, site in enumerate(sites[1:], start=1):
-        copy = funcs[callee].operation.clone()
-        name = f"{callee}_site{k}"
-        while name in funcs:
-          name += "_"
-        copy.attributes["sym_name"] = ir.StringAttr.get(name)
-        module.body.append(copy)
-        funcs[name] = copy
-        site.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
-        copies += 1
-
-
 def module_name(module) -> str:
   return ir.StringAttr(module.operation.attributes["sym_name"]).value if "sym_name" in module.operation.attributes \
       else "module"
@@ -163,7 +109,7 @@ def decisions(module: ir.Module, config: Config):
   """Analyze and decide only: (decision rows, unmatched rule names)."""
   module = clone_module(module)
   with module.context, ir.Location.unknown():
-    specialize_call_sites(module)
+    analyze_mod.specialize_call_sites(module)
     analysis = analyze_mod.analyze(module)
     decided, unmatched = policy_mod.decide(analysis, config)
     return report.rows(analysis.sites, decided), unmatched
@@ -173,7 +119,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
   """Rewrite a clone of `module`. `kernels(module) -> KernelSet` overrides the per-platform choice."""
   new = clone_module(module)
   with new.context, ir.Location.unknown():
-    specialize_call_sites(new)
+    analyze_mod.specialize_call_sites(new)
     analysis = analyze_mod.analyze(new)
     decided, unmatched = policy_mod.decide(analysis, config)
     selected = [d for d in decided if d.decision == "nvfp4"]
