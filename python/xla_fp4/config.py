@@ -5,6 +5,7 @@ a bad value raises a ValueError naming the variable and the accepted values.
 """
 
 import dataclasses
+import json
 import os
 import re
 from typing import Any, Callable
@@ -61,6 +62,85 @@ def _parse_str(text):
   return str(text)
 
 
+ROLES = ("fprop", "dgrad", "wgrad")
+
+
+@dataclasses.dataclass(frozen=True)
+class UserRule:
+  """One entry of the `rules` option. It matches a dot when each field given matches: `layer` by re.search on the layer
+  path, `roles` and `blocks` by membership (empty: any). A dot of a scanned stack serves several blocks and has no
+  single block number, so a rule with `blocks` never matches it (keep_first/keep_last select those blocks)."""
+  name: str
+  decision: str  # keep | nvfp4
+  reason: str
+  layer: str = ""
+  roles: tuple = ()
+  blocks: tuple = ()
+
+
+_RULE_KEYS = ("decision", "layer", "role", "block", "name", "reason")
+
+
+def _as_tuple(value):
+  return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _parse_rule(i, entry):
+  if not isinstance(entry, dict):
+    raise ValueError(f"rule {i} is {entry!r}; each rule is a dict such as "
+                     '{"layer": "attention", "role": "wgrad", "decision": "keep"}')
+  unknown = sorted(set(entry) - set(_RULE_KEYS))
+  if unknown:
+    raise ValueError(f"rule {i} has unknown key(s) {unknown}; the keys are {list(_RULE_KEYS)}")
+  decision = entry.get("decision")
+  if decision not in ("keep", "nvfp4"):
+    raise ValueError(f"rule {i}: 'decision' must be 'keep' or 'nvfp4', got {decision!r}")
+  layer = entry.get("layer", "")
+  if not isinstance(layer, str):
+    raise ValueError(f"rule {i}: 'layer' must be a regular expression string, got {layer!r}")
+  try:
+    re.compile(layer)
+  except re.error as e:
+    raise ValueError(f"rule {i}: 'layer' {layer!r} is not a valid regular expression ({e})") from None
+  roles = _as_tuple(entry.get("role", ()))
+  if not set(roles) <= set(ROLES):
+    raise ValueError(f"rule {i}: 'role' must be one or a list of {list(ROLES)}, got {entry['role']!r}")
+  blocks = _as_tuple(entry.get("block", ()))
+  if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
+    raise ValueError(f"rule {i}: 'block' must be a block number or a list of them (0 = the first), "
+                     f"got {entry['block']!r}")
+  name = entry.get("name", f"user_rule_{i}")
+  what = ", ".join(f"{k}={entry[k]!r}" for k in ("layer", "role", "block") if k in entry) or "every dot"
+  reason = entry.get("reason", f"user rule {name} ({what})")
+  if not isinstance(name, str) or not isinstance(reason, str):
+    raise ValueError(f"rule {i}: 'name' and 'reason' must be strings")
+  return UserRule(name=name, decision=decision, reason=reason, layer=layer, roles=roles, blocks=blocks)
+
+
+def _parse_rules(value):
+  """A JSON list (the environment) or a list of dicts (Python) -> tuple of UserRule."""
+  if isinstance(value, str):
+    try:
+      value = json.loads(value) if value.strip() else []
+    except json.JSONDecodeError as e:
+      raise ValueError(f"not a JSON list of rules ({e})") from None
+  if isinstance(value, dict) or not isinstance(value, (list, tuple)):
+    raise ValueError("give a list of rules (dicts), first match wins")
+  rules = tuple(value) if all(isinstance(r, UserRule) for r in value) else tuple(
+      _parse_rule(i, r) for i, r in enumerate(value))
+  names = [r.name for r in rules]
+  clashes = sorted({n for n in names if names.count(n) > 1 or n in BUILTIN_RULES})
+  if clashes:
+    raise ValueError(f"rule name(s) {clashes} are used twice or by a built-in rule ({', '.join(BUILTIN_RULES)})")
+  return rules
+
+
+# The policy's own rules, in order (python/xla_fp4/passes/policy.py); user rules run after the first three, which
+# say what the kernels cannot take.
+BUILTIN_RULES = ("not_linear", "dtype", "contraction_not_16", "higher_order", "exclude_scope", "exclude_regex", "tiny",
+                 "head", "high_precision_block", "nvfp4")
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
   name: str
@@ -91,6 +171,10 @@ OPTIONS = (
            "Keep the output head (logits) GEMMs in high precision."),
     Option("exclude", "XLA_FP4_EXCLUDE", "", _parse_regex,
            "Regex (re.search) on the layer path: matching layers stay in high precision."),
+    Option("rules", "XLA_FP4_RULES", (), _parse_rules,
+           'Your own rules, first match wins, before the built-in policy (after the checks of what the kernels take): '
+           'a JSON list such as `[{"layer": "attn", "role": "wgrad", "decision": "keep"}]`; keys `decision` (keep or '
+           'nvfp4), `layer` (regex on the layer path), `role`, `block` (a value or a list), `name`, `reason`.'),
     Option("min_dim", "XLA_FP4_MIN_DIM", 16, _parse_int,
            "GEMMs with M, N or K below this stay in high precision."),
     Option("seed", "XLA_FP4_SEED", 0, _parse_int,
@@ -114,6 +198,7 @@ class Config:
   keep_last: Any
   keep_head: bool
   exclude: str
+  rules: tuple
   min_dim: int
   seed: int
   dump_dir: str

@@ -32,10 +32,10 @@ EVERY_LATER = dict(is_head=True, head_reason="its output reaches the loss", bloc
 CASES = [
     ("not_linear", dict(role="other")),
     ("dtype", dict(operand_dtypes=("f64", "f64"))),
-    ("higher_order", dict(higher_order=True)),
+    ("contraction_not_16", dict(k=24, m=8, higher_order=True, excluded_scope=True)),
+    ("higher_order", dict(higher_order=True, excluded_scope=True)),
     ("exclude_scope", dict(excluded_scope=True)),
     ("exclude_regex", dict(layer="m/router")),
-    ("contraction_not_16", dict(k=24, m=8)),
     ("tiny", dict(m=8)),
     ("head", dict()),
     ("high_precision_block", dict(is_head=False)),
@@ -59,7 +59,53 @@ def test_first_matching_rule_wins_with_its_reason(rule, overrides):
 
 
 def test_rule_order_is_the_documented_one():
-  assert [r.name for r in policy.default_rules(CFG)] == [c[0] for c in CASES]
+  assert [r.name for r in policy.default_rules(CFG)] == [c[0] for c in CASES] == list(config.BUILTIN_RULES)
+
+
+USER_RULES = [{"layer": "attn", "role": ["wgrad", "dgrad"], "decision": "keep", "name": "attn_grads"},
+              {"block": [0, 1], "decision": "nvfp4", "reason": "first blocks in NVFP4 after all"},
+              {"layer": "^m/head$", "decision": "nvfp4"}]
+
+
+def test_user_rules_run_first_after_what_the_kernels_need():
+  rules = [r.name for r in policy.default_rules(config.load(environ={}, enabled=True, rules=USER_RULES))]
+  assert rules[:3] == ["not_linear", "dtype", "contraction_not_16"]
+  assert rules[3:6] == ["attn_grads", "user_rule_1", "user_rule_2"] and rules[6:] == list(config.BUILTIN_RULES[3:])
+  sites = [_site(0, layer="m/attn/q", role="wgrad", weight_operand=None),  # attn_grads
+           _site(1, layer="m/attn/q"),                                     # an fprop: not attn_grads; policy
+           _site(2, layer="m/fc", block=0),                                # a kept first block, forced to NVFP4
+           _site(3, layer="m/head", is_head=True, head_reason="x"),        # the head, forced to NVFP4
+           _site(4, layer="m/attn/k", role="dgrad", k=24),                 # the kernels' limits still come first
+           _site(5, layer="m/fc", block=3)]                                # a kept last block: the policy's
+  decided, unmatched = _decide(sites, num_blocks=4, keep_first=1, keep_last=1, rules=USER_RULES)
+  assert [(d.rule, d.decision) for d in decided] == [
+      ("attn_grads", "keep"), ("nvfp4", "nvfp4"), ("user_rule_1", "nvfp4"), ("user_rule_2", "nvfp4"),
+      ("contraction_not_16", "keep"), ("high_precision_block", "keep")]
+  assert decided[0].reason == "user rule attn_grads (layer='attn', role=['wgrad', 'dgrad'])"
+  assert decided[2].reason == "first blocks in NVFP4 after all" and decided[2].lhs is not None
+  assert "attn_grads" not in unmatched
+
+
+def test_user_rules_from_the_environment_are_json():
+  cfg = config.load(environ={"XLA_FP4_RULES": '[{"layer": "attn", "decision": "keep"}]'}, enabled=True)
+  assert cfg.rules == (config.UserRule(name="user_rule_0", decision="keep", reason="user rule user_rule_0 "
+                                       "(layer='attn')", layer="attn"),)
+
+
+@pytest.mark.parametrize("rules,message", [
+    ("[{", "not a JSON list"),
+    ({"decision": "keep"}, "a list of rules"),
+    (["keep"], "each rule is a dict"),
+    ([{"decision": "drop"}], "'decision' must be 'keep' or 'nvfp4'"),
+    ([{"decision": "keep", "layers": "x"}], "unknown key"),
+    ([{"decision": "keep", "layer": "("}], "not a valid regular expression"),
+    ([{"decision": "keep", "role": "forward"}], "'role' must be one or a list of"),
+    ([{"decision": "keep", "block": -1}], "'block' must be a block number"),
+    ([{"decision": "keep", "name": "head"}], "used twice or by a built-in rule"),
+])
+def test_bad_user_rules_say_what_is_wrong(rules, message):
+  with pytest.raises(ValueError, match=message):
+    config.load(environ={}, enabled=True, rules=rules)
 
 
 def test_recipes_per_role():

@@ -1,7 +1,8 @@
 """Policy: decide per dot whether it runs in NVFP4, with which recipe per operand, and why.
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
-are reported. Defaults follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept;
+are reported. The user's rules (the `rules` option: data, not code) come after the three that say what the kernels
+cannot take and before the paper's policy. Defaults follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept;
 about 16% of the blocks kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62
 blocks); GEMMs whose contraction is not a multiple of 16, or that are tiny, kept.
 
@@ -13,7 +14,7 @@ import dataclasses
 import re
 from typing import Callable, Optional
 
-from xla_fp4.config import Config
+from xla_fp4.config import Config, UserRule
 from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.passes.analyze import Analysis, DotSite
 
@@ -56,13 +57,24 @@ def kept_blocks(config: Config, num_blocks: int) -> frozenset:
 QUANTIZABLE_DTYPES = {"f32", "bf16", "f16"}
 
 
+def _user_rule(u: UserRule) -> Rule:
+  layer = re.compile(u.layer) if u.layer else None
+  return Rule(name=u.name, decision=u.decision, reason=u.reason,
+              when=lambda s, c: ((layer is None or bool(layer.search(s.layer))) and (not u.roles or s.role in u.roles)
+                                 and (not u.blocks or s.block in u.blocks)))
+
+
 def default_rules(config: Config):
+  """The rules in order: what the kernels cannot take, the user's rules (config.rules), the paper's policy."""
   exclude = re.compile(config.exclude) if config.exclude else None
   return (
       Rule(name="not_linear", decision="keep", reason="not a linear-layer GEMM (no operand is a parameter)",
            when=lambda s, c: s.role == "other"),
       Rule(name="dtype", decision="keep", reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
            when=lambda s, c: not set(s.operand_dtypes) <= QUANTIZABLE_DTYPES),
+      Rule(name="contraction_not_16", decision="keep", reason="contraction size is not a multiple of 16",
+           when=lambda s, c: s.k % 16 != 0),
+      *(_user_rule(u) for u in config.rules),
       Rule(name="higher_order", decision="keep",
            reason="inside a derivative of a derivative (a gradient in the loss): the recipe is for first-order "
                   "gradients, so kept in high precision",
@@ -71,8 +83,6 @@ def default_rules(config: Config):
            when=lambda s, c: s.excluded_scope),
       Rule(name="exclude_regex", decision="keep", reason=f"layer path matches XLA_FP4_EXCLUDE={config.exclude!r}",
            when=lambda s, c: exclude is not None and bool(exclude.search(s.layer))),
-      Rule(name="contraction_not_16", decision="keep", reason="contraction size is not a multiple of 16",
-           when=lambda s, c: s.k % 16 != 0),
       Rule(name="tiny", decision="keep", reason=f"M, N or K below XLA_FP4_MIN_DIM={config.min_dim}",
            when=lambda s, c: min(s.m, s.n, s.k) < c.config.min_dim),
       Rule(name="head", decision="keep", reason="output head (logits) kept in high precision",
