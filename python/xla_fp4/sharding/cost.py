@@ -4,7 +4,9 @@ The instructions come from jaxlib's HloModule API (opcode, operands); only each 
 one-line text (`%dot.1 = f32[256,1024]{1,0} dot(...)`), which that API does not expose otherwise. (jaxlib's
 hlo_to_stablehlo drops dots of an optimized CPU module, so it cannot be used here.) Dot FLOPs are 2 x output elements x
 contracted size; collective bytes are the result bytes of every all-reduce, all-gather, reduce-scatter, all-to-all and
-collective-permute (async pairs counted once). Computations are followed from the entry through their call sites
+collective-permute (async pairs counted once); quantized elements are the elements of the operand of every
+quantizing `xla_fp4_*` custom call (qdq, qdq_with_scale, quantize_packed; not the amax pass over the same tensor).
+Computations are followed from the entry through their call sites
 (fusions, calls, loops, reductions); a conditional counts its most expensive branch, the one work a step can run. A
 loop body counts once (not times its trip count), which is what a side-by-side ratio of two programs of the same
 structure needs.
@@ -21,6 +23,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_QUANTIZING = re.compile(r'custom_call_target="xla_fp4_(?:qdq|qdq_with_scale|quantize_packed)"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 # Collectives at most this many bytes per result are scalar reductions: the pass's global amax and digest.
 SCALAR_BYTES = 8
@@ -32,6 +35,7 @@ class Cost:
   collective_bytes: int  # per device, every collective
   scalar_collective_bytes: int  # the part of collective_bytes in scalar collectives (at most SCALAR_BYTES a result)
   collectives: dict  # opcode -> count
+  quantized_elements: int = 0  # per device: elements the pass's kernels quantize
 
   @property
   def large_collective_bytes(self):
@@ -54,19 +58,23 @@ def _result_arrays(instruction):
 
 
 def _instruction_cost(ins):
-  """(dot flops, [(collective opcode, result bytes)]) of one instruction, not counting the computations it calls."""
+  """(dot flops, quantized elements, [(collective opcode, result bytes)]) of one instruction, not counting the
+  computations it calls."""
   op = ins.opcode.name
   if op == "kDot":
     (_, out), = _result_arrays(ins)
     (_, lhs), = _result_arrays(ins.operands()[0])
     contracting = [int(d) for d in _CONTRACTING.search(ins.to_string()).group(1).split(",") if d]
-    return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting), []
+    return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting), 0, []
+  if op == "kCustomCall" and _QUANTIZING.search(ins.to_string()):
+    (_, dims), = _result_arrays(ins.operands()[0])
+    return 0, math.prod(dims), []
   if op in _COLLECTIVES:
     sizes = [math.prod(dims) * _BYTES[dtype] for dtype, dims in _result_arrays(ins)]
     if op.endswith("Start"):  # (operands..., results...): the results are the second half
       sizes = sizes[len(sizes) // 2:]
-    return 0, [(op, s) for s in sizes]
-  return 0, []
+    return 0, 0, [(op, s) for s in sizes]
+  return 0, 0, []
 
 
 def _callees(ins):
@@ -83,7 +91,7 @@ def _callees(ins):
 def cost(compiled) -> Cost:
   """The per-device Cost of one step of `compiled` (a `jax.stages.Compiled`): every computation reached from the
   entry counts once per call site, a conditional as its most expensive branch (only one runs)."""
-  flops = total = scalar = 0
+  flops = elements = total = scalar = 0
   counts = {}
   for module in compiled.runtime_executable().hlo_modules():
     by_name = {c.name: c for c in module.computations()}
@@ -95,27 +103,29 @@ def cost(compiled) -> Cost:
     memo = {}
 
     def visit(name):
-      """(flops, [(opcode, bytes)]) of computation `name` and everything it calls."""
+      """(flops, quantized elements, [(opcode, bytes)]) of computation `name` and everything it calls."""
       if name not in memo:
-        f, coll = 0, []
+        f, e, coll = 0, 0, []
         for ins in by_name[name].instructions():
-          own_f, own_c = _instruction_cost(ins)
-          f, coll = f + own_f, coll + own_c
+          own_f, own_e, own_c = _instruction_cost(ins)
+          f, e, coll = f + own_f, e + own_e, coll + own_c
           always, branches = _callees(ins)
           for callee in always:
-            cf, cc = visit(callee)
-            f, coll = f + cf, coll + cc
+            cf, ce, cc = visit(callee)
+            f, e, coll = f + cf, e + ce, coll + cc
           if branches:
-            cf, cc = max((visit(b) for b in branches), key=lambda fc: (fc[0], sum(s for _, s in fc[1])))
-            f, coll = f + cf, coll + cc
-        memo[name] = (f, coll)
+            cf, ce, cc = max((visit(b) for b in branches), key=lambda c: (c[0], sum(s for _, s in c[2])))
+            f, e, coll = f + cf, e + ce, coll + cc
+        memo[name] = (f, e, coll)
       return memo[name]
 
     for entry in (n for n in by_name if n not in called):
-      f, coll = visit(entry)
+      f, e, coll = visit(entry)
       flops += f
+      elements += e
       for op, size in coll:
         total += size
         scalar += size if size <= SCALAR_BYTES else 0
         counts[op] = counts.get(op, 0) + 1
-  return Cost(dot_flops=flops, collective_bytes=total, scalar_collective_bytes=scalar, collectives=counts)
+  return Cost(dot_flops=flops, collective_bytes=total, scalar_collective_bytes=scalar, collectives=counts,
+              quantized_elements=elements)
