@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "xla_fp4/cpu_kernels.h"
-#include "xla_fp4/ffi_targets.h"
+#include "xla_fp4/ffi_registrations.h"
 #include "xla_fp4/nvfp4_format.h"
 #include "xla/ffi/api/c_api.h"
 #ifdef XLA_FP4_HAS_BUILD_INFO
@@ -31,23 +31,14 @@ void Map(F f, Vector<Out> out, Vector<const In>... in) {
   for (size_t i = 0; i < out.shape(0); ++i) out(i) = f(in(i)...);
 }
 
-nb::capsule Handler(XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); }
-
 }  // namespace
 
 NB_MODULE(_xla_fp4_ext, m) {
   m.doc() = "xla-fp4 C++ kernels (XLA FFI handlers).";
-  m.def("registrations", [] {
-    nb::dict d;
-    d[xla_fp4::kQdqTarget] = Handler(XlaFp4QdqCpu);
-    d[xla_fp4::kQdqWithScaleTarget] = Handler(XlaFp4QdqWithScaleCpu);
-    d[xla_fp4::kRhtTarget] = Handler(XlaFp4RhtCpu);
-    d[xla_fp4::kBlockAmaxTarget] = Handler(XlaFp4BlockAmaxCpu);
-    d[xla_fp4::kQuantizePackedTarget] = Handler(XlaFp4QuantizePackedCpu);
-    d[xla_fp4::kDequantizePackedTarget] = Handler(XlaFp4DequantizePackedCpu);
-    d[xla_fp4::kGemmPackedTarget] = Handler(XlaFp4GemmPackedCpu);
-    return d;
-  }, "Target name -> PyCapsule of the CPU FFI handler.");
+  m.def("attributes", [] { return XLA_FP4_ATTRIBUTES(); },
+        "Target name -> {attribute: \"int\" or \"bool\"}: the attributes every handler binds (ffi_targets.h).");
+  m.def("registrations", [] { return XLA_FP4_REGISTRATIONS(CPU); },
+        "Target name -> PyCapsule of the CPU FFI handler.");
   // The XLA FFI API the handlers were compiled against: an XLA whose API is older rejects them when its backend starts.
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.attr("cuda_build") = XLA_FP4_CUDA_STATUS;  // "built for <archs> ..." or "not built: <why>" (CMakeLists.txt)

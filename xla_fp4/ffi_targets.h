@@ -1,7 +1,35 @@
-// Names of the XLA FFI custom-call targets. python/xla_fp4/kernels.py holds the same strings (a test checks that the
-// extension registers exactly those).
+// The XLA FFI custom-call targets, listed once: their names and their attributes. The CPU and the CUDA handlers bind
+// their attributes from these lists (XLA_FP4_BIND_ATTRIBUTES), the extension exports them (`attributes()`), and a
+// test checks python/xla_fp4/kernels.py's ATTRIBUTES and target names against that export.
 #ifndef XLA_FP4_FFI_TARGETS_H_
 #define XLA_FP4_FFI_TARGETS_H_
+
+#include <cstdint>
+
+// A(type, name): each target's attributes, in the order of its handlers' parameters.
+#define XLA_FP4_QDQ_ATTRIBUTES(A) \
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, apply_global_scale)
+#define XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES(A) \
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
+#define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
+#define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed)
+#define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
+#define XLA_FP4_NO_ATTRIBUTES(A)
+
+// X(constant, handler stem, attribute list): every target. A platform's handler of target `stem` is
+// XlaFp4<stem><Platform> (XlaFp4QdqCpu, XlaFp4QdqCuda); ffi_registrations.h builds the Python dicts from this list.
+#define XLA_FP4_FOR_EACH_TARGET(X)                                               \
+  X(kQdqTarget, Qdq, XLA_FP4_QDQ_ATTRIBUTES)                                     \
+  X(kQdqWithScaleTarget, QdqWithScale, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)        \
+  X(kRhtTarget, Rht, XLA_FP4_RHT_ATTRIBUTES)                                     \
+  X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
+  X(kQuantizePackedTarget, QuantizePacked, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)   \
+  X(kDequantizePackedTarget, DequantizePacked, XLA_FP4_NO_ATTRIBUTES)            \
+  X(kGemmPackedTarget, GemmPacked, XLA_FP4_NO_ATTRIBUTES)
+
+// Appends an attribute list to an `ffi::Ffi::Bind()` chain: `.Attr<int64_t>("axis").Attr<bool>("block_2d")...`.
+#define XLA_FP4_BIND_ATTRIBUTE_(type, name) .Attr<type>(#name)
+#define XLA_FP4_BIND_ATTRIBUTES(LIST) LIST(XLA_FP4_BIND_ATTRIBUTE_)
 
 namespace xla_fp4 {
 

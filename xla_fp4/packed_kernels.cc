@@ -8,6 +8,7 @@
 
 #include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
+#include "xla_fp4/ffi_targets.h"
 
 namespace xla_fp4::cpu {
 namespace {
@@ -183,10 +184,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu, xla_fp4::cpu::QuantizePac
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Ret<ffi::AnyBuffer>()  // data
                                   .Ret<ffi::AnyBuffer>()  // scales
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCpu, xla_fp4::cpu::DequantizePackedFfi,
                               ffi::Ffi::Bind()

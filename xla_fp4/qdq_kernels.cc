@@ -6,6 +6,7 @@
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
 #include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
+#include "xla_fp4/ffi_targets.h"
 
 namespace xla_fp4::cpu {
 namespace {
@@ -500,12 +501,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqCpu, xla_fp4::cpu::QdqFfi,
                                   .Arg<ffi::AnyBuffer>()  // s_dec
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Ret<ffi::AnyBuffer>()  // y
-                                  .Attr<int64_t>("axis")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed")
-                                  .Attr<bool>("apply_global_scale"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu, xla_fp4::cpu::QdqWithScaleFfi,
                               ffi::Ffi::Bind()
@@ -513,26 +509,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu, xla_fp4::cpu::QdqWithScaleF
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // y: q * scale, x's shape and dtype
                                   .Ret<ffi::AnyBuffer>()  // s_dec (float32 scalar)
-                                  .Attr<int64_t>("axis")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed")
-                                  .Attr<int64_t>("salt"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCpu, xla_fp4::cpu::RhtFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // y (float32)
-                                  .Attr<int64_t>("axis")
-                                  .Attr<int64_t>("rht_seed"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_RHT_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCpu, xla_fp4::cpu::BlockAmaxFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // amax per 1x16 block (float32)
-                                  .Attr<int64_t>("axis")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_BLOCK_AMAX_ATTRIBUTES));

@@ -1,7 +1,8 @@
 """The compiled NVFP4 kernels: loading the extension, registering its XLA FFI targets, and calling them.
 
-Every kernel has a pure-JAX twin in `xla_fp4.numerics` that defines its numbers; the kernels agree with it bit for bit
-(the GEMM up to float32 summation order).
+Every kernel has a pure-JAX twin in `xla_fp4.numerics` that defines its numbers (the pass's kernels, with their
+attributes: `xla_fp4.numerics.kernel_twins`); the kernels agree with it bit for bit (the GEMM up to float32 summation
+order).
 
 Custom-call contract (for code that emits `stablehlo.custom_call` itself, like the compiler pass): `api_version = 4`
 (typed FFI), `backend_config` a DictionaryAttr with exactly the attributes in `ATTRIBUTES[target]`, typed as follows:
@@ -52,7 +53,8 @@ DEQUANTIZE_PACKED_TARGET = "xla_fp4_dequantize_packed"
 GEMM_PACKED_TARGET = "xla_fp4_gemm_packed"
 
 _QUANTIZE_ATTRIBUTES = {"block_2d": bool, "stochastic": bool, "rht": bool, "rht_seed": int}
-# target -> {attribute name: Python type}; bool -> BoolAttr, int -> i64 IntegerAttr.
+# target -> {attribute name: Python type}; bool -> BoolAttr, int -> i64 IntegerAttr. The handlers bind the lists of
+# xla_fp4/ffi_targets.h; the extension exports them and a test checks that this is the same (tests/kernels).
 ATTRIBUTES = {
     QDQ_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "apply_global_scale": bool},
     QDQ_WITH_SCALE_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "salt": int},

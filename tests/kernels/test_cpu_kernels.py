@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nvfp4_testing import assert_same_bits, digest_np, extension_or_skip
 from xla_fp4 import kernels, numerics as nv
-from xla_fp4.numerics import formats
-from xla_fp4.passes import rewrite
+from xla_fp4.numerics import formats, kernel_twins
 from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.rht import rht_f32
 
@@ -138,7 +137,7 @@ def test_qdq_with_scale_measures_x_itself(t, recipe, salt):
   assert_same_bits(s_dec, jnp.float32(want_s))
   key = jnp.uint32(salt ^ digest_np(x) if recipe["stochastic"] else salt)
   assert_same_bits(y, ref_qdq(x, jnp.float32(want_s), key, axis=axis, apply_global_scale=False, **recipe))
-  twin_y, twin_s = jax.jit(functools.partial(rewrite._ref_qdq_with_scale, axis=axis, **recipe))(x, jnp.uint32(salt))
+  twin_y, twin_s = jax.jit(functools.partial(kernel_twins.qdq_with_scale, axis=axis, **recipe))(x, jnp.uint32(salt))
   assert_same_bits(twin_y, y)
   assert_same_bits(twin_s, s_dec)
 
@@ -232,6 +231,15 @@ def test_errors_say_what_was_wrong():
 def test_registrations_match_the_python_target_names():
   assert set(extension_or_skip().registrations()) == set(kernels.TARGETS)
   assert kernels.available()[0]
+
+
+def test_python_attributes_are_the_ones_the_handlers_bind():
+  """ffi_targets.h lists each target's attributes once; the CPU and CUDA handlers bind them from it and the extension
+  exports it: kernels.ATTRIBUTES (names, order, types) must be that list."""
+  exported = extension_or_skip().attributes()
+  names = {bool: "bool", int: "int"}
+  assert {t: list(a.items()) for t, a in exported.items()} == \
+      {t: [(n, names[ty]) for n, ty in a.items()] for t, a in kernels.ATTRIBUTES.items()}
 
 
 def test_backend_config_matches_what_ffi_call_emits():

@@ -20,7 +20,7 @@ from jax._src.lib import xla_client
 
 import xla_fp4
 from xla_fp4 import config, kernels, report
-from xla_fp4.passes import pipeline, rewrite
+from xla_fp4.passes import pipeline, policy, rewrite
 
 
 @pytest.fixture
@@ -140,10 +140,10 @@ def test_the_running_jaxlib_api_is_read_and_the_build_is_accepted():
 
 def test_native_needs_k_a_multiple_of_32_on_cuda_only():
   site = lambda k, batch=((), ()): types.SimpleNamespace(k=k, batch=batch)  # noqa: E731
-  assert rewrite.native_ineligible(site(48), cuda=False) is None
-  assert "K a multiple of 32, K=48" in rewrite.native_ineligible(site(48), cuda=True)
-  assert rewrite.native_ineligible(site(64), cuda=True) is None
-  assert "no batch dims" in rewrite.native_ineligible(site(64, ((0,), (0,))), cuda=False)
+  assert policy.native_ineligible(site(48), cuda=False) is None
+  assert "K a multiple of 32, K=48" in policy.native_ineligible(site(48), cuda=True)
+  assert policy.native_ineligible(site(64), cuda=True) is None
+  assert "no batch dims" in policy.native_ineligible(site(64, ((0,), (0,))), cuda=False)
 
 
 def test_report_shows_the_backend():

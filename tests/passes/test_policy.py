@@ -7,7 +7,7 @@ import pytest
 
 from xla_fp4 import config, report
 from xla_fp4.passes import policy
-from xla_fp4.passes.analyze import Analysis, DotSite
+from xla_fp4.passes.analyze import Analysis, BlockIndex, DotSite
 
 CFG = config.load(environ={}, enabled=True)
 
@@ -187,3 +187,30 @@ def test_flop_share_counts_the_kept_layers_of_a_scanned_stack_as_high_precision(
   row = dict(decision="nvfp4", flops=800, keep_blocks=[6, 7], num_stacked=8)
   assert report.nvfp4_flops(row) == 600
   assert report.nvfp4_flops(dict(row, decision="keep")) == 0 and report.nvfp4_flops(dict(row, keep_blocks=[])) == 800
+
+
+def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
+  """policy.plan: whole tensors on one device, the partitioned form in a partitioned program, the packed form where
+  the native GEMM can run it (else emulated, with the reason); a scanned stack's block index as the analysis found it."""
+  sites = [_site(0), _site(1, batch=((0,), (0,))), _site(2, num_stacked=4, block_offset=0, k=48),
+           _site(3, num_stacked=4, block_offset=0), _site(4, role="other")]
+  analysis = Analysis(sites=sites, ops={}, block_values={2: (None, None), 3: (None, None)}, num_blocks=4,
+                      block_index={2: BlockIndex.PASSED_IN, 3: BlockIndex.UNAVAILABLE})
+  decided, _ = policy.decide(analysis, config.load(environ={}, enabled=True, keep_first=0, keep_last=1))
+  assert [d.decision for d in decided] == [policy.Verdict.NVFP4] * 4 + [policy.Verdict.KEEP]
+
+  def forms(**kw):
+    return [(p.site.index, p.form, p.block_index, p.notes) for p in policy.plan(analysis, decided, **kw)]
+  unavailable = "block index unavailable per iteration: every iteration runs in NVFP4"
+  assert forms(partitioned=False, native=False, cuda=False) == [
+      (0, policy.Form.WHOLE_TENSOR, None, ()), (1, policy.Form.WHOLE_TENSOR, None, ()),
+      (2, policy.Form.WHOLE_TENSOR, BlockIndex.PASSED_IN, ()), (3, policy.Form.WHOLE_TENSOR, BlockIndex.UNAVAILABLE,
+                                                                  (unavailable,))]
+  assert [f[1] for f in forms(partitioned=True, native=False, cuda=False)] == [policy.Form.PARTITIONED] * 4
+  native = forms(partitioned=False, native=True, cuda=True)
+  assert [f[1] for f in native] == [policy.Form.PACKED, policy.Form.WHOLE_TENSOR, policy.Form.WHOLE_TENSOR,
+                                    policy.Form.PACKED]
+  assert native[1][3] == ("the packed GEMM takes no batch dims: emulated",)
+  assert native[2][3] == ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",)
+  partitioned_native = forms(partitioned=True, native=True, cuda=False)
+  assert all(f[1] is policy.Form.PARTITIONED and "no partitioner" in f[3][-1] for f in partitioned_native)

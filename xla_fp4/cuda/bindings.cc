@@ -7,24 +7,14 @@
 
 #include "xla/ffi/api/c_api.h"
 #include "xla_fp4/cuda/cuda_handlers.h"
-#include "xla_fp4/ffi_targets.h"
+#include "xla_fp4/ffi_registrations.h"
 
 namespace nb = nanobind;
 
 NB_MODULE(_xla_fp4_cuda, m) {
   m.doc() = "xla-fp4 CUDA kernels (XLA FFI handlers) and the cuBLASLt FP4 GEMM.";
-  m.def("registrations", [] {
-    auto capsule = [](XLA_FFI_Handler* handler) { return nb::capsule(reinterpret_cast<void*>(handler)); };
-    nb::dict d;
-    d[xla_fp4::kQdqTarget] = capsule(XlaFp4QdqCuda);
-    d[xla_fp4::kQdqWithScaleTarget] = capsule(XlaFp4QdqWithScaleCuda);
-    d[xla_fp4::kRhtTarget] = capsule(XlaFp4RhtCuda);
-    d[xla_fp4::kBlockAmaxTarget] = capsule(XlaFp4BlockAmaxCuda);
-    d[xla_fp4::kQuantizePackedTarget] = capsule(XlaFp4QuantizePackedCuda);
-    d[xla_fp4::kDequantizePackedTarget] = capsule(XlaFp4DequantizePackedCuda);
-    d[xla_fp4::kGemmPackedTarget] = capsule(XlaFp4GemmPackedCuda);
-    return d;
-  }, "Target name -> PyCapsule of the CUDA FFI handler (register with platform='CUDA').");
+  m.def("registrations", [] { return XLA_FP4_REGISTRATIONS(CUDA); },
+        "Target name -> PyCapsule of the CUDA FFI handler (register with platform='CUDA').");
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.def("fp4_gemm_supported", &xla_fp4::cuda::Fp4GemmSupported,
         "(True, '') when cuBLASLt's FP4 GEMM can run on every visible CUDA device (compute capability 10.x, "

@@ -8,6 +8,7 @@
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/cuda/cuda_util.h"
 #include "xla_fp4/nvfp4_format.h"
+#include "xla_fp4/ffi_targets.h"
 
 namespace xla_fp4::cuda {
 namespace {
@@ -111,10 +112,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda, xla_fp4::cuda::QuantizeP
                                   .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
                                   .Ret<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2)
                                   .Ret<xla::ffi::AnyBuffer>()  // scales, uint8, swizzled
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda, xla_fp4::cuda::DequantizePacked,
                               xla::ffi::Ffi::Bind()

@@ -9,6 +9,7 @@
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/cuda/cuda_util.h"
 #include "xla_fp4/nvfp4_format.h"
+#include "xla_fp4/ffi_targets.h"
 
 namespace xla_fp4::cuda {
 namespace {
@@ -223,12 +224,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqCuda, xla_fp4::cuda::Qdq,
                                   .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
                                   .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
                                   .Ret<xla::ffi::AnyBuffer>()  // y, x's shape and dtype
-                                  .Attr<int64_t>("axis")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed")
-                                  .Attr<bool>("apply_global_scale"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCuda, xla_fp4::cuda::QdqWithScale,
                               xla::ffi::Ffi::Bind()
@@ -237,26 +233,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCuda, xla_fp4::cuda::QdqWithScal
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Ret<xla::ffi::AnyBuffer>()              // y: q * scale, x's shape and dtype
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_dec (float32 scalar)
-                                  .Attr<int64_t>("axis")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("stochastic")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed")
-                                  .Attr<int64_t>("salt"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCuda, xla_fp4::cuda::Rht,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // RHT(x), float32
-                                  .Attr<int64_t>("axis")
-                                  .Attr<int64_t>("rht_seed"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_RHT_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCuda, xla_fp4::cuda::BlockAmax,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // amax per 1x16 block
-                                  .Attr<int64_t>("axis")
-                                  .Attr<bool>("rht")
-                                  .Attr<int64_t>("rht_seed"));
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_BLOCK_AMAX_ATTRIBUTES));

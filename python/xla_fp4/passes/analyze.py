@@ -54,6 +54,7 @@ location (`loc("name"(child))`): only the leading quoted NameLoc name is taken.
 
 import collections
 import dataclasses
+import enum
 import math
 import re
 from typing import Any, Optional
@@ -72,7 +73,20 @@ _PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose"
                  "sdy.sharding_constraint", "sdy.reshard"}
 _SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement"}
 EXCLUDE_ATTRIBUTE = "xla_fp4_exclude"  # the frontend attribute xla_fp4.exclude() sets (jax's set_xla_metadata)
-ROLES = ("fprop", "dgrad", "wgrad", "other")
+
+
+class Role(enum.StrEnum):
+  FPROP = "fprop"  # a linear layer's forward GEMM
+  DGRAD = "dgrad"  # its gradient with respect to the input
+  WGRAD = "wgrad"  # its gradient with respect to the weight
+  OTHER = "other"  # not a linear layer's GEMM (no operand is a parameter)
+
+
+class BlockIndex(enum.StrEnum):
+  """Where a scanned stack's dot finds the iteration's block index, for the per-iteration select of kept blocks."""
+  IN_SCOPE = "in_scope"  # visible at the dot (the dot is in the loop body itself)
+  PASSED_IN = "passed_in"  # visible at the body function's call: the rewrite passes it in as an extra argument
+  UNAVAILABLE = "unavailable"  # not found: every iteration runs in NVFP4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,7 +97,7 @@ class DotSite:
   name_stack: str
   layer: str
   phase: str  # forward | backward
-  role: str  # fprop | dgrad | wgrad | other
+  role: Role
   weight_operand: Optional[int]  # 0 (lhs) or 1 (rhs) for fprop/dgrad
   weight_arg: Optional[str]  # the @main argument the layer's weight comes from
   block: Optional[int]  # static block index
@@ -113,6 +127,7 @@ class Analysis:
   ops: dict  # index -> ir.Operation (the dot)
   block_values: dict  # index -> (ir.Value in the caller scope, ir.Operation call site or None)
   num_blocks: int
+  block_index: dict = dataclasses.field(default_factory=dict)  # index in block_values -> BlockIndex
 
 
 def name_of(loc) -> str:
@@ -553,7 +568,7 @@ class _Dot:
     self.phase = _phase(stack)
     self.roots = [_root(mod, v) for v in op.operands]
     self.out_shape = _shape(op.results[0])
-    self.role, self.w, self.src, self.partner = "other", None, None, None
+    self.role, self.w, self.src, self.partner = Role.OTHER, None, None, None
 
 
 def _pair_backward(dots):
@@ -591,7 +606,7 @@ def _pair_backward(dots):
       matches = linked or matches
     if matches:
       j, k = matches[0]
-      d.role, d.w, d.src, d.partner = "dgrad", k, d.sources[k], j
+      d.role, d.w, d.src, d.partner = Role.DGRAD, k, d.sources[k], j
   claimed = set()
   # Operands of forward products of two activations (no weight): a backward dot without a value link to a layer
   # that reads one of these is that product's transpose, not a wgrad.
@@ -623,7 +638,7 @@ def _pair_backward(dots):
       free = [j for j in shaped if j not in claimed]
       partner = (free or shaped)[-1]
     claimed.add(partner)
-    d.role, d.partner = "wgrad", partner
+    d.role, d.partner = Role.WGRAD, partner
     d.src = _local_source(dots, d, dots[partner].src)
 
 
@@ -789,12 +804,12 @@ def analyze(module) -> Analysis:
         if len(evidence) == 1:
           d.w = evidence[0]
       if d.w is not None:
-        d.role, d.src = "fprop", d.sources[d.w]
+        d.role, d.src = Role.FPROP, d.sources[d.w]
   _pair_backward(dots)
   heads = _heads(mod, dots)
   blocks, num_blocks = _blocks(mod, dots)
 
-  sites, ops, block_values = [], {}, {}
+  sites, ops, block_values, block_index = [], {}, {}, {}
   for i, d in enumerate(dots):
     op, src = d.op, d.src
     arg_name = mod.main_args[src.arg] if src is not None and src.arg < len(mod.main_args) else None
@@ -809,6 +824,9 @@ def analyze(module) -> Analysis:
     block, stacked, offset = blocks.get(i, (None, None, None))
     if stacked is not None and src.index is not None:
       block_values[i] = (src.index, src.entry_call)
+      block_index[i] = (BlockIndex.IN_SCOPE if src.entry_call is None and visible(src.index, op) else
+                        BlockIndex.PASSED_IN if src.entry_call is not None and visible(src.index, src.entry_call) else
+                        BlockIndex.UNAVAILABLE)
     head = heads.get(i if d.role == "fprop" else d.partner) if d.role != "other" else None
     sites.append(DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
@@ -820,4 +838,19 @@ def analyze(module) -> Analysis:
         operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]), m=m, n=n, k=k,
         flops=2 * int(math.prod(out)) * k, contracting=(lc, rc), batch=(lb, rb)))
     ops[i] = op
-  return Analysis(sites=sites, ops=ops, block_values=block_values, num_blocks=num_blocks)
+  return Analysis(sites=sites, ops=ops, block_values=block_values, num_blocks=num_blocks, block_index=block_index)
+
+
+def visible(value, op):
+  """Whether `value` can be used at `op`: defined in an enclosing block, and before `op` if in the same block."""
+  if isinstance(value.owner, ir.Block):
+    vblock, vop = value.owner, None
+  else:
+    vop = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+    vblock = vop.block
+  cur = op
+  while cur is not None:
+    if cur.block == vblock:
+      return vop is None or vop.is_before_in_block(cur)
+    cur = cur.parent
+  return False

@@ -1,5 +1,5 @@
-"""The pass pipeline: clone → one copy per call site → analyze → decide → rewrite → verify → dump. Entry point of the
-compile hook.
+"""The pass pipeline: clone → one copy per call site → analyze → decide → plan → rewrite → verify → dump. Entry point
+of the compile hook. The phases live in their modules (analyze.py, policy.py, rewrite.py); this one only drives them.
 
 `transform` never mutates the module it is given (JAX keeps it for `Lowered.as_text()` and cache keys); it returns a
 fresh module, or the original when nothing was selected. Errors are the caller's business (hook.py falls back and
@@ -122,46 +122,38 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     analyze_mod.specialize_call_sites(new)
     analysis = analyze_mod.analyze(new)
     decided, unmatched = policy_mod.decide(analysis, config)
-    selected = [d for d in decided if d.decision == "nvfp4"]
-    notes = {}
+    selected = [d for d in decided if d.decision is policy_mod.Verdict.NVFP4]
+    plans = []
     if selected:
       backend = choose_backend(config, platform, new, kernels)
-      use_native = backend.gemm == "native"
-      partitioned = num_partitions(new) > 1
-      emitter = rewrite_mod.Emitter(backend.kernel_set, config.seed, whole_tensors=not partitioned,
-                                    matrix_gemm=(platform or "").lower() == "cpu")
-      plumbed = {}  # (func name, id of the original entry call) -> block value inside the function
-      for d in selected:
-        site, dot = analysis.sites[d.index], analysis.ops[d.index]
-        block_value = None
-        if d.keep_blocks:
-          value, entry = analysis.block_values[d.index]
-          key = (site.func, id(entry))
-          if key in plumbed:
-            block_value = plumbed[key]
-          elif entry is None and rewrite_mod.visible(value, dot):
-            block_value = value
-          elif entry is not None and value is not None and rewrite_mod.visible(value, entry):
-            func_op = next(op for op in new.body.operations if op.operation.name == "func.func" and
-                           ir.StringAttr(op.attributes["sym_name"]).value == site.func)
-            block_value = plumbed[key] = rewrite_mod.plumb_block_value(value, entry, func_op.operation)
-          else:
-            notes[d.index] = "block index unavailable per iteration: every iteration runs in NVFP4"
-        native, why = use_native, None
-        if use_native:
-          why = "partitioned program: the packed kernels have no partitioner" if partitioned else \
-              rewrite_mod.native_ineligible(site, cuda=_is_cuda(platform))
-          native = why is None
-        if why:
-          notes[d.index] = "; ".join(filter(None, [notes.get(d.index), f"{why}: emulated"]))
-        y = emitter.emit(dot, site, d, block_value, native=native)
+      plans = policy_mod.plan(analysis, selected, partitioned=num_partitions(new) > 1,
+                              native=backend.gemm == "native", cuda=_is_cuda(platform))
+      emitter = rewrite_mod.Emitter(backend.kernel_set, config.seed, matrix_gemm=(platform or "").lower() == "cpu")
+      passed_in = {}  # (func name, id of the entry call) -> the block index inside the function
+      for p in plans:
+        dot, block_value = analysis.ops[p.site.index], None
+        if p.block_index is analyze_mod.BlockIndex.IN_SCOPE:
+          block_value = analysis.block_values[p.site.index][0]
+        elif p.block_index is analyze_mod.BlockIndex.PASSED_IN:
+          value, entry = analysis.block_values[p.site.index]
+          key = (p.site.func, id(entry))
+          if key not in passed_in:
+            passed_in[key] = rewrite_mod.plumb_block_value(value, entry, _func(new, p.site.func))
+          block_value = passed_in[key]
+        y = emitter.emit(dot, p, block_value)
         dot.results[0].replace_all_uses_with(y)
         dot.erase()
       if not new.operation.verify():
         raise RuntimeError("xla_fp4 produced a module that does not verify")
+    notes = {p.site.index: "; ".join(p.notes) for p in plans if p.notes}
     rows = report.rows(analysis.sites, decided, notes)
   return Result(module=new if selected else module, rows=rows, unmatched_rules=unmatched, changed=bool(selected),
                 backend=backend.describe() if selected else None)
+
+
+def _func(module, name):
+  return next(op.operation for op in module.body.operations
+              if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == name)
 
 
 def dump(dump_dir, before: ir.Module, result: Result):

@@ -1,15 +1,16 @@
-"""Rewrite: replace each selected dot_general by its NVFP4 emulation (the `emulate` emitter).
+"""Rewrite: replace each selected dot_general by the pattern of its plan (policy.Plan: recipe per operand, Form, block
+index source).
 
 Before (fprop of a linear layer):
   %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<8x32xbf16>, tensor<32x64xbf16>) -> ...
-After, in a program that is not partitioned (every tensor is whole on its device):
+After, Form.WHOLE_TENSOR (a program that is not partitioned: every tensor is whole on its device):
   %qx, %sx = stablehlo.custom_call @xla_fp4_qdq_with_scale(%x) {axis, block_2d, stochastic, rht, rht_seed, salt}
   ... same for %w ...
   %acc  = stablehlo.dot_general %qx, %qw (same dims and precision) -> f32
   %y    = convert (%acc * (%sx * %sw))
 The kernel measures the operand (amax -> s_dec = amax / (6 * 448); the stochastic-rounding key) and returns q·scale,
 exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha.
-In a partitioned program the amax must be global, so it is a plain reduce that XLA partitions into an all-reduce:
+Form.PARTITIONED: the amax must be global, so it is a plain reduce that XLA partitions into an all-reduce:
   %xb   = stablehlo.custom_call @xla_fp4_block_amax(%x) {axis, rht, rht_seed}  ; max |.| per 1x16 block, NaN as Inf
   %amax = stablehlo.reduce(%xb) applies stablehlo.maximum
   %sx   = stablehlo.multiply %amax, 1/2688
@@ -36,7 +37,7 @@ an extra argument when needed.
 
 Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
 calls to private functions lowered from the pure-JAX reference (platforms without compiled kernels).
-The `native` backend is a second GEMM emitter in the same `Emitter.emit`: operands are made K-major, quantized to the
+Form.PACKED (the `native` backend) is a second GEMM emitter in the same `Emitter.emit`: operands are made K-major, quantized to the
 packed format (`xla_fp4_quantize_packed`) and multiplied by `xla_fp4_gemm_packed` (cuBLASLt FP4 on sm_100+, the C++
 reference GEMM on CPU) with alpha = s_dec_a * s_dec_b; scales, keys, RHT and the per-iteration select are shared.
 """
@@ -54,8 +55,9 @@ from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.numerics import formats
-from xla_fp4.numerics import nvfp4 as qz
-from xla_fp4.numerics.rht import rht_f32
+from xla_fp4.numerics import kernel_twins as twins
+from xla_fp4.passes.analyze import visible
+from xla_fp4.passes.policy import Form
 from xla_fp4.sharding import partition
 
 _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -173,37 +175,15 @@ class FfiKernels:
     return self._call(self.targets.GEMM_PACKED_TARGET, result_type, [a[0], a[1], b[0], b[1], alpha])
 
 
-def _ref_block_amax(x, *, axis, rht, rht_seed):
-  return qz.block_amax(x, axis=axis, rht_seed=rht_seed if rht else None)
-
-
 def _block_amax_type(x, axis):
   shape = list(_tensor_type(x).shape)
   shape[axis] //= formats.BLOCK
   return ir.RankedTensorType.get(shape, _f32())
 
 
-def _ref_qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
-  x32 = x.astype(jnp.float32)
-  if rht:
-    x32 = rht_f32(x32, axis, rht_seed)
-  rounding = "stochastic" if stochastic else "nearest"
-  return qz.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
-
-
-def _ref_qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
-  x32 = x.astype(jnp.float32)
-  src = rht_f32(x32, axis, rht_seed) if rht else x32
-  s_dec = qz.global_decode_scale(jnp.max(jnp.where(jnp.isnan(src), jnp.float32(jnp.inf), jnp.abs(src))))
-  # Inlined into the program, amax * (1/2688) would be open to XLA's reassociation of constant products (into the
-  # GEMM's alpha): the barrier keeps the kernel's rounding.
-  s_dec = jax.lax.optimization_barrier(s_dec)
-  key = salt ^ qz.tensor_digest(x) if stochastic else salt
-  return _ref_qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed), s_dec
-
-
 class ReferenceKernels:
-  """Calls to private functions lowered from the pure-JAX reference; for platforms without compiled kernels."""
+  """Calls to private functions lowered from the kernels' pure-JAX twins (xla_fp4.numerics.kernel_twins); for platforms
+  without compiled kernels."""
   has_packed = False
 
   def __init__(self, module):
@@ -212,7 +192,7 @@ class ReferenceKernels:
 
   def _function(self, fn, arg_types, **params):
     sig = repr((fn.__name__, [str(t) for t in arg_types], sorted(params.items())))
-    name = "xla_fp4_" + fn.__name__.strip("_") + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
+    name = "xla_fp4_ref_" + fn.__name__ + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
     if name not in self.symbols:
       avals = [jax.ShapeDtypeStruct(tuple(ir.RankedTensorType(t).shape),
                                     _DTYPES.get(str(ir.RankedTensorType(t).element_type), jnp.uint32))
@@ -239,28 +219,25 @@ class ReferenceKernels:
 
   def qdq_with_scale(self, x, salt, **params):
     salt = _const(salt, _u32())  # an operand, so that all sites share one function per shape and recipe
-    name = self._function(_ref_qdq_with_scale, [x.type, salt.type], **params)
+    name = self._function(twins.qdq_with_scale, [x.type, salt.type], **params)
     call = func_dialect.CallOp([x.type, _scalar(_f32())], ir.FlatSymbolRefAttr.get(name), [x, salt])
     return call.results[0], call.results[1]
 
   def block_amax(self, x, **params):
-    name = self._function(_ref_block_amax, [x.type], **params)
+    name = self._function(twins.block_amax, [x.type], **params)
     return self._call(name, _block_amax_type(x, params["axis"]), [x])
 
   def qdq(self, x, s_dec, key, **params):
-    name = self._function(_ref_qdq, [x.type, s_dec.type, key.type], **params)
+    name = self._function(twins.qdq, [x.type, s_dec.type, key.type], **params)
     return self._call(name, x.type, [x, s_dec, key])
 
 
 class Emitter:
   """Emits the NVFP4 pattern for one dot at a time."""
 
-  def __init__(self, kernels, seed, whole_tensors, matrix_gemm=False):
+  def __init__(self, kernels, seed, matrix_gemm=False):
     self.kernels = kernels
     self.seed = seed
-    # Not partitioned: kernels measure their operand themselves (xla_fp4_qdq_with_scale) instead of the reductions
-    # around them that a partitioned program needs for a global amax.
-    self.whole_tensors = whole_tensors
     # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
     # matrices, which a reshape gives when the contracting dim is first or last, they run (_as_matrices).
@@ -284,13 +261,14 @@ class Emitter:
     key = hlo.XorOp(_digest(x), _const(salt, _u32())).result if stochastic else _const(salt, _u32())
     return s_dec, key, stochastic
 
-  def _operand(self, x, axis, recipe, site_id, user):
+  def _operand(self, x, axis, recipe, site_id, user, whole):
     """-> (q·scale in x's dtype, s_dec f32 scalar).
 
     Nearest rounding gives the same q wherever the same tensor is quantized the same way, so each such operand is
     quantized once while the result is visible: the q, k and v projections of one input share it, and a dgrad reuses
     its fprop's 16x16-tiled weight (the same tiles along either axis: the recipe's "same quantized values as in
-    fprop")."""
+    fprop"). `whole`: the kernel measures its operand itself (Form.WHOLE_TENSOR) instead of the reductions around it
+    that a partitioned program needs for a global amax."""
     stochastic = recipe.rounding == "stochastic"
     if not stochastic:
       for (a, block_2d, rht, q, s_dec) in self._quantized.get(x, ()):
@@ -298,7 +276,7 @@ class Emitter:
         if block_2d == recipe.block_2d and rht == recipe.rht and (a == axis or (block_2d and not rht)) and \
             _before_in_program_order(q, user):
           return q, s_dec
-    if self.whole_tensors:
+    if whole:
       q, s_dec = self.kernels.qdq_with_scale(x, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
                                              rht=recipe.rht, rht_seed=self.seed,
                                              salt=formats.fold_in_int(self.seed, site_id))
@@ -310,26 +288,28 @@ class Emitter:
       self._quantized.setdefault(x, []).append((axis, recipe.block_2d, recipe.rht, q, s_dec))
     return q, s_dec
 
-  def emit(self, dot, site, decision, block_value=None, native=False):
-    """Insert the pattern for `dot`; returns the value that replaces its result (same type).
+  def emit(self, dot, plan, block_value=None):
+    """Insert `plan`'s pattern for `dot` (a policy.Plan); returns the value that replaces its result (same type).
 
     In a scanned stack with high-precision blocks (`block_value` is the iteration's block index) one GEMM runs per
     iteration: a `stablehlo.case` on the block index holds the original dot for kept blocks and the NVFP4 pattern
     for the others."""
+    site, keep_blocks = plan.site, plan.decision.keep_blocks
     with ir.InsertionPoint(dot), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
-      if not (decision.keep_blocks and block_value is not None):
-        return self._nvfp4(dot, site, decision, native)
-      case = hlo.CaseOp([dot.results[0].type], self._branch_index(block_value, decision.keep_blocks), 2)
+      if not (keep_blocks and block_value is not None):
+        return self._nvfp4(dot, plan)
+      case = hlo.CaseOp([dot.results[0].type], self._branch_index(block_value, keep_blocks), 2)
       with ir.InsertionPoint(case.regions[0].blocks.append()):
         hlo.ReturnOp([dot.operation.clone().results[0]])
       with ir.InsertionPoint(case.regions[1].blocks.append()):
-        hlo.ReturnOp([self._nvfp4(dot, site, decision, native)])
+        hlo.ReturnOp([self._nvfp4(dot, plan)])
       return case.results[0]
 
-  def _nvfp4(self, dot, site, decision, native):
-    if native:
+  def _nvfp4(self, dot, plan):
+    site, decision = plan.site, plan.decision
+    if plan.form is Form.PACKED:
       return self._native_gemm(dot, site, decision)
-    acc, alpha = self._emulated_gemm(dot, site, decision)
+    acc, alpha = self._emulated_gemm(dot, site, decision, whole=plan.form is Form.WHOLE_TENSOR)
     out_type = _tensor_type(dot.results[0])
     y = hlo.MulOp(acc, _broadcast(alpha, _tensor_type(acc))).result  # fold both s_dec into the f32 output
     if out_type.element_type != _f32():
@@ -345,7 +325,7 @@ class Emitter:
       merged = self._merges[key] = _merge_adjacent(x, dims)
     return merged
 
-  def _emulated_gemm(self, dot, site, decision):
+  def _emulated_gemm(self, dot, site, decision, whole):
     """The dot_general on q·scale operands, accumulated in f32 -> (acc, s_dec_a * s_dec_b).
 
     With one contracting dim per operand the kernels quantize along it in place. Several (a wgrad over batch and
@@ -369,8 +349,8 @@ class Emitter:
       batch = list(range(len(lb)))
       dims = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=batch, rhs_batching_dimensions=batch,
                                          lhs_contracting_dimensions=[la], rhs_contracting_dimensions=[ra])
-    qa, sa = self._operand(lhs, la, decision.lhs, 2 * site.index, dot)
-    qb, sb = self._operand(rhs, ra, decision.rhs, 2 * site.index + 1, dot)
+    qa, sa = self._operand(lhs, la, decision.lhs, 2 * site.index, dot, whole)
+    qb, sb = self._operand(rhs, ra, decision.rhs, 2 * site.index + 1, dot, whole)
     acc_type = ir.RankedTensorType.get(_tensor_type(dot.results[0]).shape, _f32())
     kwargs = {}
     if "precision_config" in dot.attributes:
@@ -446,21 +426,6 @@ def _before_in_program_order(value, op):
   return owner.block == op.block or visible(value, op)
 
 
-def visible(value, op):
-  """Whether `value` can be used at `op`: defined in an enclosing block, and before `op` if in the same block."""
-  if isinstance(value.owner, ir.Block):
-    vblock, vop = value.owner, None
-  else:
-    vop = value.owner.operation if hasattr(value.owner, "operation") else value.owner
-    vblock = vop.block
-  cur = op
-  while cur is not None:
-    if cur.block == vblock:
-      return vop is None or vop.is_before_in_block(cur)
-    cur = cur.parent
-  return False
-
-
 def _adjacent(dims):
   return list(dims) == list(range(dims[0], dims[0] + len(dims)))
 
@@ -498,17 +463,6 @@ def _matrix(x):
   if len(t.shape) == 2:
     return x
   return hlo.ReshapeOp(ir.RankedTensorType.get([math.prod(t.shape[:-1]), t.shape[-1]], t.element_type), x).result
-
-
-def native_ineligible(site, cuda):
-  """Why the packed FP4 GEMM cannot run `site`, or None. It multiplies plain matrices (free and contracting dims merge
-  into M, N and K; M and N need no alignment, the scales are padded to 128x4 tiles); cuBLASLt also needs K-major rows
-  of 16 bytes (K a multiple of 32)."""
-  if site.batch[0]:
-    return "the packed GEMM takes no batch dims"
-  if cuda and site.k % 32:
-    return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={site.k}"
-  return None
 
 
 def plumb_block_value(value, entry_call, func_op):

@@ -1,0 +1,36 @@
+"""Pure-JAX twins of the FFI kernels the pass emits, with the kernels' operands and attributes
+(python/xla_fp4/kernels.py states the contract): the same numbers, bit for bit (tests/kernels). The pass lowers them
+into the program where no kernel is registered (passes/rewrite.py `ReferenceKernels`)."""
+
+import jax
+import jax.numpy as jnp
+
+from xla_fp4.numerics import nvfp4
+from xla_fp4.numerics.rht import rht_f32
+
+
+def block_amax(x, *, axis, rht, rht_seed):
+  """xla_fp4_block_amax: max |v| of every 1x16 block along `axis`, v = its RHT when `rht`, NaN as +Inf."""
+  return nvfp4.block_amax(x, axis=axis, rht_seed=rht_seed if rht else None)
+
+
+def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
+  """xla_fp4_qdq with apply_global_scale false: q * scale of (rht(x) if rht else x), in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  if rht:
+    x32 = rht_f32(x32, axis, rht_seed)
+  rounding = "stochastic" if stochastic else "nearest"
+  return nvfp4.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
+
+
+def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+  """xla_fp4_qdq_with_scale: (qdq of x with its own s_dec and key, s_dec). The key is `salt`, xor'ed with x's digest
+  when stochastic."""
+  x32 = x.astype(jnp.float32)
+  src = rht_f32(x32, axis, rht_seed) if rht else x32
+  s_dec = nvfp4.global_decode_scale(jnp.max(jnp.where(jnp.isnan(src), jnp.float32(jnp.inf), jnp.abs(src))))
+  # Inlined into the program, amax * (1/2688) would be open to XLA's reassociation of constant products (into the
+  # GEMM's alpha): the barrier keeps the kernel's rounding.
+  s_dec = jax.lax.optimization_barrier(s_dec)
+  key = salt ^ nvfp4.tensor_digest(x) if stochastic else salt
+  return qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed), s_dec
