@@ -22,6 +22,12 @@ def _options(text):
   return dict(p.split("=", 1) for p in pairs)
 
 
+def _decisions(text):
+  """The `// DECISIONS:` line: role:rule of every dot in program order (which rule decided, not only the IR)."""
+  line = next(l for l in text.splitlines() if l.startswith("// DECISIONS:"))
+  return " ".join(line[len("// DECISIONS:"):].split())
+
+
 def test_goldens_hold_no_absolute_paths():
   for path in GOLDEN:
     text = open(path).read()
@@ -44,5 +50,7 @@ def test_golden(path, tmp_path):
                                 kernels=lambda m: rewrite.FfiKernels(partitioned=pipeline.num_partitions(m) > 1))
     out = tmp_path / "after.mlir"
     out.write_text(result.module.operation.get_asm())
+  decided = " ".join(f"{r['role']}:{r['rule']}" for r in result.rows)
+  assert decided == _decisions(text), f"decisions {decided!r}, the golden says {_decisions(text)!r}"
   check = subprocess.run([FILECHECK, path, "--input-file", str(out)], capture_output=True, text=True)
   assert check.returncode == 0, check.stdout + check.stderr + "\n--- rewritten module:\n" + out.read_text()[:6000]

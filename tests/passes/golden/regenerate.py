@@ -1,8 +1,8 @@
 """Regenerate the golden input modules: `python tests/passes/golden/regenerate.py`.
 
 Each case is a tiny JAX program lowered to StableHLO (with locations: the pass reads name stacks), written to
-`<name>.mlir` under a header of `// CONFIG:` options and FileCheck directives that test_golden.py runs against the
-rewritten module. Edit the checks here, not in the .mlir files.
+`<name>.mlir` under a header of `// CONFIG:` options, the `// DECISIONS:` the policy must make (role:rule per dot, in
+program order) and FileCheck directives that test_golden.py runs against the rewritten module. Edit the checks here, not in the .mlir files.
 """
 
 import os
@@ -59,23 +59,30 @@ X, W = jax.ShapeDtypeStruct((32, 64), jnp.float32), jax.ShapeDtypeStruct((64, 64
 CASES = {
     "fprop_nvfp4": (fprop, (X, W), "", """
 // One device: each operand is one kernel call that measures it (amax, s_dec) and returns q·scale and s_dec.
-// CHECK-LABEL: func.func public @main
+// DECISIONS: fprop:nvfp4
+// CHECK-LABEL: func.func public @main(%arg0: tensor<32x64xf32>, %arg1: tensor<64x64xbf16>)
 // CHECK-NOT: stablehlo.reduce
-// CHECK: stablehlo.custom_call @xla_fp4_qdq_with_scale
+// CHECK: %[[X:[0-9]+]] = stablehlo.convert %arg0
+// CHECK: %[[W:[0-9]+]] = stablehlo.convert %arg1
+// CHECK: %[[QX:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%[[X]])
 // CHECK-SAME: axis = 1 : i64, block_2d = false, rht = false
 // CHECK-SAME: stochastic = false
-// CHECK: stablehlo.custom_call @xla_fp4_qdq_with_scale
+// CHECK: %[[QW:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%[[W]])
 // CHECK-SAME: axis = 0 : i64, block_2d = true
 // CHECK-SAME: -> (tensor<64x64xf32>, tensor<f32>)
-// CHECK: stablehlo.dot_general {{.*}} -> tensor<32x64xf32>
-// CHECK: stablehlo.multiply
-// CHECK: stablehlo.multiply
+// The GEMM on q·scale, then both global decode scales folded into its f32 output (cuBLASLt's alpha).
+// CHECK: %[[ACC:[0-9]+]] = stablehlo.dot_general %[[QX]]#0, %[[QW]]#0, contracting_dims = [1] x [0]
+// CHECK-SAME: -> tensor<32x64xf32>
+// CHECK: %[[ALPHA:[0-9]+]] = stablehlo.multiply %[[QX]]#1, %[[QW]]#1
+// CHECK: %[[BALPHA:[0-9]+]] = stablehlo.broadcast_in_dim %[[ALPHA]]
+// CHECK: %[[Y:[0-9]+]] = stablehlo.multiply %[[ACC]], %[[BALPHA]]
 // CHECK-NOT: stablehlo.dot_general
 // CHECK-NOT: stablehlo.reduce
-// CHECK: return"""),
+// CHECK: return %[[Y]]"""),
     "fprop_partitioned": (fprop, (X, W), "", """
 // A partitioned program: per-block maxima, then amax as a plain reduce (XLA makes it a cross-device all-reduce) fed
 // to xla_fp4_qdq. Each call carries its Shardy rule: K = 64 is the compound (4 blocks, 16) whose 16 is never split.
+// DECISIONS: fprop:nvfp4
 // CHECK-LABEL: func.func public @main
 // CHECK: %[[XB:[0-9]+]] = stablehlo.custom_call @xla_fp4_block_amax(%[[X:[0-9]+]])
 // CHECK-SAME: axis = 1 : i64, rht = false
@@ -98,6 +105,7 @@ CASES = {
     "backward_dgrad_wgrad": (train_linear, (jax.ShapeDtypeStruct((32, 64), jnp.float32),
                                              jax.ShapeDtypeStruct((64, 64), jnp.float32)), "keep_head=0", """
 // (The one layer is the output head: keep_head=0 puts it in NVFP4.)
+// DECISIONS: fprop:nvfp4 wgrad:nvfp4 dgrad:nvfp4
 // CHECK-LABEL: func.func public @main
 // wgrad: both operands get the random Hadamard transform along the token dim; the gradient rounds stochastically
 // (its key mixes in a wrapping sum of its bits, computed by the kernel)
@@ -109,27 +117,32 @@ CASES = {
 // CHECK-DAG: stablehlo.dot_general %{{[0-9]+}}#0, %[[W]]#0, contracting_dims = [1] x [1]
 // CHECK: return"""),
     "keep_not_linear": (not_linear, (X,), "", """
+// DECISIONS: other:not_linear
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4
 // CHECK: stablehlo.dot_general
 // CHECK-NOT: xla_fp4"""),
     "keep_odd_contraction": (odd_contraction, (jax.ShapeDtypeStruct((32, 24), jnp.float32),
                                                jax.ShapeDtypeStruct((24, 64), jnp.float32)), "", """
+// DECISIONS: fprop:contraction_not_16
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4
 // CHECK: stablehlo.dot_general {{.*}} contracting_dims = [1] x [0]
 // CHECK-NOT: xla_fp4"""),
     "keep_excluded_scope": (excluded, (X, W), "", """
+// DECISIONS: fprop:exclude_scope
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
 // CHECK: stablehlo.dot_general
 // CHECK-NOT: xla_fp4_qdq"""),
     "keep_excluded_regex": (fprop, (X, W), "exclude=fc\\d", """
+// DECISIONS: fprop:exclude_regex
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
     "keep_head": (head, (X, jax.ShapeDtypeStruct((64, 64), jnp.float32)), "", """
-// fprop, dgrad and wgrad of the head stay as they were.
+// fprop and wgrad of the head stay as they were (its input is a parameter: no dgrad).
+// DECISIONS: fprop:head wgrad:head
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
 // CHECK: stablehlo.dot_general
@@ -137,12 +150,14 @@ CASES = {
 // CHECK-NOT: xla_fp4_qdq
 // CHECK: return"""),
     "head_in_nvfp4_when_asked": (head, (X, jax.ShapeDtypeStruct((64, 64), jnp.float32)), "keep_head=0", """
+// DECISIONS: fprop:nvfp4 wgrad:nvfp4
 // CHECK-LABEL: func.func public @main
 // CHECK: stablehlo.custom_call @xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
     "scan_per_iteration_select": (scanned, (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), X), "keep_last=2", """
 // The scan body gets the block index as an extra argument; a case on it runs the original dot for blocks 6, 7 and
 // the NVFP4 pattern for the others: one GEMM per iteration.
+// DECISIONS: fprop:nvfp4
 // CHECK: stablehlo.while
 // CHECK: func.call @[[BODY:closed_call[_0-9]*]]({{.*}}) : ({{.*}}, tensor<i32>) ->
 // CHECK: func.func private @[[BODY]]({{.*}}%[[BLOCK:arg[0-9]+]]: tensor<i32>
