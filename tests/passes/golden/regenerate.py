@@ -141,7 +141,7 @@ CASES = {
 // CHECK-NOT: xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
     "keep_head": (head, (X, jax.ShapeDtypeStruct((64, 64), jnp.float32)), "", """
-// fprop and wgrad of the head stay as they were (its input is a parameter: no dgrad).
+// fprop and wgrad of the head stay as they were (the gradient is taken of w only: no dgrad).
 // DECISIONS: fprop:head wgrad:head
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
