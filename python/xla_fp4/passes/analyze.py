@@ -347,13 +347,9 @@ class _Tracer:
     res = ir.OpResult(value)
     op = res.owner.operation if hasattr(res.owner, "operation") else res.owner
     name = op.name
-    if name in _PASS_THROUGH:
-      return self.trace(op.operands[0], stack, entry, depth + 1)
-    if name == "stablehlo.custom_call":
-      target = ir.StringAttr(op.attributes["call_target_name"]).value
-      return self.trace(op.operands[0], stack, entry, depth + 1) if target in _SHARDING_TARGETS else None
-    if name == "stablehlo.optimization_barrier":
-      return self.trace(op.operands[res.result_number], stack, entry, depth + 1)
+    forwarded = _forwarded(op, res.result_number)
+    if forwarded is not None:
+      return self.trace(forwarded, stack, entry, depth + 1)
     if name == "stablehlo.dynamic_slice":
       src = self.trace(op.operands[0], stack, entry, depth + 1)
       if src is not None and src.stacked is None:
@@ -390,9 +386,24 @@ def _dot_dims(op):
           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)))
 
 
+def _forwarded(op, result_number):
+  """The operand whose values `op`'s result `result_number` carries unchanged up to layout, dtype or sharding, or None:
+  the one definition of what the upstream walks (_Tracer.trace to a weight's parameter, _root to a tensor's origin)
+  look through. Where they differ is only how they cross functions and loops."""
+  if op.name in _PASS_THROUGH:
+    return op.operands[0]
+  if op.name == "stablehlo.custom_call" and \
+      ir.StringAttr(op.attributes["call_target_name"]).value in _SHARDING_TARGETS:
+    return op.operands[0]
+  if op.name == "stablehlo.optimization_barrier":
+    return op.operands[result_number]
+  return None
+
+
 def _root(mod, value):
-  """The value a pass-through chain starts from, followed out of functions with a single call site (nested jit,
-  remat and custom_jvp bodies): dots that read the same tensor get the same root."""
+  """The value a chain of _forwarded ops starts from, followed out of functions with a single call site (nested jit,
+  remat and custom_jvp bodies) and through functions that return an argument, not into loops (a loop-carried value
+  is another tensor every iteration): dots that read the same tensor get the same root."""
   for _ in range(256):
     if isinstance(value.owner, ir.Block):
       parent = ir.BlockArgument(value).owner.owner
@@ -414,9 +425,10 @@ def _root(mod, value):
         return value
       value = op.operands[ir.BlockArgument(inner).arg_number]
       continue
-    if op.name not in _PASS_THROUGH:
+    forwarded = _forwarded(op, ir.OpResult(value).result_number)
+    if forwarded is None:
       return value
-    value = op.operands[0]
+    value = forwarded
   return value
 
 
