@@ -195,14 +195,11 @@ inline void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_per_item,
 // A tensor viewed as (outer, K, inner) around the quantization axis (numerics/nvfp4.py canonical_axis). A tile is 16 consecutive
 // positions along K times up to 16 "columns": consecutive inner positions, or consecutive outer rows when the axis is
 // the last one (inner == 1). These are exactly the 2D scaling tiles; a 1D block is one column of a tile.
-struct Geometry {
-  int64_t outer, k, inner;
-
+struct Geometry : AxisShape {  // outer, k, inner and size() (ffi_checks.h)
   bool axis_last() const { return inner == 1; }
   int64_t columns() const { return axis_last() ? outer : inner; }
   int64_t column_groups() const { return (columns() + kBlock - 1) / kBlock; }
   int64_t num_tiles() const { return (axis_last() ? 1 : outer) * (k / kBlock) * column_groups(); }
-  int64_t size() const { return outer * k * inner; }
 };
 
 struct Tile {

@@ -80,6 +80,106 @@ inline ffi::Error CheckPackedScales(const ffi::AnyBuffer& scales, int64_t rows, 
   return ffi::Error::Success();
 }
 
+// A tensor viewed around its quantization axis (numerics/nvfp4.py canonical_axis): (outer, K, inner).
+struct AxisShape {
+  int64_t outer = 1, k = 0, inner = 1;
+  int64_t size() const { return outer * k * inner; }
+};
+
+// Validates `axis` for x's shape and that K holds whole blocks; fills `shape`.
+inline ffi::Error CheckAxis(ffi::Span<const int64_t> dims, int64_t axis, AxisShape* shape) {
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  if (rank == 0 || axis < -rank || axis >= rank) {
+    return ffi::Error::InvalidArgument("axis " + std::to_string(axis) + " is out of range for x of shape " +
+                                       ShapeString(dims) + " (x must have rank >= 1)");
+  }
+  axis = (axis + rank) % rank;
+  *shape = AxisShape{};
+  for (int64_t d = 0; d < rank; ++d) {
+    if (d < axis) shape->outer *= dims[d];
+    if (d > axis) shape->inner *= dims[d];
+  }
+  shape->k = dims[axis];
+  return CheckBlocks(shape->k, "the size of x's quantization axis " + std::to_string(axis) + " (shape " +
+                                   ShapeString(dims) + ")");
+}
+
+inline ffi::Error CheckSameShape(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const std::string& what) {
+  auto xd = x.dimensions(), yd = y.dimensions();
+  if (!std::equal(xd.begin(), xd.end(), yd.begin(), yd.end())) {
+    return ffi::Error::InvalidArgument(what + " must have x's shape " + ShapeString(xd) + ", got " + ShapeString(yd));
+  }
+  return ffi::Error::Success();
+}
+
+// Stochastic rounding draws its bits from a 32-bit element counter.
+inline ffi::Error CheckCounterRange(bool stochastic, int64_t elements, ffi::Span<const int64_t> dims) {
+  if (stochastic && elements > (int64_t{1} << 32)) {
+    return ffi::Error::InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements, got shape " +
+                                       ShapeString(dims));
+  }
+  return ffi::Error::Success();
+}
+
+// What both qdq targets check on every platform: x's axis and blocks, the seed, a result of x's shape and dtype, and
+// the stochastic-rounding counter range.
+inline ffi::Error CheckQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int64_t axis, bool stochastic,
+                           int64_t rht_seed, AxisShape* shape) {
+  if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, shape), CheckSeed(rht_seed),
+                                 CheckSameShape(x, y, "the result")});
+      e.failure()) {
+    return e;
+  }
+  if (y.element_type() != x.element_type()) {
+    return ffi::Error::InvalidArgument("the result must have x's dtype (code " +
+                                       std::to_string(static_cast<int>(x.element_type())) + "), got code " +
+                                       std::to_string(static_cast<int>(y.element_type())));
+  }
+  return CheckCounterRange(stochastic, shape->size(), x.dimensions());
+}
+
+// Packed data: uint8 (rows, K/2), two E2M1 codes a byte; K a multiple of 16. `rows` < 0: any rows, K from the data.
+inline ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const std::string& what, int64_t rows = -1,
+                                  int64_t k = -1) {
+  const auto dims = data.dimensions();
+  if (data.element_type() != ffi::DataType::U8 || dims.size() != 2) {
+    return ffi::Error::InvalidArgument(what + " must be a uint8 matrix (rows, K/2), got dtype code " +
+                                       std::to_string(static_cast<int>(data.element_type())) + " and shape " +
+                                       ShapeString(dims));
+  }
+  if (rows >= 0) return CheckShape(dims, {rows, k / 2}, what);
+  return CheckBlocks(2 * dims[1], "K = 2 * " + what + ".shape[1]");
+}
+
+// xla_fp4_quantize_packed's operands and results: x (rows, K), scalars, seed, data and scales of x's shape.
+inline ffi::Error CheckQuantizePacked(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s_dec, const ffi::AnyBuffer& key,
+                                      const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales, bool stochastic,
+                                      int64_t rht_seed, int64_t* rows, int64_t* k) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) {
+    return ffi::Error::InvalidArgument("x must be a matrix (rows, K) with K, the contraction axis, last; got shape " +
+                                       ShapeString(dims));
+  }
+  *rows = dims[0];
+  *k = dims[1];
+  return FirstError({CheckBlocks(*k, "K (x.shape[1])"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+                     CheckScalar(key, ffi::DataType::U32, "key"), CheckSeed(rht_seed),
+                     CheckPackedData(data, "the data result", *rows, *k),
+                     CheckPackedScales(scales, *rows, *k, "the scales result"),
+                     CheckCounterRange(stochastic, *rows * *k, dims)});
+}
+
+// xla_fp4_dequantize_packed's operands and result: packed data and scales, s_dec, a (rows, K) result.
+inline ffi::Error CheckDequantizePacked(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales,
+                                        const ffi::AnyBuffer& s_dec, const ffi::AnyBuffer& out, int64_t* rows,
+                                        int64_t* k) {
+  if (ffi::Error e = CheckPackedData(data, "data"); e.failure()) return e;
+  *rows = data.dimensions()[0];
+  *k = 2 * data.dimensions()[1];
+  return FirstError({CheckPackedScales(scales, *rows, *k, "scales"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+                     CheckShape(out.dimensions(), {*rows, *k}, "the result")});
+}
+
 }  // namespace xla_fp4
 
 #endif  // XLA_FP4_FFI_CHECKS_H_

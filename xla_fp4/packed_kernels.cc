@@ -20,7 +20,7 @@ void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t
                         const RhtSigns* rht, uint8_t* data, uint8_t* scales) {
   std::memset(scales, 0, PaddedScaleCount(rows, k));  // the padding must be zero
   const int64_t padded_cols = PaddedScaleCols(k);
-  ForEachTile(pool, x, Geometry{rows, k, 1}, rht != nullptr ? rht->sign_quarter : nullptr, &r,
+  ForEachTile(pool, x, Geometry{{rows, k, 1}}, rht != nullptr ? rht->sign_quarter : nullptr, &r,
               [&](auto, const Tile& tile, const TileValues& tv, const BlockScale* block_scales) {
                 for (int c = 0; c < tile.ncols; ++c) {
                   const int64_t row = tile.first + c;
@@ -78,37 +78,14 @@ void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t*
   });
 }
 
-// ---- FFI: validation ----
-
-ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const char* what) {
-  if (data.element_type() != ffi::DataType::U8 || data.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument(std::string(what) + " must be a uint8 matrix (rows, K/2), got dtype code " +
-                                       std::to_string(static_cast<int>(data.element_type())) + " and shape " +
-                                       ShapeString(data.dimensions()));
-  }
-  return CheckBlocks(2 * data.dimensions()[1], (std::string("K = 2 * ") + what + ".shape[1]").c_str());
-}
+// ---- FFI handlers (the checks shared with CUDA: ffi_checks.h) ----
 
 ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                              ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
                              bool stochastic, bool rht, int64_t rht_seed) {
-  const auto dims = x.dimensions();
-  if (dims.size() != 2) {
-    return ffi::Error::InvalidArgument("x must be a matrix (rows, K) with K, the contraction axis, last; got shape " +
-                                       ShapeString(dims));
-  }
-  const int64_t rows = dims[0], k = dims[1];
-  if (ffi::Error e = FirstError({CheckBlocks(k, "K (x.shape[1])"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
-                                 CheckScalar(key, ffi::DataType::U32, "key"), CheckSeed(rht_seed),
-                                 CheckShape(data->dimensions(), {rows, k / 2}, "the data result"),
-                                 CheckPackedScales(*scales, rows, k, "the scales result")});
-      e.failure()) {
+  int64_t rows, k;
+  if (ffi::Error e = CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k); e.failure()) {
     return e;
-  }
-  if (data->element_type() != ffi::DataType::U8) return ffi::Error::InvalidArgument("the data result must be uint8");
-  if (stochastic && rows * k > (int64_t{1} << 32)) {
-    return ffi::Error::InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements, got shape " +
-                                       ShapeString(dims));
   }
   const Recipe recipe{block_2d, stochastic, Mix32(*static_cast<const uint32_t*>(key.untyped_data())),
                       MakeTensorScale(*static_cast<const float*>(s_dec.untyped_data()))};
@@ -123,14 +100,8 @@ ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 
 ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
                                ffi::Result<ffi::AnyBuffer> out) {
-  if (ffi::Error e = CheckPackedData(data, "data"); e.failure()) return e;
-  const int64_t rows = data.dimensions()[0], k = 2 * data.dimensions()[1];
-  if (ffi::Error e = FirstError({CheckPackedScales(scales, rows, k, "scales"),
-                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
-                                 CheckShape(out->dimensions(), {rows, k}, "the result")});
-      e.failure()) {
-    return e;
-  }
+  int64_t rows, k;
+  if (ffi::Error e = CheckDequantizePacked(data, scales, s_dec, *out, &rows, &k); e.failure()) return e;
   const float s = *static_cast<const float*>(s_dec.untyped_data());
   return DispatchFloat(out->element_type(), "the result", [&](auto tag) {
     using T = decltype(tag);

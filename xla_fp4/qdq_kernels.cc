@@ -352,54 +352,7 @@ void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, const Geometr
   });
 }
 
-// ---- FFI: validation ----
-
-// x's shape viewed around `axis` (numerics/nvfp4.py canonical_axis).
-ffi::Error AxisGeometry(ffi::Span<const int64_t> dims, int64_t axis, Geometry* g) {
-  const int64_t rank = static_cast<int64_t>(dims.size());
-  if (rank == 0 || axis < -rank || axis >= rank) {
-    return ffi::Error::InvalidArgument("axis " + std::to_string(axis) + " is out of range for x of shape " +
-                                       ShapeString(dims) + " (x must have rank >= 1)");
-  }
-  axis = (axis + rank) % rank;
-  g->outer = g->inner = 1;
-  for (int64_t d = 0; d < rank; ++d) {
-    if (d < axis) g->outer *= dims[d];
-    if (d > axis) g->inner *= dims[d];
-  }
-  g->k = dims[axis];
-  return CheckBlocks(g->k, ("the size of x's quantization axis " + std::to_string(axis) + " (shape " +
-                            ShapeString(dims) + ")").c_str());
-}
-
-ffi::Error CheckSameShape(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const char* what) {
-  auto xd = x.dimensions(), yd = y.dimensions();
-  if (!std::equal(xd.begin(), xd.end(), yd.begin(), yd.end())) {
-    return ffi::Error::InvalidArgument(std::string(what) + " must have x's shape " + ShapeString(xd) + ", got " +
-                                       ShapeString(yd));
-  }
-  return ffi::Error::Success();
-}
-
-// The checks both qdq handlers make: x's geometry, the seed, and a result of x's shape and dtype.
-ffi::Error CheckQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int64_t axis, bool stochastic, int64_t rht_seed,
-                    Geometry* g) {
-  if (ffi::Error e = FirstError({AxisGeometry(x.dimensions(), axis, g), CheckSeed(rht_seed),
-                                 CheckSameShape(x, y, "the result")});
-      e.failure()) {
-    return e;
-  }
-  if (y.element_type() != x.element_type()) {
-    return ffi::Error::InvalidArgument("the result must have x's dtype (code " +
-                                       std::to_string(static_cast<int>(x.element_type())) + "), got code " +
-                                       std::to_string(static_cast<int>(y.element_type())));
-  }
-  if (stochastic && g->size() > (int64_t{1} << 32)) {
-    return ffi::Error::InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements, got shape " +
-                                       ShapeString(x.dimensions()));
-  }
-  return ffi::Error::Success();
-}
+// ---- FFI handlers (the checks shared with CUDA: ffi_checks.h) ----
 
 ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                   ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht,
@@ -451,7 +404,7 @@ ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<f
 ffi::Error RhtFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t axis,
                   int64_t rht_seed) {
   Geometry g;
-  if (ffi::Error e = FirstError({AxisGeometry(x.dimensions(), axis, &g), CheckSeed(rht_seed),
+  if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed),
                                  CheckSameShape(x, *y, "the result")});
       e.failure()) {
     return e;
@@ -473,7 +426,7 @@ ffi::Error RhtFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBu
 ffi::Error BlockAmaxFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax, int64_t axis,
                         bool rht, int64_t rht_seed) {
   Geometry g;
-  if (ffi::Error e = FirstError({AxisGeometry(x.dimensions(), axis, &g), CheckSeed(rht_seed)}); e.failure()) {
+  if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed)}); e.failure()) {
     return e;
   }
   if (amax->element_type() != ffi::DataType::F32 || amax->element_count() * kBlock != g.size()) {

@@ -40,30 +40,11 @@ __global__ void DequantizePackedKernel(const uint8_t* data, const uint8_t* scale
 }
 
 // data is uint8 (rows, K/2), K a multiple of 16.
-ffi::Error CheckPackedData(ffi::Span<const int64_t> dims, ffi::DataType dtype, int64_t rows, int64_t k,
-                           const char* what) {
-  if (k % kBlock) return InvalidArgument("NVFP4 needs K to be a multiple of 16, got " + std::to_string(k));
-  if (dtype != ffi::U8 || dims.size() != 2 || dims[0] != rows || dims[1] != k / 2) {
-    return InvalidArgument(std::string(what) + " must be uint8 (rows, K/2) = (" + std::to_string(rows) + ", " +
-                           std::to_string(k / 2) + ")");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
                           bool stochastic, bool rht, int64_t rht_seed) {
-  const auto dims = x.dimensions();
-  if (dims.size() != 2) return InvalidArgument("x must be a matrix (rows, K) with K, the contraction axis, last");
-  const int64_t rows = dims[0], k = dims[1];
-  XLA_FP4_RETURN_IF_ERROR(CheckPackedData(data->dimensions(), data->element_type(), rows, k, "the data result"));
-  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(*scales, rows, k, "the scales result"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
-  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
-  if (stochastic && x.element_count() > (size_t{1} << 32)) {
-    return InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements");
-  }
+  int64_t rows, k;
+  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k));
   if (scales->element_count() != static_cast<size_t>(rows * (k / kBlock))) {  // zero the padding the kernel skips
     XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(scales->untyped_data(), 0, scales->size_bytes(), stream),
                                        "cudaMemsetAsync(scales)"));
@@ -84,12 +65,8 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 
 ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
                             ffi::Result<ffi::AnyBuffer> y) {
-  const auto dims = y->dimensions();
-  if (dims.size() != 2) return InvalidArgument("xla_fp4_dequantize_packed returns a matrix (rows, K)");
-  const int64_t rows = dims[0], k = dims[1];
-  XLA_FP4_RETURN_IF_ERROR(CheckPackedData(data.dimensions(), data.element_type(), rows, k, "data"));
-  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(scales, rows, k, "scales"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
+  int64_t rows, k;
+  XLA_FP4_RETURN_IF_ERROR(CheckDequantizePacked(data, scales, s_dec, *y, &rows, &k));
   const BlockGrid g = BlockGrid::Make(rows, k, 1, /*block_2d=*/false);
   if (g.Threads() == 0) return ffi::Error::Success();
   return DispatchFloat(y->element_type(), "the result", [&](auto tag) {

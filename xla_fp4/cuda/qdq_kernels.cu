@@ -91,47 +91,12 @@ __global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, uint32
   *key = (stochastic ? stats[1] : 0u) ^ salt;
 }
 
-// Validates the axis and views `dims` as (outer, K, inner) around it (numerics.nvfp4.canonical_axis).
-ffi::Error AxisView(ffi::Span<const int64_t> dims, int64_t axis, int64_t& outer, int64_t& k, int64_t& inner) {
-  const int64_t rank = dims.size();
-  if (rank == 0 || axis < -rank || axis >= rank) {
-    return InvalidArgument("axis " + std::to_string(axis) + " is out of range for x of rank " + std::to_string(rank) +
-                           " (x must have rank >= 1)");
-  }
-  axis = (axis + rank) % rank;
-  outer = inner = 1;
-  for (int64_t d = 0; d < rank; ++d) {
-    if (d < axis) outer *= dims[d];
-    if (d > axis) inner *= dims[d];
-  }
-  k = dims[axis];
-  if (k % kBlock) {
-    return InvalidArgument("NVFP4 needs the size of x's quantization axis to be a multiple of 16, got " +
-                           std::to_string(k));
-  }
-  return ffi::Error::Success();
-}
-
-// The checks both qdq handlers make: x's geometry (viewed as outer, k, inner), the seed, a result of x's shape and
-// dtype, and the stochastic-rounding counter range.
-ffi::Error CheckQdq(const char* target, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int64_t axis,
-                    bool stochastic, int64_t rht_seed, int64_t& outer, int64_t& k, int64_t& inner) {
-  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
-  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
-  if (y.element_type() != x.element_type() || y.element_count() != x.element_count()) {
-    return InvalidArgument(std::string(target) + " returns a tensor of x's shape and dtype");
-  }
-  if (stochastic && x.element_count() > (size_t{1} << 32)) {
-    return InvalidArgument("stochastic rounding supports tensors of at most 2**32 elements");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
                bool apply_global_scale) {
-  int64_t outer, k, inner;
-  XLA_FP4_RETURN_IF_ERROR(CheckQdq("xla_fp4_qdq", x, *y, axis, stochastic, rht_seed, outer, k, inner));
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, *y, axis, stochastic, rht_seed, &shape));
+  const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
   const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
@@ -150,8 +115,9 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
 ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> s_dec, int64_t axis,
                         bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
-  int64_t outer, k, inner;
-  XLA_FP4_RETURN_IF_ERROR(CheckQdq("xla_fp4_qdq_with_scale", x, *y, axis, stochastic, rht_seed, outer, k, inner));
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, *y, axis, stochastic, rht_seed, &shape));
+  const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
   XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
   if (s_dec->element_count() != 1) return InvalidArgument("xla_fp4_qdq_with_scale returns a float32 scalar s_dec");
   std::optional<void*> words = scratch.Allocate(3 * sizeof(uint32_t), alignof(uint32_t));
@@ -180,8 +146,9 @@ ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 
 ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t axis,
                int64_t rht_seed) {
-  int64_t outer, k, inner;
-  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckAxis(x.dimensions(), axis, &shape));
+  const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
   XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
   if (y->element_count() != x.element_count()) return InvalidArgument("xla_fp4_rht returns a tensor of x's shape");
   const BlockGrid g = BlockGrid::Make(outer, k, inner, /*block_2d=*/false);
@@ -197,8 +164,9 @@ ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ff
 
 ffi::Error BlockAmax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t axis,
                      bool rht, int64_t rht_seed) {
-  int64_t outer, k, inner;
-  XLA_FP4_RETURN_IF_ERROR(AxisView(x.dimensions(), axis, outer, k, inner));
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckAxis(x.dimensions(), axis, &shape));
+  const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
   XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
   const int64_t n = outer * (k / kBlock) * inner;
   if (static_cast<int64_t>(amax->element_count()) != n) {
