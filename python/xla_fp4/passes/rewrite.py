@@ -22,6 +22,10 @@ the GEMM are plain StableHLO that XLA partitions itself; xla_fp4_block_amax and 
 registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
 any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable`
 was not used: it covers leading batch dims only. The plain-StableHLO twins were not used: the kernels are faster.
+The few ops around them (the max reduction, the scale, the digest and key) are emitted here, not lowered from
+xla_fp4.numerics.kernel_twins: lowering a JAX function costs 25-50 ms per operand signature (measured), which a
+model with many shapes would add to the pass's time. The partitioned form quantizes bit for bit as the whole-tensor
+kernel does (tests/sharding), and that kernel as its twin (tests/kernels).
 Measured on a 2048x1024 f32 operand, block_amax takes 0.33 ms along axis 0 against 1.06 ms for XLA's select/abs/max
 reduction, and 1.23 ms with the RHT against 2.18 ms for xla_fp4_rht + that reduction; along the last axis 0.94 ms
 (4.8 ms with the RHT, which the pass only applies to wgrad operands, quantized along their leading token axis).
