@@ -192,61 +192,11 @@ inline void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_per_item,
 
 // ---- 16x16 tiles ----
 
-// A tensor viewed as (outer, K, inner) around the quantization axis (numerics/nvfp4.py canonical_axis). A tile is 16 consecutive
-// positions along K times up to 16 "columns": consecutive inner positions, or consecutive outer rows when the axis is
-// the last one (inner == 1). These are exactly the 2D scaling tiles; a 1D block is one column of a tile.
+// A tensor viewed as (outer, K, inner) around the quantization axis (numerics/nvfp4.py canonical_axis); the tile
+// walker below views it as a row-major matrix (View).
 struct Geometry : AxisShape {  // outer, k, inner and size() (ffi_checks.h)
   bool axis_last() const { return inner == 1; }
-  int64_t columns() const { return axis_last() ? outer : inner; }
-  int64_t column_groups() const { return (columns() + kBlock - 1) / kBlock; }
-  int64_t num_tiles() const { return (axis_last() ? 1 : outer) * (k / kBlock) * column_groups(); }
 };
-
-struct Tile {
-  int64_t base;    // offset (= row-major index) of element (j = 0, c = 0)
-  int64_t first;   // the first column's outer row (axis last) or inner position
-  int64_t kblock;  // the block index along K
-  int ncols;
-};
-
-// Tile t in an order that walks memory forwards. kAxisLast must equal g.axis_last().
-template <bool kAxisLast>
-inline Tile TileAt(const Geometry& g, int64_t t) {
-  const int64_t kblocks = g.k / kBlock, groups = g.column_groups();
-  if constexpr (kAxisLast) {
-    const int64_t group = t / kblocks, kb = t % kblocks;
-    const int64_t row = group * kBlock;
-    return {row * g.k + kb * kBlock, row, kb, static_cast<int>(std::min<int64_t>(kBlock, g.outer - row))};
-  } else {
-    const int64_t group = t % groups, kb = (t / groups) % kblocks, o = t / (groups * kblocks);
-    const int64_t col = group * kBlock;
-    return {(o * g.k + kb * kBlock) * g.inner + col, col, kb, static_cast<int>(std::min<int64_t>(kBlock, g.inner - col))};
-  }
-}
-
-// Memory strides of the tile's two directions.
-template <bool kAxisLast>
-inline int64_t StrideJ(const Geometry& g) {
-  return kAxisLast ? 1 : g.inner;
-}
-template <bool kAxisLast>
-inline int64_t StrideC(const Geometry& g) {
-  return kAxisLast ? g.k : 1;
-}
-
-// The values of one tile in float32: v[c][j], column c, position j along K.
-struct TileValues {
-  float v[kBlock][kBlock];
-};
-
-template <bool kAxisLast, typename T>
-inline void LoadTile(const T* x, const Geometry& g, const Tile& tile, const float* rht_sign_quarter, TileValues& tv) {
-  const int64_t sj = StrideJ<kAxisLast>(g), sc = StrideC<kAxisLast>(g);
-  for (int c = 0; c < tile.ncols; ++c) {
-    for (int j = 0; j < kBlock; ++j) tv.v[c][j] = Load(x + tile.base + j * sj + c * sc);
-    if (rht_sign_quarter != nullptr) Rht16(tv.v[c], rht_sign_quarter);
-  }
-}
 
 // s_j / 4 for the RHT with `seed`.
 struct RhtSigns {
@@ -264,61 +214,234 @@ struct Recipe {
   TensorScale scale;
 };
 
-// Quantizes a loaded tile in place: v[c][j] becomes the E2M1 value q; scales[c] is column c's block scale.
-template <bool kAxisLast, bool kStochastic>
-inline void QuantizeTile(const Geometry& g, const Tile& tile, const Recipe& r, TileValues& tv, BlockScale* scales) {
-  float amax[kBlock] = {};  // columns past ncols stay 0 so that the scale loop below can run over all 16
-  for (int c = 0; c < tile.ncols; ++c) {
-    float m = 0.0f;
-    bool nan = false;
-    for (int j = 0; j < kBlock; ++j) {
-      const float a = Abs(tv.v[c][j]);
-      m = a > m ? a : m;
-      nan |= IsNan(a);
+// ---- x viewed as a row-major matrix (lines, cols), walked in 16x16 tiles of contiguous rows ----
+//
+// Every layout the kernels take maps onto one of three tile shapes with memory-contiguous rows, so that loads, stores
+// and the element math run over fixed 16-wide rows the compiler vectorizes (no gather/scatter):
+//   kRow:  the blocks are the tile's rows (axis last, 1D: x is a flat run of blocks, cols = 16);
+//   kCol:  the blocks are the tile's columns (another axis, 1D: lines = outer * K, cols = inner);
+//   kTile: the whole 16x16 tile is one block (2D: axis last with lines = outer, cols = K, or another axis with
+//          lines = outer * K, cols = inner; K % 16 == 0, so no tile straddles two blocks).
+// The RHT runs along K: along the tile's rows when the axis is the last one, else down its columns (K % 16 == 0 keeps
+// every 16 lines inside one block there). Partial tiles are padded with zeros, which change no block amax and
+// transform to zeros; their results are not stored.
+enum class Blocks { kRow, kCol, kTile };
+enum class RhtAlong { kNone, kRows, kCols };
+
+struct View {
+  int64_t lines, cols;
+  int64_t tiles() const { return (lines + kBlock - 1) / kBlock * ((cols + kBlock - 1) / kBlock); }
+};
+
+inline View ViewOf(const Geometry& g, Blocks blocks) {
+  if (blocks == Blocks::kRow) return {g.size() / kBlock, kBlock};
+  return g.axis_last() ? View{g.outer, g.k} : View{g.outer * g.k, g.inner};
+}
+
+// max |v| over values given as bits with the sign cleared: for non-negative floats the integer order is the float
+// order, and NaN sorts above +Inf, so a NaN anywhere gives a NaN amax, as jnp.max does.
+inline float AmaxFromBits(uint32_t m) { return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m)); }
+
+// Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would.
+inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) {
+  for (int half = 1; half < kBlock; half *= 2) {
+    for (int g = 0; g < kBlock; g += 2 * half) {
+      for (int i = g; i < g + half; ++i) {
+        for (int j = 0; j < kBlock; ++j) {
+          const float a = v[i][j], b = v[i + half][j];
+          v[i][j] = a + b;
+          v[i + half][j] = a - b;
+        }
+      }
     }
-    amax[c] = nan ? FloatOf(0x7FC00000u) : m;  // max propagates NaN, as jnp.max does
   }
-  if (r.block_2d) {
-    float m = amax[0];
-    for (int c = 1; c < tile.ncols; ++c) m = (amax[c] > m || IsNan(amax[c])) ? amax[c] : m;
-    for (int c = 0; c < tile.ncols; ++c) amax[c] = m;
-  }
-  for (int c = 0; c < kBlock; ++c) scales[c] = MakeBlockScale(amax[c], r.scale);  // a fixed trip count vectorizes
-  const int64_t sj = StrideJ<kAxisLast>(g), sc = StrideC<kAxisLast>(g);
-  for (int c = 0; c < tile.ncols; ++c) {
-    const BlockScale b = scales[c];
-    const uint32_t index0 = static_cast<uint32_t>(tile.base + c * sc);  // < 2**32 when stochastic (checked)
-    for (int j = 0; j < kBlock; ++j) {
-      const float u = kStochastic ? UniformFromBits(RandomBits(r.mixed_key, index0 + static_cast<uint32_t>(j * sj)))
-                                  : 0.0f;
-      tv.v[c][j] = QuantizeElement(tv.v[c][j], b, kStochastic, u);
-    }
+  for (int i = 0; i < kBlock; ++i) {
+    for (int j = 0; j < kBlock; ++j) v[i][j] *= sign_quarter[i];
   }
 }
 
-// Loads (and optionally transforms and quantizes) every tile of x, handing each to sink(axis_last, tile, values,
-// scales) in parallel, axis_last a std::bool_constant for StrideJ/StrideC. With recipe == nullptr the values are passed
-// on unquantized (scales == nullptr).
-template <typename T, typename Sink>
-void ForEachTile(ffi::ThreadPool& pool, const T* x, const Geometry& g, const float* rht_sign_quarter,
-                 const Recipe* recipe, Sink&& sink) {
-  WithBool(g.axis_last(), [&](auto axis_last) {
-    WithBool(recipe != nullptr && recipe->stochastic, [&](auto stochastic) {
-      ParallelFor(pool, g.num_tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
-        TileValues tv;
-        BlockScale scales[kBlock];
-        for (int64_t t = begin; t < end; ++t) {
-          const Tile tile = TileAt<decltype(axis_last)::value>(g, t);
-          LoadTile<decltype(axis_last)::value>(x, g, tile, rht_sign_quarter, tv);
-          if (recipe != nullptr) QuantizeTile<decltype(axis_last)::value, decltype(stochastic)::value>(g, tile, *recipe, tv, scales);
-          sink(axis_last, tile, tv, recipe != nullptr ? scales : nullptr);
+inline uint32_t RawBits(const float* p) { return BitsOf(*p); }
+inline uint32_t RawBits(const Bf16* p) { return p->bits; }
+inline uint32_t RawBits(const F16* p) { return p->bits; }
+
+// Where tile t of a view lies.
+struct TilePos {
+  int64_t base;  // row-major index of its element (0, 0)
+  int nl, nc;    // valid lines and columns
+  bool full;
+};
+
+inline TilePos PosOf(const View& view, int64_t t) {
+  const int64_t col_groups = (view.cols + kBlock - 1) / kBlock;
+  const int64_t l0 = t / col_groups * kBlock, c0 = t % col_groups * kBlock;
+  const int nl = static_cast<int>(std::min<int64_t>(kBlock, view.lines - l0));
+  const int nc = static_cast<int>(std::min<int64_t>(kBlock, view.cols - c0));
+  return {l0 * view.cols + c0, nl, nc, nl == kBlock && nc == kBlock};
+}
+
+// Loads a tile as float32 (zero padded) and applies the RHT; with kDigest also returns the sum of the raw bits.
+template <RhtAlong kRht, bool kDigest, typename T>
+inline uint32_t LoadTransformed(const T* x, const View& view, const TilePos& p, const float* sign_quarter,
+                                float (&v)[kBlock][kBlock]) {
+  uint32_t digest = 0;
+  if (p.full) {
+    for (int i = 0; i < kBlock; ++i) {
+      const T* in = x + p.base + i * view.cols;
+      for (int j = 0; j < kBlock; ++j) v[i][j] = Load(in + j);
+      if constexpr (kDigest) {
+        for (int j = 0; j < kBlock; ++j) digest += RawBits(in + j);
+      }
+    }
+  } else {
+    for (int i = 0; i < kBlock; ++i) {
+      for (int j = 0; j < kBlock; ++j) {
+        const bool in = i < p.nl && j < p.nc;
+        v[i][j] = in ? Load(x + p.base + i * view.cols + j) : 0.0f;
+        if constexpr (kDigest) digest += in ? RawBits(x + p.base + i * view.cols + j) : 0u;
+      }
+    }
+  }
+  if constexpr (kRht == RhtAlong::kRows) {
+    for (int i = 0; i < kBlock; ++i) Rht16(v[i], sign_quarter);
+  } else if constexpr (kRht == RhtAlong::kCols) {
+    Rht16Columns(v, sign_quarter);
+  }
+  return digest;
+}
+
+// The block of element (i, j) of a tile: its line (kRow), its column (kCol) or the whole tile (kTile).
+template <Blocks kBlocks>
+inline int BlockOf(int i, int j) {
+  return kBlocks == Blocks::kRow ? i : (kBlocks == Blocks::kCol ? j : 0);
+}
+
+// The one tile walker of the quantizing kernels: loads tiles [t_begin, t_end) of `view` (the RHT applied), measures
+// each block's amax, makes its E4M3 scale and quantizes every element to its E2M1 value q, which with kDecode becomes
+// q * scale * decode_scale in the same loop (where it vectorizes; a compile-time choice, as a run-time one stops the
+// stochastic loop from vectorizing), then hands the tile to sink(p, v, code) with code[b] the E4M3 code of block b
+// (BlockOf<kBlocks>).
+template <Blocks kBlocks, bool kStochastic, RhtAlong kRht, bool kDecode, typename T, typename Sink>
+// flatten: with the sink inlined by request only, GCC left the stochastic variant 20% slower (measured).
+XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, const View& view, const Recipe& r,
+                                                                 const float* sign_quarter, float decode_scale,
+                                                                 int64_t t_begin, int64_t t_end, Sink&& sink) {
+  alignas(64) float v[kBlock][kBlock];
+  alignas(64) uint32_t am[kBlock];
+  alignas(64) float inv[kBlock], scale[kBlock];
+  alignas(64) uint32_t zero[kBlock];
+  alignas(16) uint8_t code[kBlock];
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const TilePos p = PosOf(view, t);
+    LoadTransformed<kRht, false>(x, view, p, sign_quarter, v);
+    // Block amax, as bits.
+    if constexpr (kBlocks == Blocks::kRow) {
+      for (int i = 0; i < kBlock; ++i) {
+        uint32_t m = 0;
+        for (int j = 0; j < kBlock; ++j) {
+          const uint32_t a = BitsOf(v[i][j]) & 0x7FFFFFFFu;
+          m = a > m ? a : m;
         }
-      });
-      return 0;
+        am[i] = m;
+      }
+    } else {
+      for (int j = 0; j < kBlock; ++j) am[j] = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        for (int j = 0; j < kBlock; ++j) {
+          const uint32_t a = BitsOf(v[i][j]) & 0x7FFFFFFFu;
+          am[j] = a > am[j] ? a : am[j];
+        }
+      }
+      if constexpr (kBlocks == Blocks::kTile) {
+        uint32_t m = 0;
+        for (int j = 0; j < kBlock; ++j) m = am[j] > m ? am[j] : m;
+        for (int j = 0; j < kBlock; ++j) am[j] = m;
+      }
+    }
+    // MakeBlockScale, split in two loops of fixed trip count that vectorize.
+    for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * r.scale.s_enc_over_6);
+    for (int b = 0; b < kBlock; ++b) {
+      scale[b] = E4M3Decode(code[b]);
+      const float denom = scale[b] * r.scale.s_dec;
+      inv[b] = 1.0f / denom;
+      zero[b] = denom == 0.0f ? 1u : 0u;
+    }
+    // Quantize in place: v becomes q, or its decoded value.
+    for (int i = 0; i < kBlock; ++i) {
+      const uint32_t index0 = static_cast<uint32_t>(p.base + i * view.cols);  // < 2**32 when stochastic (checked)
+      for (int j = 0; j < kBlock; ++j) {
+        const int b = BlockOf<kBlocks>(i, j);
+        BlockScale s;
+        s.code = 0;
+        s.scale = scale[b];
+        s.inv_denom = inv[b];
+        s.zero = zero[b] != 0u;
+        const float u =
+            kStochastic ? UniformFromBits(RandomBits(r.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
+        const float q = QuantizeElement(v[i][j], s, kStochastic, u);
+        if constexpr (kDecode) {
+          v[i][j] = DecodeElement(q, s.scale, decode_scale);
+        } else {
+          v[i][j] = q;
+        }
+      }
+    }
+    sink(p, v, code);
+  }
+}
+
+inline RhtAlong RhtDirection(const Geometry& g, const RhtSigns* rht) {
+  return rht == nullptr ? RhtAlong::kNone : (g.axis_last() ? RhtAlong::kRows : RhtAlong::kCols);
+}
+
+// Calls f(integral_constant<RhtAlong, ...>) with the runtime direction as a compile-time one.
+template <typename F>
+auto WithRht(RhtAlong along, F&& f) {
+  switch (along) {
+    case RhtAlong::kRows: return f(std::integral_constant<RhtAlong, RhtAlong::kRows>{});
+    case RhtAlong::kCols: return f(std::integral_constant<RhtAlong, RhtAlong::kCols>{});
+    default: return f(std::integral_constant<RhtAlong, RhtAlong::kNone>{});
+  }
+}
+
+// Quantizes every tile of x in parallel (1x16 blocks along the axis, or 16x16 tiles when r.block_2d; the RHT along
+// the axis when `rht`), with the blocks, the rounding and the RHT direction as compile-time variants, and hands each
+// tile to sink(blocks, view, p, v, code): blocks a std::integral_constant<Blocks, ...>, the rest as QuantizeTiles
+// gives them (with kDecode v holds the decoded values, else q).
+template <bool kDecode, typename T, typename Sink>
+void ForEachQuantizedTile(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, const RhtSigns* rht,
+                          float decode_scale, Sink&& sink) {
+  const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
+  const View view = ViewOf(g, blocks);
+  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
+  auto run = [&](auto blocks_c, auto stochastic, auto along) {
+    ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
+      QuantizeTiles<decltype(blocks_c)::value, decltype(stochastic)::value, decltype(along)::value, kDecode>(
+          x, view, r, sq, decode_scale, begin, end,
+          [&](const TilePos& p, float (&v)[kBlock][kBlock], const uint8_t* code) { sink(blocks_c, view, p, v, code); });
     });
     return 0;
+  };
+  // kRow only meets the RHT along rows and kCol only down columns (both follow from axis_last).
+  WithBool(r.stochastic, [&](auto stochastic) {
+    return WithRht(RhtDirection(g, rht), [&](auto along) {
+      switch (blocks) {
+        case Blocks::kTile:
+          return run(std::integral_constant<Blocks, Blocks::kTile>{}, stochastic, along);
+        case Blocks::kRow:
+          if constexpr (decltype(along)::value != RhtAlong::kCols) {
+            return run(std::integral_constant<Blocks, Blocks::kRow>{}, stochastic, along);
+          }
+          return 0;
+        default:
+          if constexpr (decltype(along)::value != RhtAlong::kRows) {
+            return run(std::integral_constant<Blocks, Blocks::kCol>{}, stochastic, along);
+          }
+          return 0;
+      }
+    });
   });
 }
+
 
 }  // namespace xla_fp4::cpu
 

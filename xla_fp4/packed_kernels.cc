@@ -20,17 +20,20 @@ void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t
                         const RhtSigns* rht, uint8_t* data, uint8_t* scales) {
   std::memset(scales, 0, PaddedScaleCount(rows, k));  // the padding must be zero
   const int64_t padded_cols = PaddedScaleCols(k);
-  ForEachTile(pool, x, Geometry{{rows, k, 1}}, rht != nullptr ? rht->sign_quarter : nullptr, &r,
-              [&](auto, const Tile& tile, const TileValues& tv, const BlockScale* block_scales) {
-                for (int c = 0; c < tile.ncols; ++c) {
-                  const int64_t row = tile.first + c;
-                  scales[SwizzledScaleIndex(row, tile.kblock, padded_cols)] = block_scales[c].code;
-                  uint8_t* out = data + row * (k / 2) + tile.kblock * (kBlock / 2);
-                  for (int i = 0; i < kBlock / 2; ++i) {  // the even element in the low nibble
-                    out[i] = static_cast<uint8_t>(E2M1Code(tv.v[c][2 * i]) | (E2M1Code(tv.v[c][2 * i + 1]) << 4));
-                  }
-                }
-              });
+  // x is (rows, K), the axis last: every tile line is 16 consecutive elements of one row and one block, and data is
+  // the row-major elements two to a byte (the even one in the low nibble).
+  ForEachQuantizedTile</*kDecode=*/false>(pool, x, Geometry{{rows, k, 1}}, r, rht, /*decode_scale=*/1.0f,
+                       [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
+                           const uint8_t* code) {
+    for (int i = 0; i < p.nl; ++i) {
+      const int64_t e = p.base + i * view.cols;  // the line's first element, row-major
+      scales[SwizzledScaleIndex(e / k, e % k / kBlock, padded_cols)] = code[BlockOf<decltype(blocks)::value>(i, 0)];
+      uint8_t* out = data + e / 2;
+      for (int j = 0; j < kBlock / 2; ++j) {
+        out[j] = static_cast<uint8_t>(E2M1Code(q[i][2 * j]) | (E2M1Code(q[i][2 * j + 1]) << 4));
+      }
+    }
+  });
 }
 
 // out[r, k] = (q * scale) * s_dec; with s_dec = 1 this is the exact q * scale that the GEMM multiplies.

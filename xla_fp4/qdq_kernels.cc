@@ -13,220 +13,24 @@ namespace {
 
 // ---- Impl: the work ----
 
-// ---- x viewed as a row-major matrix (lines, cols), walked in 16x16 tiles of contiguous rows ----
-//
-// Every layout the kernels take maps onto one of three tile shapes with memory-contiguous rows, so that loads, stores
-// and the element math run over fixed 16-wide rows the compiler vectorizes (no gather/scatter):
-//   kRow:  the blocks are the tile's rows (axis last, 1D: x is a flat run of blocks, cols = 16);
-//   kCol:  the blocks are the tile's columns (another axis, 1D: lines = outer * K, cols = inner);
-//   kTile: the whole 16x16 tile is one block (2D: axis last with lines = outer, cols = K, or another axis with
-//          lines = outer * K, cols = inner; K % 16 == 0, so no tile straddles two blocks).
-// The RHT runs along K: along the tile's rows when the axis is the last one, else down its columns (K % 16 == 0 keeps
-// every 16 lines inside one block there). Partial tiles are padded with zeros, which change no block amax and
-// transform to zeros; their results are not stored.
-enum class Blocks { kRow, kCol, kTile };
-enum class RhtAlong { kNone, kRows, kCols };
-
-struct View {
-  int64_t lines, cols;
-  int64_t tiles() const { return (lines + kBlock - 1) / kBlock * ((cols + kBlock - 1) / kBlock); }
-};
-
-inline View ViewOf(const Geometry& g, Blocks blocks) {
-  if (blocks == Blocks::kRow) return {g.size() / kBlock, kBlock};
-  return g.axis_last() ? View{g.outer, g.k} : View{g.outer * g.k, g.inner};
-}
-
-// max |v| over values given as bits with the sign cleared: for non-negative floats the integer order is the float
-// order, and NaN sorts above +Inf, so a NaN anywhere gives a NaN amax, as jnp.max does (QuantizeTile's rule).
-inline float AmaxFromBits(uint32_t m) { return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m)); }
-
-// Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would.
-inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) {
-  for (int half = 1; half < kBlock; half *= 2) {
-    for (int g = 0; g < kBlock; g += 2 * half) {
-      for (int i = g; i < g + half; ++i) {
-        for (int j = 0; j < kBlock; ++j) {
-          const float a = v[i][j], b = v[i + half][j];
-          v[i][j] = a + b;
-          v[i + half][j] = a - b;
-        }
-      }
-    }
-  }
-  for (int i = 0; i < kBlock; ++i) {
-    for (int j = 0; j < kBlock; ++j) v[i][j] *= sign_quarter[i];
-  }
-}
-
-inline uint32_t RawBits(const float* p) { return BitsOf(*p); }
-inline uint32_t RawBits(const Bf16* p) { return p->bits; }
-inline uint32_t RawBits(const F16* p) { return p->bits; }
-
-// Where tile t of a view lies.
-struct TilePos {
-  int64_t base;  // row-major index of its element (0, 0)
-  int nl, nc;    // valid lines and columns
-  bool full;
-};
-
-inline TilePos PosOf(const View& view, int64_t t) {
-  const int64_t col_groups = (view.cols + kBlock - 1) / kBlock;
-  const int64_t l0 = t / col_groups * kBlock, c0 = t % col_groups * kBlock;
-  const int nl = static_cast<int>(std::min<int64_t>(kBlock, view.lines - l0));
-  const int nc = static_cast<int>(std::min<int64_t>(kBlock, view.cols - c0));
-  return {l0 * view.cols + c0, nl, nc, nl == kBlock && nc == kBlock};
-}
-
-// Loads a tile as float32 (zero padded) and applies the RHT; with kDigest also returns the sum of the raw bits.
-template <RhtAlong kRht, bool kDigest, typename T>
-inline uint32_t LoadTransformed(const T* x, const View& view, const TilePos& p, const float* sign_quarter,
-                                float (&v)[kBlock][kBlock]) {
-  uint32_t digest = 0;
-  if (p.full) {
-    for (int i = 0; i < kBlock; ++i) {
-      const T* in = x + p.base + i * view.cols;
-      for (int j = 0; j < kBlock; ++j) v[i][j] = Load(in + j);
-      if constexpr (kDigest) {
-        for (int j = 0; j < kBlock; ++j) digest += RawBits(in + j);
-      }
-    }
-  } else {
-    for (int i = 0; i < kBlock; ++i) {
-      for (int j = 0; j < kBlock; ++j) {
-        const bool in = i < p.nl && j < p.nc;
-        v[i][j] = in ? Load(x + p.base + i * view.cols + j) : 0.0f;
-        if constexpr (kDigest) digest += in ? RawBits(x + p.base + i * view.cols + j) : 0u;
-      }
-    }
-  }
-  if constexpr (kRht == RhtAlong::kRows) {
-    for (int i = 0; i < kBlock; ++i) Rht16(v[i], sign_quarter);
-  } else if constexpr (kRht == RhtAlong::kCols) {
-    Rht16Columns(v, sign_quarter);
-  }
-  return digest;
-}
-
-template <Blocks kBlocks, bool kStochastic, RhtAlong kRht, typename T>
-XLA_FP4_VECTOR_CLONES void QdqTiles(const T* x, T* y, const View& view, const Recipe& r, const float* sign_quarter,
-                                    float decode_scale, int64_t t_begin, int64_t t_end) {
-  alignas(64) float v[kBlock][kBlock];
-  alignas(64) uint32_t am[kBlock];
-  alignas(64) float inv[kBlock], scale[kBlock];
-  alignas(64) uint32_t zero[kBlock];
-  alignas(16) uint8_t code[kBlock];
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    const TilePos p = PosOf(view, t);
-    LoadTransformed<kRht, false>(x, view, p, sign_quarter, v);
-    // Block amax, as bits.
-    if constexpr (kBlocks == Blocks::kRow) {
-      for (int i = 0; i < kBlock; ++i) {
-        uint32_t m = 0;
-        for (int j = 0; j < kBlock; ++j) {
-          const uint32_t a = BitsOf(v[i][j]) & 0x7FFFFFFFu;
-          m = a > m ? a : m;
-        }
-        am[i] = m;
-      }
-    } else {
-      for (int j = 0; j < kBlock; ++j) am[j] = 0;
-      for (int i = 0; i < kBlock; ++i) {
-        for (int j = 0; j < kBlock; ++j) {
-          const uint32_t a = BitsOf(v[i][j]) & 0x7FFFFFFFu;
-          am[j] = a > am[j] ? a : am[j];
-        }
-      }
-      if constexpr (kBlocks == Blocks::kTile) {
-        uint32_t m = 0;
-        for (int j = 0; j < kBlock; ++j) m = am[j] > m ? am[j] : m;
-        for (int j = 0; j < kBlock; ++j) am[j] = m;
-      }
-    }
-    // MakeBlockScale, split in two loops of fixed trip count that vectorize.
-    for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * r.scale.s_enc_over_6);
-    for (int b = 0; b < kBlock; ++b) {
-      scale[b] = E4M3Decode(code[b]);
-      const float denom = scale[b] * r.scale.s_dec;
-      inv[b] = 1.0f / denom;
-      zero[b] = denom == 0.0f ? 1u : 0u;
-    }
-    // Quantize and decode in place.
-    for (int i = 0; i < kBlock; ++i) {
-      const uint32_t index0 = static_cast<uint32_t>(p.base + i * view.cols);  // < 2**32 when stochastic (checked)
-      for (int j = 0; j < kBlock; ++j) {
-        const int b = kBlocks == Blocks::kRow ? i : (kBlocks == Blocks::kCol ? j : 0);
-        BlockScale s;
-        s.code = 0;
-        s.scale = scale[b];
-        s.inv_denom = inv[b];
-        s.zero = zero[b] != 0u;
-        const float u =
-            kStochastic ? UniformFromBits(RandomBits(r.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
-        v[i][j] = DecodeElement(QuantizeElement(v[i][j], s, kStochastic, u), s.scale, decode_scale);
-      }
-    }
-    if (p.full) {
-      for (int i = 0; i < kBlock; ++i) {
-        T* out = y + p.base + i * view.cols;
-        for (int j = 0; j < kBlock; ++j) Store(out + j, v[i][j]);
-      }
-    } else {
-      for (int i = 0; i < p.nl; ++i) {
-        for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, v[i][j]);
-      }
-    }
-  }
-}
-
-inline RhtAlong RhtDirection(const Geometry& g, const RhtSigns* rht) {
-  return rht == nullptr ? RhtAlong::kNone : (g.axis_last() ? RhtAlong::kRows : RhtAlong::kCols);
-}
-
-// Calls f(integral_constant<RhtAlong, ...>) with the runtime direction as a compile-time one.
-template <typename F>
-auto WithRht(RhtAlong along, F&& f) {
-  switch (along) {
-    case RhtAlong::kRows: return f(std::integral_constant<RhtAlong, RhtAlong::kRows>{});
-    case RhtAlong::kCols: return f(std::integral_constant<RhtAlong, RhtAlong::kCols>{});
-    default: return f(std::integral_constant<RhtAlong, RhtAlong::kNone>{});
-  }
-}
-
 // With apply_global_scale off the result is q * scale, exact in every float dtype: the emulated GEMM then folds
 // both tensors' s_dec into its float32 output, as cuBLASLt's alpha does (docs/design.md §2).
 template <typename T>
 void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const RhtSigns* rht,
              bool apply_global_scale) {
   const float decode_scale = apply_global_scale ? r.scale.s_dec : 1.0f;
-  const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
-  const View view = ViewOf(g, blocks);
-  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
-  auto run = [&](auto blocks_c, auto stochastic, auto along) {
-    ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
-      QdqTiles<decltype(blocks_c)::value, decltype(stochastic)::value, decltype(along)::value>(
-          x, y, view, r, sq, decode_scale, begin, end);
-    });
-    return 0;
-  };
-  // kRow only meets the RHT along rows and kCol only down columns (both follow from axis_last).
-  WithBool(r.stochastic, [&](auto stochastic) {
-    return WithRht(RhtDirection(g, rht), [&](auto along) {
-      switch (blocks) {
-        case Blocks::kTile:
-          return run(std::integral_constant<Blocks, Blocks::kTile>{}, stochastic, along);
-        case Blocks::kRow:
-          if constexpr (decltype(along)::value != RhtAlong::kCols) {
-            return run(std::integral_constant<Blocks, Blocks::kRow>{}, stochastic, along);
-          }
-          return 0;
-        default:
-          if constexpr (decltype(along)::value != RhtAlong::kRows) {
-            return run(std::integral_constant<Blocks, Blocks::kCol>{}, stochastic, along);
-          }
-          return 0;
+  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, rht, decode_scale,
+                       [&](auto, const View& view, const TilePos& p, float (&q)[kBlock][kBlock], const uint8_t*) {
+    if (p.full) {
+      for (int i = 0; i < kBlock; ++i) {
+        T* out = y + p.base + i * view.cols;
+        for (int j = 0; j < kBlock; ++j) Store(out + j, q[i][j]);
       }
-    });
+    } else {
+      for (int i = 0; i < p.nl; ++i) {
+        for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, q[i][j]);
+      }
+    }
   });
 }
 
@@ -383,7 +187,8 @@ ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<f
                            int64_t rht_seed, int64_t salt) {
   Geometry g;
   if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
-                                 CheckScalar(*s_dec, ffi::DataType::F32, "the s_dec result"), CheckU32Attribute(salt, "salt")});
+                                 CheckScalar(*s_dec, ffi::DataType::F32, "the s_dec result"),
+                                 CheckU32Attribute(salt, "salt")});
       e.failure()) {
     return e;
   }
