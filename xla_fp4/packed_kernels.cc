@@ -86,7 +86,7 @@ void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t*
 ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                              ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
                              bool stochastic, bool rht, int64_t rht_seed) {
-  int64_t rows, k;
+  int64_t rows = 0, k = 0;
   if (ffi::Error e = CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k); e.failure()) {
     return e;
   }
@@ -103,7 +103,7 @@ ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 
 ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
                                ffi::Result<ffi::AnyBuffer> out) {
-  int64_t rows, k;
+  int64_t rows = 0, k = 0;
   if (ffi::Error e = CheckDequantizePacked(data, scales, s_dec, *out, &rows, &k); e.failure()) return e;
   const float s = *static_cast<const float*>(s_dec.untyped_data());
   return DispatchFloat(out->element_type(), "the result", [&](auto tag) {

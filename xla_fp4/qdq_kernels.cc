@@ -234,7 +234,8 @@ ffi::Error BlockAmaxFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi:
   if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed)}); e.failure()) {
     return e;
   }
-  if (amax->element_type() != ffi::DataType::F32 || amax->element_count() * kBlock != g.size()) {
+  if (amax->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(amax->element_count()) * kBlock != g.size()) {
     return ffi::Error::InvalidArgument("the block amax result must be float32 with x's shape " +
                                        ShapeString(x.dimensions()) + " and the axis divided by 16");
   }

@@ -214,3 +214,14 @@ def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
   assert native[2][3] == ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",)
   partitioned_native = forms(partitioned=True, native=True, cuda=False)
   assert all(f[1] is policy.Form.PARTITIONED and "no partitioner" in f[3][-1] for f in partitioned_native)
+
+
+def test_a_users_nvfp4_rule_puts_every_iteration_of_a_scanned_stack_in_nvfp4():
+  """As for unscanned blocks, a user's nvfp4 rule comes before the kept blocks' rule."""
+  def stack():
+    return [_site(0, num_stacked=4, block_offset=0, layer="m/mlp")]
+  (policy_default,), _ = _decide(stack(), num_blocks=4, block_values={0: (None, None)}, keep_last=1)
+  assert policy_default.rule == "nvfp4" and policy_default.keep_blocks == (3,)
+  (users,), _ = _decide(stack(), num_blocks=4, block_values={0: (None, None)}, keep_last=1,
+                        rules=[{"layer": "mlp", "decision": "nvfp4"}])
+  assert users.rule == "user_rule_0" and users.keep_blocks == () and users.decision == "nvfp4"

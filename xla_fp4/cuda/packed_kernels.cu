@@ -43,7 +43,7 @@ __global__ void DequantizePackedKernel(const uint8_t* data, const uint8_t* scale
 ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
                           bool stochastic, bool rht, int64_t rht_seed) {
-  int64_t rows, k;
+  int64_t rows = 0, k = 0;
   XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k));
   if (scales->element_count() != static_cast<size_t>(rows * (k / kBlock))) {  // zero the padding the kernel skips
     XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(scales->untyped_data(), 0, scales->size_bytes(), stream),
@@ -65,7 +65,7 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 
 ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
                             ffi::Result<ffi::AnyBuffer> y) {
-  int64_t rows, k;
+  int64_t rows = 0, k = 0;
   XLA_FP4_RETURN_IF_ERROR(CheckDequantizePacked(data, scales, s_dec, *y, &rows, &k));
   const BlockGrid g = BlockGrid::Make(rows, k, 1, /*block_2d=*/false);
   if (g.Threads() == 0) return ffi::Error::Success();

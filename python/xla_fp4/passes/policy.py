@@ -148,12 +148,15 @@ def decide(analysis: Analysis, config: Config, rules=None):
     lhs, rhs = recipe_for(site, config)
     keep_blocks = ()
     reason = rule.reason
-    if site.index in analysis.block_values:
+    # Kept blocks select per iteration under the built-in rule only: a user's nvfp4 rule comes before the kept blocks'
+    # rule, so every iteration runs in NVFP4, as the same blocks would unscanned.
+    builtin = rule.name == "nvfp4"
+    if builtin and site.index in analysis.block_values:
       first = site.block_offset or 0  # the stack's blocks, numbered from its first layer
       keep_blocks = tuple(sorted(b - first for b in ctx.kept_blocks if first <= b < first + (site.num_stacked or 0)))
       if keep_blocks:
         reason += f"; scanned stack: blocks {list(keep_blocks)} run the high-precision dot"
-    elif site.num_stacked and ctx.kept_blocks:
+    elif builtin and site.num_stacked and ctx.kept_blocks:
       reason += "; nested scanned stack without a per-iteration block index: every iteration runs in NVFP4"
     decisions.append(Decision(index=site.index, decision=Verdict.NVFP4, rule=rule.name, reason=reason, lhs=lhs, rhs=rhs,
                               keep_blocks=keep_blocks))
