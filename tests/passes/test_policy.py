@@ -62,6 +62,12 @@ def test_rule_order_is_the_documented_one():
   assert [r.name for r in policy.default_rules(CFG)] == [c[0] for c in CASES] == list(config.BUILTIN_RULES)
 
 
+def test_the_roles_a_user_rule_names_are_the_analysis_roles():
+  """config.ROLES (config cannot import the pass) must be analyze.Role without `other` (never rewritten)."""
+  from xla_fp4.passes.analyze import Role
+  assert set(config.ROLES) == {r.value for r in Role} - {"other"}
+
+
 USER_RULES = [{"layer": "attn", "role": ["wgrad", "dgrad"], "decision": "keep", "name": "attn_grads"},
               {"block": [0, 1], "decision": "nvfp4", "reason": "first blocks in NVFP4 after all"},
               {"layer": "^m/head$", "decision": "nvfp4"}]

@@ -2,9 +2,10 @@
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
 are reported. The user's rules (the `rules` option: data, not code) come after the three that say what the kernels
-cannot take and before the paper's policy. Defaults follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept;
-about 16% of the blocks kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62
-blocks); GEMMs whose contraction is not a multiple of 16, or that are tiny, kept.
+cannot take and before the paper's policy. Defaults follow docs/design.md §2 / arXiv 2509.25149 §4: only
+linear-layer GEMMs; the output head kept; about 16% of the blocks kept in high precision, weighted to the end (the
+paper kept the first 2 and last 8 of 62 blocks); GEMMs whose contraction is not a multiple of 16, or that are tiny,
+kept.
 
 In a scanned layer stack one dot serves every layer: the decision there is `nvfp4` with `keep_blocks`, and the rewrite
 runs per iteration either the NVFP4 GEMM or the high-precision one, on the block index (a stablehlo.case).
@@ -94,7 +95,8 @@ def default_rules(config: Config):
   return (
       Rule(name="not_linear", decision=Verdict.KEEP, reason="not a linear-layer GEMM (no operand is a parameter)",
            when=lambda s, c: s.role == "other"),
-      Rule(name="dtype", decision=Verdict.KEEP, reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
+      Rule(name="dtype", decision=Verdict.KEEP,
+           reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
            when=lambda s, c: not set(s.operand_dtypes) <= QUANTIZABLE_DTYPES),
       Rule(name="contraction_not_16", decision=Verdict.KEEP, reason="contraction size is not a multiple of 16",
            when=lambda s, c: s.k % 16 != 0),

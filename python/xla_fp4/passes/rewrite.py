@@ -41,8 +41,8 @@ an extra argument when needed.
 
 Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
 calls to private functions lowered from the pure-JAX reference (platforms without compiled kernels).
-Form.PACKED (the `native` backend) is a second GEMM emitter in the same `Emitter.emit`: operands are made K-major, quantized to the
-packed format (`xla_fp4_quantize_packed`) and multiplied by `xla_fp4_gemm_packed` (cuBLASLt FP4 on sm_100+, the C++
+Form.PACKED (the `native` backend) is a second GEMM emitter in the same `Emitter.emit`: operands are made K-major,
+quantized to the packed format (`xla_fp4_quantize_packed`) and multiplied by `xla_fp4_gemm_packed` (cuBLASLt FP4 on sm_100+, the C++
 reference GEMM on CPU) with alpha = s_dec_a * s_dec_b; scales, keys, RHT and the per-iteration select are shared.
 """
 
