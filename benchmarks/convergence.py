@@ -147,7 +147,8 @@ def main(argv=None) -> int:
          "runs": {n: {"env": env_line(RUNS[n][0]), "description": RUNS[n][1], **runs[n]} for n in runs},
          "summary": rows}, indent=1))
     lm_runs.plot_runs(runs, results_dir / "convergence.png",
-                      title=f"train_lm.py, {next(iter(runs.values()))['config']['steps']} steps: NVFP4 recipe ablations")
+                      title=f"train_lm.py, {next(iter(runs.values()))['config']['steps']} steps: "
+                            "NVFP4 recipe ablations")
     if not args.quick:
         write_doc(ROOT / "docs" / "convergence.md", results_markdown(rows, train_flags, meta))
     print()

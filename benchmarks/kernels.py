@@ -6,7 +6,8 @@
 `cpp` and `jax` take the same precomputed s_dec (xla_fp4_qdq's contract: the caller reduces amax), so those timings
 cover quantize + dequantize only; `cpp_with_scale` is xla_fp4_qdq_with_scale, which the pass emits in unpartitioned
 programs: it also measures amax (and, when stochastic, the key) from x, one more read. GB/s counts input + output
-bytes; the baseline is a jitted `x * 1`, which XLA turns into a plain copy of the same bytes. Each entry is the median of --repeats timed calls after a warm-up call.
+bytes; the baseline is a jitted `x * 1`, which XLA turns into a plain copy of the same bytes. Each entry is the median
+of --repeats timed calls after a warm-up call.
 """
 
 from __future__ import annotations

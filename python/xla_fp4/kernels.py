@@ -212,7 +212,8 @@ def status(platform):
     module, why = _load_cuda()
     return False, why or "the CUDA FFI kernels are not registered (xla_fp4.enable() registers them)"
   if xla_platform == "cpu":
-    return False, _reason if _ext is None else "the CPU FFI kernels are not registered (xla_fp4.enable() registers them)"
+    return False, (_reason if _ext is None
+                   else "the CPU FFI kernels are not registered (xla_fp4.enable() registers them)")
   return False, f"xla_fp4 has no kernels for platform {platform!r}"
 
 
@@ -231,7 +232,8 @@ def info():
 
 
 def fp4_gemm_supported():
-  """(True, reason) when an FP4 tensor-core GEMM can run here (CUDA build, compute capability 10.x, cuBLASLt >= 12.8)."""
+  """(True, reason) when an FP4 tensor-core GEMM can run here (CUDA build, compute capability 10.x,
+  cuBLASLt >= 12.8)."""
   module, why = _load_cuda()
   if module is None:
     return False, why

@@ -2,8 +2,8 @@
 
 A row is a dict: index, layer, role, phase, block, lhs_shape, rhs_shape, dtype, flops, decision, rule, reason, recipe,
 keep_blocks, num_stacked (`flops` count every iteration of a scanned stack; `keep_blocks` of its `num_stacked` layers
-run the high-precision dot). Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and which GEMM run
-and why; rows; unmatched rules) and a `.decisions.txt` table.
+run the high-precision dot). Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and
+which GEMM run and why; rows; unmatched rules) and a `.decisions.txt` table.
 """
 
 import glob

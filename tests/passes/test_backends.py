@@ -194,3 +194,38 @@ def test_gpu_check_runs_with_the_cpu_standing_in(tmp_path):
   assert result["ok"] and set(result["checks"]) == {"device runs the xla_fp4 targets", "device == CPU emulation"}
   assert "xla_fp4_qdq_with_scale" in result["checks"]["device runs the xla_fp4 targets"]["targets"]
   assert result["step_seconds"]["ratio_emulate"] > 0 and result["kernels"]["cpu registration"]
+
+
+def _twin_calls(module, n_twins):
+  """Call kernel_twins.decode_scale on a 32x4 constant through `n_twins` Twins of `module`; -> the twins' functions."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import hlo
+  from xla_fp4.numerics import kernel_twins
+  with module.context, ir.Location.unknown():
+    main = next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
+    f32 = ir.F32Type.get()
+    with ir.InsertionPoint.at_block_begin(main.regions[0].blocks[0]):
+      blocks = hlo.ConstantOp(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([32, 4], f32),
+                                                             ir.FloatAttr.get(f32, 1.0))).result
+      for twins in [rewrite.Twins(module) for _ in range(n_twins)]:
+        twins.call(kernel_twins.decode_scale, [blocks], [ir.RankedTensorType.get([], f32)])
+    assert module.operation.verify()
+    return [ir.StringAttr(op.attributes["sym_name"]).value for op in module.body.operations
+            if ir.StringAttr(op.attributes["sym_name"]).value.startswith("xla_fp4_twin_")]
+
+
+def test_twins_define_each_function_once_and_lower_each_signature_once_per_process(monkeypatch):
+  monkeypatch.setattr(rewrite, "_LOWERED_TEXT", {})
+  funcs = _twin_calls(_module(), 2)  # two Twins of one module (the emitter's and ReferenceKernels') share it
+  assert len(funcs) == 1 and funcs[0].startswith("xla_fp4_twin_decode_scale_")
+  assert len(rewrite._LOWERED_TEXT) == 1
+  assert _twin_calls(_module(), 1) == funcs and len(rewrite._LOWERED_TEXT) == 1  # the next module reuses the text
+
+
+def test_twins_are_lowered_outside_the_users_mesh(monkeypatch):
+  """The pass runs inside the user's jit, often under jax.set_mesh: the twins must not name that mesh."""
+  monkeypatch.setattr(rewrite, "_LOWERED_TEXT", {})
+  module = _module()
+  with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+    _twin_calls(module, 1)
+  assert "@mesh" not in str(module) and "sdy.sharding" not in str(module)

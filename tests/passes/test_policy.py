@@ -1,4 +1,5 @@
-"""The policy on its own (synthetic sites): rule order, every rule's reason, kept blocks, scanned stacks; and report.py."""
+"""The policy on its own (synthetic sites): rule order, every rule's reason, kept blocks, scanned stacks; and
+report.py."""
 
 import dataclasses
 import json
@@ -197,7 +198,8 @@ def test_flop_share_counts_the_kept_layers_of_a_scanned_stack_as_high_precision(
 
 def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
   """policy.plan: whole tensors on one device, the partitioned form in a partitioned program, the packed form where
-  the native GEMM can run it (else emulated, with the reason); a scanned stack's block index as the analysis found it."""
+  the native GEMM can run it (else emulated, with the reason); a scanned stack's block index as the analysis found
+  it."""
   sites = [_site(0), _site(1, batch=((0,), (0,))), _site(2, num_stacked=4, block_offset=0, k=48),
            _site(3, num_stacked=4, block_offset=0), _site(4, role="other")]
   analysis = Analysis(sites=sites, ops={}, block_values={2: (None, None), 3: (None, None)}, num_blocks=4,

@@ -79,5 +79,6 @@ def dot_general(a, b, dimension_numbers, *, a_recipe=OperandRecipe(), b_recipe=O
   # Straight-through: the derivative is that of a plain dot of the two fake-quantized operands (nearest rounding).
   a_hat = qz.qdq(_canonical(a, ba, ca), block_2d=a_recipe.block_2d)
   b_hat = qz.qdq(_canonical(b, bb, cb), block_2d=b_recipe.block_2d)
-  ref = jax.lax.dot_general(a_hat, b_hat, _canonical_dimension_numbers(len(ba), a_hat, b_hat), preferred_element_type=out_dtype)
+  ref = jax.lax.dot_general(a_hat, b_hat, _canonical_dimension_numbers(len(ba), a_hat, b_hat),
+                            preferred_element_type=out_dtype)
   return qz.straight_through(ref, jax.lax.stop_gradient(out))

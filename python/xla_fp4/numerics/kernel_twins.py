@@ -1,6 +1,7 @@
 """Pure-JAX twins of the FFI kernels the pass emits, with the kernels' operands and attributes
 (python/xla_fp4/kernels.py states the contract): the same numbers, bit for bit (tests/kernels). The pass lowers them
-into the program where no kernel is registered (passes/rewrite.py `ReferenceKernels`)."""
+into the program where no kernel is registered (passes/rewrite.py `ReferenceKernels`), and the scale and key of the
+partitioned pattern everywhere (`Emitter`)."""
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,23 @@ def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
   return nvfp4.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
 
 
+def decode_scale(block_maxima):
+  """The global decode scale s_dec = amax / (6 * 448) from xla_fp4_block_amax's output (NaN already +Inf there).
+
+  Inlined into the program, amax * (1/2688) would be open to XLA's reassociation of constant products (into the GEMM's
+  alpha): the barrier keeps the kernels' rounding. The pass lowers this twin into partitioned programs, where the max
+  is a plain reduce that XLA turns into an all-reduce."""
+  return jax.lax.optimization_barrier(nvfp4.global_decode_scale(jnp.max(block_maxima)))
+
+
+def stochastic_key(x, salt):
+  """The stochastic-rounding key: `salt` (the site's, a uint32 scalar) xor'ed with x's digest, so that the rounding
+  noise changes every step and differs between layers, yet is reproducible."""
+  return salt ^ nvfp4.tensor_digest(x)
+
+
 def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
-  """xla_fp4_qdq_with_scale: (qdq of x with its own s_dec and key, s_dec). The key is `salt`, xor'ed with x's digest
-  when stochastic."""
-  x32 = x.astype(jnp.float32)
-  src = rht_f32(x32, axis, rht_seed) if rht else x32
-  s_dec = nvfp4.global_decode_scale(jnp.max(jnp.where(jnp.isnan(src), jnp.float32(jnp.inf), jnp.abs(src))))
-  # Inlined into the program, amax * (1/2688) would be open to XLA's reassociation of constant products (into the
-  # GEMM's alpha): the barrier keeps the kernel's rounding.
-  s_dec = jax.lax.optimization_barrier(s_dec)
-  key = salt ^ nvfp4.tensor_digest(x) if stochastic else salt
+  """xla_fp4_qdq_with_scale: (qdq of x with its own s_dec and key, s_dec): the partitioned pattern on one device."""
+  s_dec = decode_scale(block_amax(x, axis=axis, rht=rht, rht_seed=rht_seed))
+  key = stochastic_key(x, salt) if stochastic else salt
   return qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed), s_dec

@@ -128,7 +128,8 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
       backend = choose_backend(config, platform, new, kernels)
       plans = policy_mod.plan(analysis, selected, partitioned=num_partitions(new) > 1,
                               native=backend.gemm == "native", cuda=_is_cuda(platform))
-      emitter = rewrite_mod.Emitter(backend.kernel_set, config.seed, matrix_gemm=(platform or "").lower() == "cpu")
+      emitter = rewrite_mod.Emitter(backend.kernel_set, rewrite_mod.Twins(new), config.seed,
+                                    matrix_gemm=(platform or "").lower() == "cpu")
       passed_in = {}  # (func name, id of the entry call) -> the block index inside the function
       for p in plans:
         dot, block_value = analysis.ops[p.site.index], None

@@ -12,8 +12,8 @@ The kernel measures the operand (amax -> s_dec = amax / (6 * 448); the stochasti
 exact in the operand's dtype; the two global decode scales are folded into the f32 GEMM output, as cuBLASLt's alpha.
 Form.PARTITIONED: the amax must be global, so it is a plain reduce that XLA partitions into an all-reduce:
   %xb   = stablehlo.custom_call @xla_fp4_block_amax(%x) {axis, rht, rht_seed}  ; max |.| per 1x16 block, NaN as Inf
-  %amax = stablehlo.reduce(%xb) applies stablehlo.maximum
-  %sx   = stablehlo.multiply %amax, 1/2688
+  %sx   = call @xla_fp4_twin_decode_scale_<hash>(%xb)  ; max reduce, * 1/2688, optimization barrier
+  %key  = call @xla_fp4_twin_stochastic_key_<hash>(%x, %salt)  ; stochastic rounding only, else the salt
   %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
             apply_global_scale = false, sdy.sharding_rule = ...}
 Both forms compute the same numbers. How each op partitions (measured with benchmarks/sharding.py: dot FLOPs and
@@ -21,11 +21,12 @@ collective bytes per device 1.00x of the unrewritten program in every layout): t
 the GEMM are plain StableHLO that XLA partitions itself; xla_fp4_block_amax and xla_fp4_qdq carry a Shardy rule and a
 registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
 any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable`
-was not used: it covers leading batch dims only. The plain-StableHLO twins were not used: the kernels are faster.
-The few ops around them (the max reduction, the scale, the digest and key) are emitted here, not lowered from
-xla_fp4.numerics.kernel_twins: lowering a JAX function costs 25-50 ms per operand signature (measured), which a
-model with many shapes would add to the pass's time. The partitioned form quantizes bit for bit as the whole-tensor
-kernel does (tests/sharding), and that kernel as its twin (tests/kernels).
+was not used: it covers leading batch dims only. The plain-StableHLO twins of the kernels were not used: the kernels
+are faster. The scale and the key are: they are the twins `kernel_twins.decode_scale` and `stochastic_key`, lowered
+into private functions (`Twins`), one per operand signature. Lowering one costs 11-16 ms (measured), so each
+signature is lowered once per process: on a 7-layer sharded train step the first compilation's pass time grows from
+0.06 s to 0.32 s and later ones stay at 0.03 s (measured). The partitioned form quantizes bit for bit as the
+whole-tensor kernel does (tests/sharding), and that kernel as its twin (tests/kernels).
 Measured on a 2048x1024 f32 operand, block_amax takes 0.33 ms along axis 0 against 1.06 ms for XLA's select/abs/max
 reduction, and 1.23 ms with the RHT against 2.18 ms for xla_fp4_rht + that reduction; along the last axis 0.94 ms
 (4.8 ms with the RHT, which the pass only applies to wgrad operands, quantized along their leading token axis).
@@ -40,10 +41,11 @@ and the NVFP4 pattern in the others (one GEMM per iteration); the block index is
 an extra argument when needed.
 
 Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
-calls to private functions lowered from the pure-JAX reference (platforms without compiled kernels).
+calls to the kernels' twins, lowered the same way (platforms without compiled kernels).
 Form.PACKED (the `native` backend) is a second GEMM emitter in the same `Emitter.emit`: operands are made K-major,
-quantized to the packed format (`xla_fp4_quantize_packed`) and multiplied by `xla_fp4_gemm_packed` (cuBLASLt FP4 on sm_100+, the C++
-reference GEMM on CPU) with alpha = s_dec_a * s_dec_b; scales, keys, RHT and the per-iteration select are shared.
+quantized to the packed format (`xla_fp4_quantize_packed`) and multiplied by `xla_fp4_gemm_packed` (cuBLASLt FP4 on
+sm_100+, the C++ reference GEMM on CPU) with alpha = s_dec_a * s_dec_b; scales, keys, RHT and the per-iteration select
+are shared.
 """
 
 import hashlib
@@ -59,7 +61,7 @@ from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.numerics import formats
-from xla_fp4.numerics import kernel_twins as twins
+from xla_fp4.numerics import kernel_twins
 from xla_fp4.passes.analyze import visible
 from xla_fp4.passes.policy import Form
 from xla_fp4.sharding import partition
@@ -94,28 +96,8 @@ def _const(value, ir_type):
                                                  type=ir.RankedTensorType.get([], ir_type))).result
 
 
-def _reduce(x, op_cls, init, elem_type):
-  """Full reduction of `x` to a scalar with a binary op."""
-  rank = len(_tensor_type(x).shape)
-  red = hlo.ReduceOp([_scalar(elem_type)], [x], [init], list(range(rank)))
-  block = red.regions[0].blocks.append(_scalar(elem_type), _scalar(elem_type))
-  with ir.InsertionPoint(block):
-    hlo.ReturnOp([op_cls(block.arguments[0], block.arguments[1]).result])
-  return red.result
-
-
 def _broadcast(scalar, like_type):
   return hlo.BroadcastInDimOp(like_type, scalar, ir.DenseI64ArrayAttr.get([])).result
-
-
-def _digest(x):
-  """Wrapping uint32 sum of the bits of `x`: cheap, partitionable, different every step."""
-  t = _tensor_type(x)
-  width = ir.FloatType(t.element_type).width
-  bits = hlo.BitcastConvertOp(ir.RankedTensorType.get(t.shape, ir.IntegerType.get_unsigned(width)), x).result
-  if width != 32:
-    bits = hlo.ConvertOp(ir.RankedTensorType.get(t.shape, _u32()), bits).result
-  return _reduce(bits, hlo.AddOp, _const(0, _u32()), _u32())
 
 
 class KernelSet(typing.Protocol):
@@ -185,62 +167,80 @@ def _block_amax_type(x, axis):
   return ir.RankedTensorType.get(shape, _f32())
 
 
-class ReferenceKernels:
-  """Calls to private functions lowered from the kernels' pure-JAX twins (xla_fp4.numerics.kernel_twins); for platforms
-  without compiled kernels."""
-  has_packed = False
+# Twin signature -> its StableHLO text: lowering a twin costs 11-16 ms (measured), parsing the text back well under
+# one, so each signature is lowered once per process and every later compilation reuses it.
+_LOWERED_TEXT = {}
+
+
+class Twins:
+  """Calls to private functions lowered from the pure-JAX twins (xla_fp4.numerics.kernel_twins) into `module`: one
+  function per twin, operand types and parameters."""
 
   def __init__(self, module):
     self.module = module
-    self.symbols = {}
+    self.names = set()
 
-  def _function(self, fn, arg_types, **params):
-    sig = repr((fn.__name__, [str(t) for t in arg_types], sorted(params.items())))
-    name = "xla_fp4_ref_" + fn.__name__ + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
-    if name not in self.symbols:
+  def call(self, fn, operands, result_types, **params):
+    arg_types = [o.type for o in operands]
+    sig = repr((fn.__module__, fn.__name__, [str(t) for t in arg_types], sorted(params.items())))
+    name = "xla_fp4_twin_" + fn.__name__ + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
+    if name not in self.names:
+      if name not in ir.SymbolTable(self.module.operation):  # another Twins on this module may have defined it
+        self._define(name, sig, fn, arg_types, params)
+      self.names.add(name)
+    return func_dialect.CallOp(result_types, ir.FlatSymbolRefAttr.get(name), operands).results
+
+  def _define(self, name, sig, fn, arg_types, params):
+    text = _LOWERED_TEXT.get(sig)
+    if text is None:
       avals = [jax.ShapeDtypeStruct(tuple(ir.RankedTensorType(t).shape),
                                     _DTYPES.get(str(ir.RankedTensorType(t).element_type), jnp.uint32))
                for t in arg_types]
-      text = jax.jit(lambda *a: fn(*a, **params), keep_unused=True).lower(*avals).as_text(debug_info=False)
-      helper = ir.Module.parse(text, context=self.module.context)
-      ops = list(helper.body.operations)
-      for op in ops:  # rename every symbol first, so that calls between helper functions follow
-        sym = ir.StringAttr(op.attributes["sym_name"]).value
-        new = name if sym == "main" else f"{name}_{sym}"
-        ir.SymbolTable.replace_all_symbol_uses(sym, new, helper.operation)
-        op.attributes["sym_name"] = ir.StringAttr.get(new)
-        op.attributes["sym_visibility"] = ir.StringAttr.get("private")
-        for attr in ("arg_attrs", "res_attrs"):
-          if attr in op.attributes:
-            del op.attributes[attr]
-      for op in ops:
-        self.module.body.append(op.clone())
-      self.symbols[name] = [ir.RankedTensorType(t) for t in arg_types]
-    return name
+      # Outside the user's mesh (the pass runs inside their jit): a twin takes whole tensors, and its functions must
+      # not name a mesh that the module lacks.
+      with jax.set_mesh(None):
+        lowered = jax.jit(lambda *a: fn(*a, **params), keep_unused=True).lower(*avals)
+      text = _LOWERED_TEXT[sig] = lowered.as_text(debug_info=False)
+    helper = ir.Module.parse(text, context=self.module.context)
+    funcs = [op for op in helper.body.operations if op.operation.name == "func.func"]  # not a mesh JAX may add
+    for op in funcs:  # rename every symbol first, so that calls between helper functions follow
+      sym = ir.StringAttr(op.attributes["sym_name"]).value
+      new = name if sym == "main" else f"{name}_{sym}"
+      ir.SymbolTable.replace_all_symbol_uses(sym, new, helper.operation)
+      op.attributes["sym_name"] = ir.StringAttr.get(new)
+      op.attributes["sym_visibility"] = ir.StringAttr.get("private")
+      for attr in ("arg_attrs", "res_attrs"):
+        if attr in op.attributes:
+          del op.attributes[attr]
+    for op in funcs:
+      self.module.body.append(op.clone())
 
-  def _call(self, name, result_type, operands):
-    return func_dialect.CallOp([result_type], ir.FlatSymbolRefAttr.get(name), operands).result
+
+class ReferenceKernels:
+  """The kernels as calls to their pure-JAX twins (Twins); for platforms without compiled kernels."""
+  has_packed = False
+
+  def __init__(self, module):
+    self.twins = Twins(module)
 
   def qdq_with_scale(self, x, salt, **params):
     salt = _const(salt, _u32())  # an operand, so that all sites share one function per shape and recipe
-    name = self._function(twins.qdq_with_scale, [x.type, salt.type], **params)
-    call = func_dialect.CallOp([x.type, _scalar(_f32())], ir.FlatSymbolRefAttr.get(name), [x, salt])
-    return call.results[0], call.results[1]
+    q, s_dec = self.twins.call(kernel_twins.qdq_with_scale, [x, salt], [x.type, _scalar(_f32())], **params)
+    return q, s_dec
 
   def block_amax(self, x, **params):
-    name = self._function(twins.block_amax, [x.type], **params)
-    return self._call(name, _block_amax_type(x, params["axis"]), [x])
+    return self.twins.call(kernel_twins.block_amax, [x], [_block_amax_type(x, params["axis"])], **params)[0]
 
   def qdq(self, x, s_dec, key, **params):
-    name = self._function(twins.qdq, [x.type, s_dec.type, key.type], **params)
-    return self._call(name, x.type, [x, s_dec, key])
+    return self.twins.call(kernel_twins.qdq, [x, s_dec, key], [x.type], **params)[0]
 
 
 class Emitter:
   """Emits the NVFP4 pattern for one dot at a time."""
 
-  def __init__(self, kernels, seed, matrix_gemm=False):
+  def __init__(self, kernels, twins, seed, matrix_gemm=False):
     self.kernels = kernels
+    self.twins = twins  # Twins of the module being rewritten
     self.seed = seed
     # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
@@ -250,19 +250,14 @@ class Emitter:
     self._merges = {}  # (value, contracting dims) -> the value with those dims merged
 
   def _scale_and_key(self, x, axis, recipe, site_id):
-    """amax (after the RHT where it applies) as a plain reduce -> s_dec; the stochastic-rounding key."""
-    f32 = _f32()
-    # Per-block maxima (NaN counted as +Inf, so that NaN/Inf in an operand reach the GEMM's output: docs/design.md
-    # §2) are block-local, so each shard measures its own; their max is one plain reduce, a scalar all-reduce.
+    """The global decode scale of x (after the RHT where it applies) and the stochastic-rounding key, as the
+    partitioned pattern computes them: per-block maxima (block-local, so each shard measures its own), then the twins
+    kernel_twins.decode_scale (a plain max reduce, which XLA partitions into a scalar all-reduce) and stochastic_key."""
     blocks = self.kernels.block_amax(x, axis=axis, rht=recipe.rht, rht_seed=self.seed)
-    amax = _reduce(blocks, hlo.MaxOp, _const(0.0, f32), f32)
-    s_dec = hlo.MulOp(amax, _const(formats.INV_GLOBAL_SCALE_DIVISOR, f32)).result  # numerics.global_decode_scale
-    # Left open, XLA would reassociate the constant into the GEMM's alpha = s_dec_a * s_dec_b and round differently
-    # from xla_fp4_qdq_with_scale: the barrier keeps both forms bit-identical.
-    s_dec = hlo.OptimizationBarrierOp([s_dec]).results[0]
+    s_dec = self.twins.call(kernel_twins.decode_scale, [blocks], [_scalar(_f32())])[0]
     stochastic = recipe.rounding == "stochastic"
-    salt = formats.fold_in_int(self.seed, site_id)
-    key = hlo.XorOp(_digest(x), _const(salt, _u32())).result if stochastic else _const(salt, _u32())
+    salt = _const(formats.fold_in_int(self.seed, site_id), _u32())
+    key = self.twins.call(kernel_twins.stochastic_key, [x, salt], [_scalar(_u32())])[0] if stochastic else salt
     return s_dec, key, stochastic
 
   def _operand(self, x, axis, recipe, site_id, user, whole):

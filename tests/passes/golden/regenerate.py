@@ -82,15 +82,14 @@ CASES = {
     "fprop_partitioned": (fprop, (X, W), "", """
 // A partitioned program: per-block maxima, then amax as a plain reduce (XLA makes it a cross-device all-reduce) fed
 // to xla_fp4_qdq. Each call carries its Shardy rule: K = 64 is the compound (4 blocks, 16) whose 16 is never split.
+// The reduce and the decode scale are the twin kernel_twins.decode_scale, lowered into a private function.
 // DECISIONS: fprop:nvfp4
 // CHECK-LABEL: func.func public @main
 // CHECK: %[[XB:[0-9]+]] = stablehlo.custom_call @xla_fp4_block_amax(%[[X:[0-9]+]])
 // CHECK-SAME: axis = 1 : i64, rht = false
 // CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([i, jk])->([i, j]) {i=32, j=4, k=16} need_replication={k}, custom>
 // CHECK-SAME: -> tensor<32x4xf32>
-// CHECK: %[[AMAX:[0-9]+]] = stablehlo.reduce(%[[XB]] init: %{{.*}}) applies stablehlo.maximum
-// CHECK: %[[S:[0-9]+]] = stablehlo.multiply %[[AMAX]]
-// CHECK: %[[SX:[0-9]+]] = stablehlo.optimization_barrier %[[S]]
+// CHECK: %[[SX:[0-9]+]] = call @[[SCALE:xla_fp4_twin_decode_scale_[0-9a-f]+]](%[[XB]])
 // CHECK: %[[QX:[0-9]+]] = stablehlo.custom_call @xla_fp4_qdq(%[[X]], %[[SX]], %{{[a-z0-9_]+}})
 // CHECK-SAME: apply_global_scale = false, axis = 1 : i64, block_2d = false
 // CHECK-SAME: stochastic = false
@@ -101,7 +100,12 @@ CASES = {
 // CHECK: stablehlo.dot_general %[[QX]], %[[QW]]
 // CHECK-SAME: -> tensor<32x64xf32>
 // CHECK-NOT: stablehlo.dot_general
-// CHECK: return""", 2),
+// CHECK: return
+// CHECK: func.func private @[[SCALE]](%[[B:.+]]: tensor<32x4xf32>) -> tensor<f32>
+// CHECK: %[[AMAX:[0-9]+]] = stablehlo.reduce(%[[B]] init: %{{.*}}) applies stablehlo.maximum
+// CHECK: %[[S:[0-9]+]] = stablehlo.multiply %[[AMAX]]
+// CHECK: %[[SX2:[0-9]+]] = stablehlo.optimization_barrier %[[S]]
+// CHECK: return %[[SX2]]""", 2),
     "backward_dgrad_wgrad": (train_linear, (jax.ShapeDtypeStruct((32, 64), jnp.float32),
                                              jax.ShapeDtypeStruct((64, 64), jnp.float32)), "keep_head=0", """
 // (The one layer is the output head: keep_head=0 puts it in NVFP4.)
