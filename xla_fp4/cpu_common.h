@@ -198,21 +198,14 @@ struct Geometry : AxisShape {  // outer, k, inner and size() (ffi_checks.h)
   bool axis_last() const { return inner == 1; }
 };
 
-// s_j / 4 for the RHT with `seed`.
-struct RhtSigns {
-  float sign_quarter[kBlock];
-  explicit RhtSigns(uint32_t seed) {
-    for (int j = 0; j < kBlock; ++j) sign_quarter[j] = RhtSign(seed, j) * 0.25f;
-  }
+// What a quantizing kernel reads from its operands besides x (numerics/nvfp4.py _encode with the caller's s_dec): the
+// tensor's global scale and its stochastic-rounding key. (On a GPU both stay on the device.)
+struct TensorParams {
+  TensorScale scale;
+  uint32_t mixed_key;  // Mix32(key)
 };
 
-// How a tensor is quantized (numerics/nvfp4.py _encode with the caller's s_dec).
-struct Recipe {
-  bool block_2d;
-  bool stochastic;
-  uint32_t mixed_key;  // Mix32(key)
-  TensorScale scale;
-};
+inline TensorParams MakeTensorParams(float s_dec, uint32_t key) { return {MakeTensorScale(s_dec), Mix32(key)}; }
 
 // ---- x viewed as a row-major matrix (lines, cols), walked in 16x16 tiles of contiguous rows ----
 //
@@ -322,9 +315,10 @@ inline int BlockOf(int i, int j) {
 // (BlockOf<kBlocks>).
 template <Blocks kBlocks, bool kStochastic, RhtAlong kRht, bool kDecode, typename T, typename Sink>
 // flatten: with the sink inlined by request only, GCC left the stochastic variant 20% slower (measured).
-XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, const View& view, const Recipe& r,
-                                                                 const float* sign_quarter, float decode_scale,
-                                                                 int64_t t_begin, int64_t t_end, Sink&& sink) {
+XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, const View& view,
+                                                                 const TensorParams& tensor, const float* sign_quarter,
+                                                                 float decode_scale, int64_t t_begin, int64_t t_end,
+                                                                 Sink&& sink) {
   alignas(64) float v[kBlock][kBlock];
   alignas(64) uint32_t am[kBlock];
   alignas(64) float inv[kBlock], scale[kBlock];
@@ -358,10 +352,10 @@ XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, co
       }
     }
     // MakeBlockScale, split in two loops of fixed trip count that vectorize.
-    for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * r.scale.s_enc_over_6);
+    for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * tensor.scale.s_enc_over_6);
     for (int b = 0; b < kBlock; ++b) {
       scale[b] = E4M3Decode(code[b]);
-      const float denom = scale[b] * r.scale.s_dec;
+      const float denom = scale[b] * tensor.scale.s_dec;
       inv[b] = 1.0f / denom;
       zero[b] = denom == 0.0f ? 1u : 0u;
     }
@@ -376,7 +370,7 @@ XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, co
         s.inv_denom = inv[b];
         s.zero = zero[b] != 0u;
         const float u =
-            kStochastic ? UniformFromBits(RandomBits(r.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
+            kStochastic ? UniformFromBits(RandomBits(tensor.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
         const float q = QuantizeElement(v[i][j], s, kStochastic, u);
         if constexpr (kDecode) {
           v[i][j] = DecodeElement(q, s.scale, decode_scale);
@@ -404,19 +398,20 @@ auto WithRht(RhtAlong along, F&& f) {
 }
 
 // Quantizes every tile of x in parallel (1x16 blocks along the axis, or 16x16 tiles when r.block_2d; the RHT along
-// the axis when `rht`), with the blocks, the rounding and the RHT direction as compile-time variants, and hands each
+// the axis when r.rht), with the blocks, the rounding and the RHT direction as compile-time variants, and hands each
 // tile to sink(blocks, view, p, v, code): blocks a std::integral_constant<Blocks, ...>, the rest as QuantizeTiles
 // gives them (with kDecode v holds the decoded values, else q).
 template <bool kDecode, typename T, typename Sink>
-void ForEachQuantizedTile(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, const RhtSigns* rht,
-                          float decode_scale, Sink&& sink) {
+void ForEachQuantizedTile(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
+                          const TensorParams& tensor, float decode_scale, Sink&& sink) {
+  const RhtSigns* rht = r.rht_signs();
   const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
   const View view = ViewOf(g, blocks);
   const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
   auto run = [&](auto blocks_c, auto stochastic, auto along) {
     ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
       QuantizeTiles<decltype(blocks_c)::value, decltype(stochastic)::value, decltype(along)::value, kDecode>(
-          x, view, r, sq, decode_scale, begin, end,
+          x, view, tensor, sq, decode_scale, begin, end,
           [&](const TilePos& p, float (&v)[kBlock][kBlock], const uint8_t* code) { sink(blocks_c, view, p, v, code); });
     });
     return 0;

@@ -191,6 +191,24 @@ XLA_FP4_HOST_DEVICE inline void Rht16(float* v, const float* sign_quarter) {
   for (int j = 0; j < kBlock; ++j) v[j] *= sign_quarter[j];
 }
 
+// s_j / 4 for the RHT with `seed`: Rht16's factors.
+struct RhtSigns {
+  float sign_quarter[kBlock];
+  explicit RhtSigns(uint32_t seed) {
+    for (int j = 0; j < kBlock; ++j) sign_quarter[j] = RhtSign(seed, j) * 0.25f;
+  }
+};
+
+// How one call quantizes, from its attributes (python/xla_fp4/kernels.py): 16x16 tiles or 1x16 blocks, stochastic or
+// nearest rounding, the RHT along the axis or none. The CPU and the CUDA kernels take it alike (by value on a GPU).
+struct Recipe {
+  bool block_2d, stochastic, rht;
+  RhtSigns signs;
+  Recipe(bool block_2d, bool stochastic, bool rht, int64_t rht_seed)
+      : block_2d(block_2d), stochastic(stochastic), rht(rht), signs(static_cast<uint32_t>(rht_seed)) {}
+  const RhtSigns* rht_signs() const { return rht ? &signs : nullptr; }
+};
+
 // ---- the recipe (numerics/nvfp4.py _encode / _decode) ----
 
 // |v| as bits for a per-tensor amax in which NaN counts as +Inf: for non-negative floats the integer order is the float

@@ -17,12 +17,12 @@ namespace {
 
 template <typename T>
 void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t k, const Recipe& r,
-                        const RhtSigns* rht, uint8_t* data, uint8_t* scales) {
+                        const TensorParams& tensor, uint8_t* data, uint8_t* scales) {
   std::memset(scales, 0, PaddedScaleCount(rows, k));  // the padding must be zero
   const int64_t padded_cols = PaddedScaleCols(k);
   // x is (rows, K), the axis last: every tile line is 16 consecutive elements of one row and one block, and data is
   // the row-major elements two to a byte (the even one in the low nibble).
-  ForEachQuantizedTile</*kDecode=*/false>(pool, x, Geometry{{rows, k, 1}}, r, rht, /*decode_scale=*/1.0f,
+  ForEachQuantizedTile</*kDecode=*/false>(pool, x, Geometry{{rows, k, 1}}, r, tensor, /*decode_scale=*/1.0f,
                        [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
                            const uint8_t* code) {
     for (int i = 0; i < p.nl; ++i) {
@@ -90,12 +90,12 @@ ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   if (ffi::Error e = CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k); e.failure()) {
     return e;
   }
-  const Recipe recipe{block_2d, stochastic, Mix32(*static_cast<const uint32_t*>(key.untyped_data())),
-                      MakeTensorScale(*static_cast<const float*>(s_dec.untyped_data()))};
-  const RhtSigns signs(static_cast<uint32_t>(rht_seed));
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
+                                               *static_cast<const uint32_t*>(key.untyped_data()));
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    QuantizePackedImpl(pool, static_cast<const T*>(x.untyped_data()), rows, k, recipe, rht ? &signs : nullptr,
+    QuantizePackedImpl(pool, static_cast<const T*>(x.untyped_data()), rows, k, recipe, tensor,
                        static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data()));
     return ffi::Error::Success();
   });

@@ -16,10 +16,10 @@ namespace {
 // With apply_global_scale off the result is q * scale, exact in every float dtype: the emulated GEMM then folds
 // both tensors' s_dec into its float32 output, as cuBLASLt's alpha does (docs/design.md §2).
 template <typename T>
-void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const RhtSigns* rht,
+void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const TensorParams& tensor,
              bool apply_global_scale) {
-  const float decode_scale = apply_global_scale ? r.scale.s_dec : 1.0f;
-  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, rht, decode_scale,
+  const float decode_scale = apply_global_scale ? tensor.scale.s_dec : 1.0f;
+  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor, decode_scale,
                        [&](auto, const View& view, const TilePos& p, float (&q)[kBlock][kBlock], const uint8_t*) {
     if (p.full) {
       for (int i = 0; i < kBlock; ++i) {
@@ -168,13 +168,13 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
       e.failure()) {
     return e;
   }
-  const Recipe recipe{block_2d, stochastic, Mix32(*static_cast<const uint32_t*>(key.untyped_data())),
-                      MakeTensorScale(*static_cast<const float*>(s_dec.untyped_data()))};
-  const RhtSigns signs(static_cast<uint32_t>(rht_seed));
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
+                                               *static_cast<const uint32_t*>(key.untyped_data()));
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    QdqImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), g, recipe,
-            rht ? &signs : nullptr, apply_global_scale);
+    QdqImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), g, recipe, tensor,
+            apply_global_scale);
     return ffi::Error::Success();
   });
 }
@@ -192,16 +192,16 @@ ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<f
       e.failure()) {
     return e;
   }
-  const RhtSigns signs(static_cast<uint32_t>(rht_seed));
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
-    const TensorStats stats = MeasureTensor(pool, xp, g, rht ? &signs : nullptr, stochastic);
+    const TensorStats stats = MeasureTensor(pool, xp, g, recipe.rht_signs(), stochastic);
     const float scale = GlobalDecodeScale(stats.amax_bits);
     const uint32_t key = (stochastic ? stats.digest : 0u) ^ static_cast<uint32_t>(salt);
     *static_cast<float*>(s_dec->untyped_data()) = scale;
-    QdqImpl(pool, xp, static_cast<T*>(y->untyped_data()), g, Recipe{block_2d, stochastic, Mix32(key),
-            MakeTensorScale(scale)}, rht ? &signs : nullptr, /*apply_global_scale=*/false);
+    QdqImpl(pool, xp, static_cast<T*>(y->untyped_data()), g, recipe, MakeTensorParams(scale, key),
+            /*apply_global_scale=*/false);
     return ffi::Error::Success();
   });
 }

@@ -88,18 +88,6 @@ __device__ void StoreBlock(T* y, const BlockGrid& g, const BlockIndex& b, const 
   for (int j = 0; j < kBlock; ++j) y[g.Offset(b, j)] = FromFloat<T>(v[j]);
 }
 
-// The recipe's switches plus the RHT signs (s_j / 4), computed once on the host.
-struct Recipe {
-  bool block_2d, stochastic, rht;
-  float sign_quarter[kBlock];
-
-  static Recipe Make(bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
-    Recipe r{block_2d, stochastic, rht, {}};
-    for (int j = 0; j < kBlock; ++j) r.sign_quarter[j] = RhtSign(static_cast<uint32_t>(rht_seed), j) * 0.25f;
-    return r;
-  }
-};
-
 // Quantizes one block per thread (after the RHT if asked) and hands (block, scale, E2M1 values) to `sink`, which
 // decodes them (qdq) or packs them (quantize_packed). s_dec and key stay on the device: no host synchronization.
 template <typename T, typename Sink>
@@ -108,7 +96,7 @@ __global__ void QuantizeKernel(const T* x, BlockGrid g, Recipe r, const float* s
   float v[kBlock] = {};
   if (b.active) {
     LoadBlock(x, g, b, v);
-    if (r.rht) Rht16(v, r.sign_quarter);
+    if (r.rht) Rht16(v, r.signs.sign_quarter);
   }
   float amax = 0.0f;
   for (int j = 0; j < kBlock; ++j) amax = MaxNan(amax, Abs(v[j]));

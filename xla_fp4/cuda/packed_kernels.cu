@@ -51,7 +51,7 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   }
   const BlockGrid g = BlockGrid::Make(rows, k, 1, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
-  const Recipe r = Recipe::Make(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
   const PackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data()),
                       PaddedScaleCols(k)};
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {

@@ -36,7 +36,7 @@ __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
   if (!b.active) return;
   float v[kBlock];
   LoadBlock(x, g, b, v);
-  Rht16(v, r.sign_quarter);
+  Rht16(v, r.signs.sign_quarter);
   StoreBlock(y, g, b, v);
 }
 
@@ -49,7 +49,7 @@ __global__ void BlockAmaxKernel(const T* x, int64_t blocks, int64_t inner, int64
   const T* rows = x + ob * kBlock * inner + i;
   float v[kBlock];
   for (int j = 0; j < kBlock; ++j) v[j] = ToFloat(rows[j * inner]);
-  if (r.rht) Rht16(v, r.sign_quarter);
+  if (r.rht) Rht16(v, r.signs.sign_quarter);
   uint32_t m = 0;
   for (int j = 0; j < kBlock; ++j) m = max(m, MagnitudeBits(v[j]));
   amax[t] = __uint_as_float(m);
@@ -72,7 +72,7 @@ __global__ void MeasureKernel(const T* x, BlockGrid g, Recipe r, uint32_t* stats
       v[j] = ToFloat(e);
       s += RawBits(e);
     }
-    if (r.rht) Rht16(v, r.sign_quarter);
+    if (r.rht) Rht16(v, r.signs.sign_quarter);
     for (int j = 0; j < kBlock; ++j) m = max(m, MagnitudeBits(v[j]));
   }
   for (int lane = 16; lane > 0; lane /= 2) {  // every lane takes part, active or not
@@ -101,7 +101,7 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
   const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
-  const Recipe r = Recipe::Make(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
@@ -124,7 +124,7 @@ ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for 12 bytes");
   uint32_t* stats = static_cast<uint32_t*>(*words);  // amax bits, digest, key
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(stats, 0, 2 * sizeof(uint32_t), stream), "cudaMemsetAsync"));
-  const Recipe r = Recipe::Make(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
@@ -153,7 +153,7 @@ ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ff
   if (y->element_count() != x.element_count()) return InvalidArgument("xla_fp4_rht returns a tensor of x's shape");
   const BlockGrid g = BlockGrid::Make(outer, k, inner, /*block_2d=*/false);
   if (g.Threads() == 0) return ffi::Error::Success();
-  const Recipe r = Recipe::Make(false, false, true, rht_seed);
+  const Recipe r(false, false, true, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     RhtKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(static_cast<const T*>(x.untyped_data()), g, r,
@@ -173,7 +173,7 @@ ffi::Error BlockAmax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buf
     return InvalidArgument("xla_fp4_block_amax returns x's shape with the axis divided by 16");
   }
   if (n == 0) return ffi::Error::Success();
-  const Recipe r = Recipe::Make(false, false, rht, rht_seed);
+  const Recipe r(false, false, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     BlockAmaxKernel<<<GridSize(n), kThreadsPerBlock, 0, stream>>>(static_cast<const T*>(x.untyped_data()),
