@@ -44,7 +44,14 @@ CONFIGS = {
     "llama2": ["model_name=llama2-7b", "override_model_config=true"],
     "gemma": ["model_name=gemma-2b", "override_model_config=true"],  # logits through the tied embedding
     "gpt3": ["model_name=gpt3-52k", "override_model_config=true"],
+    # Sharded over 8 host devices (SHARDED): FSDP over all of them, and FSDP x tensor parallelism.
+    "fsdp8": ["ici_fsdp_parallelism=8"],
+    "fsdp4_tp2": ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
 }
+# Configurations that run on 8 host devices. For these the optimized HLO of both runs' train step is dumped, and the
+# per-device dot FLOPs and collective bytes (xla_fp4.sharding.cost) must stay within issue 8's targets.
+SHARDED = {"fsdp8", "fsdp4_tp2"}
+HOST_DEVICES = 8
 STEP_RE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+),.* loss: ([0-9.]+)")
 
 
@@ -73,12 +80,15 @@ def setup():
   return python
 
 
-def train(python, name, overrides, steps, fp4, dump_dir, log):
+def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False):
   config = subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
                            "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
-  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4")}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
   if fp4:
     env.update(XLA_FP4="1", XLA_FP4_DUMP_DIR=str(dump_dir))
+  if sharded:
+    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={HOST_DEVICES} --xla_dump_hlo_as_proto "
+                        f"--xla_dump_to={hlo_dir(dump_dir, fp4)} --xla_dump_hlo_module_re=.*train_step.*")
   cmd = [str(python), "-m", "maxtext.trainers.pre_train.train", config, f"run_name={name}",
          f"base_output_directory={dump_dir.parent / 'maxtext_out'}", f"steps={steps}", *SMALL, *overrides]
   start = time.time()
@@ -92,6 +102,43 @@ def train(python, name, overrides, steps, fp4, dump_dir, log):
               losses=[l for _, _, l in steps_seen],
               # Step 0 compiles; the median of the others is the step time.
               step_s=statistics.median([t for s, t, _ in steps_seen if s > 0]) if len(steps_seen) > 1 else None)
+
+
+def hlo_dir(dump_dir, fp4):
+  return dump_dir.parent / ("hlo_fp4" if fp4 else "hlo_base")
+
+
+def hlo_module_proto(python, path):
+  """The HloModuleProto inside the xla.HloProto that XLA dumps as *.hlo.pb, read with the XLA protos that ship in the
+  MaxText venv (tensorflow's)."""
+  out = path.with_suffix(".module")
+  subprocess.run([python, "-c", "import sys; from tensorflow.compiler.xla.service import hlo_pb2; "
+                  "p = hlo_pb2.HloProto.FromString(open(sys.argv[1], 'rb').read()); "
+                  "open(sys.argv[2], 'wb').write(p.hlo_module.SerializeToString())", str(path), str(out)],
+                 check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  return out.read_bytes()
+
+
+def sharded_cost(python, dump_dir):
+  """Per-device dot FLOPs and collective bytes of the optimized train step, with the pass and without, and the
+  targets' violations (issue 8: dot FLOPs <= 1.05x, collective bytes <= 1.10x apart from scalar all-reduces)."""
+  sys.path.insert(0, str(ROOT / "python"))
+  from xla_fp4.sharding.cost import hlo_proto_cost
+  costs = {}
+  for fp4 in (False, True):
+    paths = sorted(glob.glob(str(hlo_dir(dump_dir, fp4) / "*train_step*after_optimizations.hlo.pb")))
+    if not paths:
+      return None, [f"no optimized train step HLO dumped under {hlo_dir(dump_dir, fp4)}"]
+    costs["pass" if fp4 else "none"] = hlo_proto_cost(hlo_module_proto(python, Path(paths[-1])))
+  none, new = costs["none"], costs["pass"]
+  out = dict(dot_flops_ratio=round(new.dot_flops / none.dot_flops, 4),
+             collective_bytes_ratio=round(new.large_collective_bytes / max(none.large_collective_bytes, 1), 4),
+             collective_bytes=dict(none=none.collective_bytes, pass_=new.collective_bytes),
+             scalar_collective_bytes_pass=new.scalar_collective_bytes,
+             collectives=dict(none=none.collectives, pass_=new.collectives))
+  bad = [f"{k} {out[k]} > {limit}" for k, limit in (("dot_flops_ratio", 1.05), ("collective_bytes_ratio", 1.10))
+         if out[k] > limit]
+  return out, bad
 
 
 def check_policy(dump_dir):
@@ -142,12 +189,16 @@ def main(argv=None):
     work = args.work / name
     shutil.rmtree(work, ignore_errors=True)
     (work / "dump").mkdir(parents=True)
-    base = train(python, f"{name}_base", CONFIGS[name], args.steps, False, work / "dump", work / "base.log")
-    nvfp4 = train(python, f"{name}_fp4", CONFIGS[name], args.steps, True, work / "dump", work / "fp4.log")
+    sharded = name in SHARDED
+    base = train(python, f"{name}_base", CONFIGS[name], args.steps, False, work / "dump", work / "base.log", sharded)
+    nvfp4 = train(python, f"{name}_fp4", CONFIGS[name], args.steps, True, work / "dump", work / "fp4.log", sharded)
     entry = dict(overrides=CONFIGS[name], baseline=base, nvfp4=nvfp4)
     ok = base["returncode"] == 0 and nvfp4["returncode"] == 0 and len(nvfp4["losses"]) == args.steps
     if ok:
       entry["decisions"], entry["policy_violations"] = check_policy(work / "dump")
+      if sharded:
+        entry["per_device_cost"], bad = sharded_cost(python, work / "dump")
+        entry["policy_violations"] += bad
       entry["loss_gap_last"] = round(nvfp4["losses"][-1] - base["losses"][-1], 4)
       entry["step_time_ratio"] = round(nvfp4["step_s"] / base["step_s"], 3) if base["step_s"] else None
       ok = not entry["policy_violations"] and not nvfp4["warnings"]

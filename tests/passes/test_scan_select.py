@@ -53,3 +53,20 @@ def test_decisions_report_the_scanned_stack():
   linear = [r for r in rows if r["role"] != "other"]
   assert {r["role"] for r in linear} == {"fprop", "dgrad", "wgrad"}
   assert all(r["block"] == "scan" and r["keep_blocks"] == [LAYERS - 1] for r in linear)
+
+
+def test_a_kept_iteration_runs_the_dot_in_high_precision():
+  """In a kept iteration the GEMM gets the operands themselves (the case's other branch), so with float32 operands
+  the first layer of the stack, kept and fed the model's own input, is the baseline's bit for bit."""
+  def layers(ws, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w),) * 2, x, ws)[1]
+  base = jax.jit(layers)(*_args())
+  xla_fp4.enable(strict=True, keep_head=False, keep_first=1, keep_last=0)
+  try:
+    rows = xla_fp4.explain(layers, *_args())
+    kept_first = jax.jit(layers)(*_args())
+  finally:
+    xla_fp4.disable()
+  assert [r["keep_blocks"] for r in rows if r["role"] == "fprop"] == [[0]]
+  assert jnp.array_equal(kept_first[0], base[0])
+  assert not jnp.array_equal(kept_first[1], base[1])

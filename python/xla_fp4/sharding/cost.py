@@ -89,11 +89,24 @@ def _callees(ins):
 
 
 def cost(compiled) -> Cost:
-  """The per-device Cost of one step of `compiled` (a `jax.stages.Compiled`): every computation reached from the
-  entry counts once per call site, a conditional as its most expensive branch (only one runs)."""
+  """The per-device Cost of one step of `compiled` (a `jax.stages.Compiled`)."""
+  return modules_cost(compiled.runtime_executable().hlo_modules())
+
+
+def hlo_proto_cost(serialized: bytes) -> Cost:
+  """The Cost of an optimized HLO module as XLA dumps it (`--xla_dump_to --xla_dump_hlo_as_proto`,
+  `*after_optimizations.hlo.pb`), for programs compiled elsewhere, such as MaxText's train step
+  (examples/maxtext/run.py). (XLA's dumped text does not parse back: it names tuple elements `%param#1`.)"""
+  from jax._src.lib import xla_client
+  return modules_cost([xla_client.hlo.HloModule.from_serialized_hlo_module_proto(serialized)])
+
+
+def modules_cost(modules) -> Cost:
+  """The per-device Cost of HloModules: every computation reached from an entry counts once per call site, a
+  conditional as its most expensive branch (only one runs)."""
   flops = elements = total = scalar = 0
   counts = {}
-  for module in compiled.runtime_executable().hlo_modules():
+  for module in modules:
     by_name = {c.name: c for c in module.computations()}
     called = set()
     for c in by_name.values():
