@@ -250,10 +250,10 @@ class Emitter:
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
     # matrices, which a reshape gives when the contracting dim is first or last, they run (_as_matrices).
     self.matrix_gemm = matrix_gemm
-    # value -> [(axis, block_2d, rht, selector, q·scale, s_dec)] of its nearest-rounded quantizations
+    # value -> [(blocking, selector, q·scale, s_dec)] of the nearest-rounded quantizations of it or of reshapes of it
     self._quantized = {}
     self._selectors = {}  # (block index, kept blocks) -> the branch index of _selector
-    self._merges = {}  # (value, contracting dims) -> the value with those dims merged
+    self._reshapes = {}  # (source value, shape) -> its reshape (_reshaped)
 
   def _scale_and_key(self, x, axis, recipe, site_id):
     """The global decode scale of x (after the RHT where it applies) and the stochastic-rounding key, as the
@@ -270,18 +270,20 @@ class Emitter:
     """-> (q·scale in x's dtype, s_dec f32 scalar); with `select` (the iteration's branch index in a scanned stack
     with kept blocks), a `stablehlo.case` that gives (x, 1.0) in kept iterations instead.
 
-    Nearest rounding gives the same q wherever the same tensor is quantized the same way, so each such operand is
-    quantized once while the result is visible: the q, k and v projections of one input share it, and a dgrad reuses
-    its fprop's 16x16-tiled weight (the same tiles along either axis: the recipe's "same quantized values as in
-    fprop"). `whole`: the kernel measures its operand itself (Form.WHOLE_TENSOR) instead of the reductions around it
-    that a partitioned program needs for a global amax."""
+    Nearest rounding gives the same q wherever the same elements are quantized in the same blocks (_blocking), so
+    each such operand is quantized once while the result is visible, and reshaped where another dot reads a reshape
+    of it: the q, k and v projections of one input share it, and a dgrad reuses its fprop's 16x16-tiled weight (the
+    recipe's "same quantized values as in fprop"), also where one of them merges the weight's dims (attention's
+    (D, heads, head_dim) projections). `whole`: the kernel measures its operand itself (Form.WHOLE_TENSOR) instead of
+    the reductions around it that a partitioned program needs for a global amax."""
     stochastic = recipe.rounding == "stochastic"
+    source = _reshape_source(x)
+    blocking = _blocking(_tensor_type(x).shape, axis, recipe.block_2d, recipe.rht)
     if not stochastic:
-      for (a, block_2d, rht, sel, q, s_dec) in self._quantized.get(x, ()):
+      for (b, sel, q, s_dec) in self._quantized.get(source, ()):
         # Dots are rewritten in program order, so a q in the user's own block precedes it.
-        if block_2d == recipe.block_2d and rht == recipe.rht and (a == axis or (block_2d and not rht)) and \
-            _same_selector(sel, select) and _before_in_program_order(q, user):
-          return q, s_dec
+        if b == blocking and _same_selector(sel, select) and _before_in_program_order(q, user):
+          return self._reshaped(q, _tensor_type(x).shape, user), s_dec
     if select is None:
       q, s_dec = self._quantize(x, axis, recipe, site_id, whole)
     else:
@@ -292,7 +294,7 @@ class Emitter:
         hlo.ReturnOp(list(self._quantize(x, axis, recipe, site_id, whole)))
       q, s_dec = case.results[0], case.results[1]
     if not stochastic:
-      self._quantized.setdefault(x, []).append((axis, recipe.block_2d, recipe.rht, select, q, s_dec))
+      self._quantized.setdefault(source, []).append((blocking, select, q, s_dec))
     return q, s_dec
 
   def _quantize(self, x, axis, recipe, site_id, whole):
@@ -345,14 +347,20 @@ class Emitter:
       y = hlo.ConvertOp(out_type, y).result
     return y
 
-  def _merged(self, x, dims, user):
-    """_merge_adjacent, one reshape per tensor and dims while it is visible: the q, k and v wgrads then see the same
-    activation value, which _operand quantizes once."""
-    key = (x, tuple(dims))
-    merged = self._merges.get(key)
-    if merged is None or not _before_in_program_order(merged, user):
-      merged = self._merges[key] = _merge_adjacent(x, dims)
-    return merged
+  def _reshaped(self, x, shape, user):
+    """x reshaped to `shape`: one reshape per source value (_reshape_source) and shape while it is visible. The q, k
+    and v wgrads then see the same merged activation, which _operand quantizes once, and XLA sees one value where
+    two dots read a weight alike, which a layout then gathers once (an all-gather per reshape otherwise: MaxText's
+    attention weights under FSDP, measured)."""
+    source = _reshape_source(x)
+    if list(_tensor_type(source).shape) == list(shape):
+      return source
+    key = (source, tuple(shape))
+    reshaped = self._reshapes.get(key)
+    if reshaped is None or not _before_in_program_order(reshaped, user):
+      t = ir.RankedTensorType.get(list(shape), _tensor_type(x).element_type)
+      reshaped = self._reshapes[key] = hlo.ReshapeOp(t, source).result
+    return reshaped
 
   def _emulated_gemm(self, dot, site, decision, whole, select):
     """The dot_general on q·scale operands (with `select`, on the operands themselves in kept iterations),
@@ -367,7 +375,7 @@ class Emitter:
     if len(lc) == 1:
       la, ra = lc[0], rc[0]
     elif _adjacent(lc) and _adjacent(rc):
-      lhs, rhs = self._merged(lhs, lc, dot), self._merged(rhs, rc, dot)
+      lhs, rhs = (self._reshaped(v, _merged_shape(v, c), dot) for v, c in ((lhs, lc), (rhs, rc)))
       la, ra = lc[0], rc[0]
       dims = hlo.DotDimensionNumbers.get(
           lhs_batching_dimensions=[_after_merge(d, lc) for d in lb],
@@ -385,7 +393,8 @@ class Emitter:
     kwargs = {}
     if "precision_config" in dot.attributes:
       kwargs["precision_config"] = dot.attributes["precision_config"]
-    matrices = _as_matrices(qa, qb, dims) if self.matrix_gemm and _tensor_type(qa).element_type != _f32() else None
+    matrices = _as_matrices(qa, qb, dims, lambda v, shape: self._reshaped(v, shape, dot)) \
+        if self.matrix_gemm and _tensor_type(qa).element_type != _f32() else None
     if matrices is None:
       acc = hlo.DotGeneralOp(acc_type, qa, qb, dims, **kwargs).result
     else:
@@ -426,9 +435,10 @@ class Emitter:
     return hlo.SelectOp(kept, _const(0, i32), _const(1, i32)).result
 
 
-def _as_matrices(a, b, dims):
-  """(a, b, dims, output shape) with each operand reshaped to (batch..., free, K) or (batch..., K, free): possible when
-  its batch dims lead and its one contracting dim is first or last among the rest (no data moves); else None."""
+def _as_matrices(a, b, dims, reshape):
+  """(a, b, dims, output shape) with each operand reshaped (reshape(value, shape)) to (batch..., free, K) or
+  (batch..., K, free): possible when its batch dims lead and its one contracting dim is first or last among the rest
+  (no data moves); else None."""
   dn = hlo.DotDimensionNumbers(dims)
   out, new_dims = [], []
   for x, batch, contract in ((a, dn.lhs_batching_dimensions, dn.lhs_contracting_dimensions),
@@ -439,7 +449,7 @@ def _as_matrices(a, b, dims):
     k_last = contract[0] == len(shape) - 1
     free = math.prod(shape[nb:-1] if k_last else shape[nb + 1:])
     matrix = shape[:nb] + ([free, shape[-1]] if k_last else [shape[nb], free])
-    out.append(hlo.ReshapeOp(ir.RankedTensorType.get(matrix, _tensor_type(x).element_type), x).result)
+    out.append(reshape(x, matrix))
     new_dims.append((nb + 1 if k_last else nb, free))
   batch = list(range(len(dn.lhs_batching_dimensions)))
   shape = list(_tensor_type(a).shape)[:len(batch)] + [new_dims[0][1], new_dims[1][1]]
@@ -447,6 +457,23 @@ def _as_matrices(a, b, dims):
                                      lhs_contracting_dimensions=[new_dims[0][0]],
                                      rhs_contracting_dimensions=[new_dims[1][0]])
   return out[0], out[1], dims, shape
+
+
+def _reshape_source(x):
+  """The value that x is a chain of reshapes of (x itself if none): the same elements in row-major order."""
+  while not isinstance(x.owner, ir.Block) and x.owner.name == "stablehlo.reshape":
+    x = x.owner.operands[0]
+  return x
+
+
+def _blocking(shape, axis, block_2d, rht):
+  """Which elements, in row-major order, share a scale (and an RHT) when a tensor of `shape` is quantized along `axis`
+  (numerics/nvfp4.py _encode): viewed as the matrix (outer * K, inner), a 1x16 block is 16 consecutive rows of one
+  column (K % 16 == 0: no block straddles two outer indices) and the RHT mixes the same 16 values; a 16x16 tile is 16
+  rows by 16 columns of that matrix, or of (outer, K) when inner is 1. Two quantizations with equal blocking, of a
+  tensor and of a reshape of it, give the same q in row-major order (tests/passes/test_reuse.py)."""
+  outer, k, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+  return (block_2d, rht) + ((outer, k) if block_2d and inner == 1 else (outer * k, inner))
 
 
 def _same_selector(a, b):
@@ -465,11 +492,10 @@ def _adjacent(dims):
   return list(dims) == list(range(dims[0], dims[0] + len(dims)))
 
 
-def _merge_adjacent(x, dims):
-  """Reshape the adjacent dims `dims` (in order) of x into one at dims[0]: row-major, so no data moves."""
+def _merged_shape(x, dims):
+  """x's shape with the adjacent dims `dims` (in order) merged into one at dims[0]: row-major, so no data moves."""
   shape = list(_tensor_type(x).shape)
-  merged = shape[:dims[0]] + [math.prod(shape[d] for d in dims)] + shape[dims[-1] + 1:]
-  return hlo.ReshapeOp(ir.RankedTensorType.get(merged, _tensor_type(x).element_type), x).result
+  return shape[:dims[0]] + [math.prod(shape[d] for d in dims)] + shape[dims[-1] + 1:]
 
 
 def _after_merge(d, dims):
