@@ -36,13 +36,16 @@ once and reused by every dot that reads it the same way (q, k and v projections 
 16x16-tiled weight, the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed,
 site)`: the digest is a wrapping uint32 sum of the operand's bits, so keys change every step and differ between
 layers, yet are reproducible; in a partitioned program each shard xors its own salt into the key.
-In a scanned stack with high-precision blocks, each operand is a `stablehlo.case(block in keep)` that gives the GEMM
-the operand itself (and s_dec = 1) in kept iterations and its q·scale in the others: one GEMM per iteration, and a
-weight that FSDP all-gathers is gathered once, after the case, for all the dots that read it (a case around the whole
-dot made every dot gather the weight in its own branch: MaxText under FSDP on 8 host devices moved 1.27x the bytes,
-measured). Kept iterations thus run the dot in the operands' precision with f32 accumulation, rounded once to the
-output dtype. The packed form keeps a case around the whole dot (the original dot, or the FP4 GEMM on packed
-operands). The block index is passed into the scan body function as an extra argument when needed.
+In a scanned stack with high-precision blocks, each operand is `stablehlo.select(block in keep, x, q·scale)` (and s_dec
+= 1 in kept iterations): one GEMM per iteration, and a weight that FSDP all-gathers is gathered once, after the
+select, for all the dots that read it (a case around the whole dot made every dot gather the weight in its own
+branch: MaxText under FSDP on 8 host devices moved 1.27x the bytes, measured). Kept iterations thus run the dot in the
+operands' precision with f32 accumulation, rounded once to the output dtype, and quantize for nothing (the price of
+the select). A `stablehlo.case` per operand, which would not, gave MaxText's scanned decoder a wrong forward on XLA
+CPU (step-0 loss 6.131 against 6.193; with the select, or a case around the whole dot, 6.193; each branch alone was
+right), which no small program reproduced. The packed form keeps a case around the whole dot (the original dot, or
+the FP4 GEMM on packed operands). The block index is passed into the scan body function as an extra argument when
+needed.
 
 Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
 calls to the kernels' twins, lowered the same way (platforms without compiled kernels).
@@ -267,8 +270,8 @@ class Emitter:
     return s_dec, key, stochastic
 
   def _operand(self, x, axis, recipe, site_id, user, whole, select):
-    """-> (q·scale in x's dtype, s_dec f32 scalar); with `select` (the iteration's branch index in a scanned stack
-    with kept blocks), a `stablehlo.case` that gives (x, 1.0) in kept iterations instead.
+    """-> (q·scale in x's dtype, s_dec f32 scalar); with `select` (whether the iteration of a scanned stack with kept
+    blocks is kept), `stablehlo.select`s that give (x, 1.0) in kept iterations instead.
 
     Nearest rounding gives the same q wherever the same elements are quantized in the same blocks (_blocking), so
     each such operand is quantized once while the result is visible, and reshaped where another dot reads a reshape
@@ -287,12 +290,9 @@ class Emitter:
     if select is None:
       q, s_dec = self._quantize(x, axis, recipe, site_id, whole)
     else:
-      case = hlo.CaseOp([x.type, _scalar(_f32())], select, 2)
-      with ir.InsertionPoint(case.regions[0].blocks.append()):
-        hlo.ReturnOp([x, _const(1.0, _f32())])
-      with ir.InsertionPoint(case.regions[1].blocks.append()):
-        hlo.ReturnOp(list(self._quantize(x, axis, recipe, site_id, whole)))
-      q, s_dec = case.results[0], case.results[1]
+      q, s_dec = self._quantize(x, axis, recipe, site_id, whole)
+      q = hlo.SelectOp(select, x, q).result
+      s_dec = hlo.SelectOp(select, _const(1.0, _f32()), s_dec).result
     if not stochastic:
       self._quantized.setdefault(source, []).append((blocking, select, q, s_dec))
     return q, s_dec
@@ -312,9 +312,9 @@ class Emitter:
     """Insert `plan`'s pattern for `dot` (a policy.Plan); returns the value that replaces its result (same type).
 
     In a scanned stack with high-precision blocks (`block_value` is the iteration's block index) one GEMM runs per
-    iteration. In the emulated forms a `stablehlo.case` on the block index per operand gives the GEMM the operand
-    itself in kept iterations and its q·scale in the others, so a weight that a layout all-gathers is gathered once,
-    after the case, for every dot that reads it (as without the pass); the packed form's case holds the original
+    iteration. In the emulated forms a `stablehlo.select` per operand gives the GEMM the operand itself in kept
+    iterations and its q·scale in the others, so a weight that a layout all-gathers is gathered once, after the
+    select, for every dot that reads it (as without the pass); the packed form's `stablehlo.case` holds the original
     dot in one branch and the FP4 GEMM in the other."""
     site, keep_blocks = plan.site, plan.decision.keep_blocks
     with ir.InsertionPoint(dot), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
@@ -323,7 +323,8 @@ class Emitter:
         return self._emulated(dot, plan, select)
       if select is None:
         return self._native_gemm(dot, site, plan.decision)
-      case = hlo.CaseOp([dot.results[0].type], select, 2)
+      i32 = ir.IntegerType.get_signless(32)
+      case = hlo.CaseOp([dot.results[0].type], hlo.SelectOp(select, _const(0, i32), _const(1, i32)).result, 2)
       with ir.InsertionPoint(case.regions[0].blocks.append()):
         hlo.ReturnOp([dot.operation.clone().results[0]])
       with ir.InsertionPoint(case.regions[1].blocks.append()):
@@ -331,12 +332,12 @@ class Emitter:
       return case.results[0]
 
   def _selector(self, block, keep_blocks, user):
-    """_branch_index, once per block index value and kept blocks while it is visible: the dots of one iteration then
-    share it, and _operand's reuse can tell that they select alike."""
+    """_kept, once per block index value and kept blocks while it is visible: the dots of one iteration then share it,
+    and _operand's reuse can tell that they select alike."""
     key = (block, tuple(keep_blocks))
     index = self._selectors.get(key)
     if index is None or not _before_in_program_order(index, user):
-      index = self._selectors[key] = self._branch_index(block, keep_blocks)
+      index = self._selectors[key] = self._kept(block, keep_blocks)
     return index
 
   def _emulated(self, dot, plan, select):
@@ -424,15 +425,14 @@ class Emitter:
     return packed, s_dec
 
   @staticmethod
-  def _branch_index(block, keep_blocks):
-    """i32 0 where `block` is one of `keep_blocks` (high precision), else 1 (NVFP4)."""
+  def _kept(block, keep_blocks):
+    """Whether `block` is one of `keep_blocks` (high precision): an i1 scalar."""
     etype = _tensor_type(block).element_type
     kept = None
     for b in keep_blocks:
       c = hlo.CompareOp(block, _const(b, etype), hlo.ComparisonDirectionAttr.get("EQ")).result
       kept = c if kept is None else hlo.OrOp(kept, c).result
-    i32 = ir.IntegerType.get_signless(32)
-    return hlo.SelectOp(kept, _const(0, i32), _const(1, i32)).result
+    return kept
 
 
 def _as_matrices(a, b, dims, reshape):

@@ -159,8 +159,8 @@ CASES = {
 // CHECK: stablehlo.custom_call @xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
     "scan_per_iteration_select": (scanned, (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), X), "keep_last=2", """
-// The scan body gets the block index as an extra argument; a case on it per operand gives the GEMM the operand
-// itself (s_dec = 1) for blocks 6, 7 and its q·scale for the others: one GEMM per iteration, outside the cases.
+// The scan body gets the block index as an extra argument; a select on it per operand gives the GEMM the operand
+// itself (s_dec = 1) for blocks 6, 7 and its q·scale for the others: one GEMM per iteration, after the selects.
 // DECISIONS: fprop:nvfp4
 // CHECK: stablehlo.while
 // CHECK: func.call @[[BODY:closed_call[_0-9]*]]({{.*}}) : ({{.*}}, tensor<i32>) ->
@@ -168,24 +168,16 @@ CASES = {
 // CHECK: %[[KEEP6:[0-9]+]] = stablehlo.compare EQ, %[[BLOCK]], %{{.*}}
 // CHECK: %[[KEEP7:[0-9]+]] = stablehlo.compare EQ, %[[BLOCK]], %{{.*}}
 // CHECK: %[[KEPT:[0-9]+]] = stablehlo.or %[[KEEP6]], %[[KEEP7]]
-// CHECK: %[[BRANCH:[0-9]+]] = stablehlo.select %[[KEPT]]
-// CHECK: %[[QX:[0-9]+]]:2 = "stablehlo.case"(%[[BRANCH]]) ({
-// CHECK-NEXT: %[[ONE:.+]] = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// CHECK-NEXT: stablehlo.return %arg0, %[[ONE]]
-// CHECK-NEXT: }, {
-// CHECK: stablehlo.custom_call @xla_fp4_qdq_with_scale(%arg0)
+// CHECK: %[[QX:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%arg0)
+// CHECK: %[[X:[0-9]+]] = stablehlo.select %[[KEPT]], %arg0, %[[QX]]#0
+// CHECK: %[[SX:[0-9]+]] = stablehlo.select %[[KEPT]], %{{.*}}, %[[QX]]#1
+// CHECK: %[[QW:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%arg1)
+// CHECK: %[[W:[0-9]+]] = stablehlo.select %[[KEPT]], %arg1, %[[QW]]#0
+// CHECK: %[[SW:[0-9]+]] = stablehlo.select %[[KEPT]], %{{.*}}, %[[QW]]#1
+// CHECK-NEXT: stablehlo.dot_general %[[X]], %[[W]]
+// CHECK: stablehlo.multiply %[[SX]], %[[SW]]
 // CHECK-NOT: stablehlo.dot_general
-// CHECK: }) : (tensor<i32>) -> (tensor<32x64xf32>, tensor<f32>)
-// CHECK: %[[QW:[0-9]+]]:2 = "stablehlo.case"(%[[BRANCH]]) ({
-// CHECK-NEXT: %[[ONE2:.+]] = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// CHECK-NEXT: stablehlo.return %arg1, %[[ONE2]]
-// CHECK-NEXT: }, {
-// CHECK: stablehlo.custom_call @xla_fp4_qdq_with_scale(%arg1)
-// CHECK-NOT: stablehlo.dot_general
-// CHECK: }) : (tensor<i32>) -> (tensor<64x64xf32>, tensor<f32>)
-// CHECK-NEXT: stablehlo.dot_general %[[QX]]#0, %[[QW]]#0
-// CHECK: stablehlo.multiply %[[QX]]#1, %[[QW]]#1
-// CHECK-NOT: stablehlo.dot_general
+// CHECK-NOT: stablehlo.case
 // CHECK: return"""),
 }
 
