@@ -1,7 +1,7 @@
 """MaxText, unmodified, with and without XLA_FP4=1: loss gap, step time, FLOP share, and the pass's decisions.
 
     python examples/maxtext/run.py                    # every configuration below, 8 steps each way
-    python examples/maxtext/run.py --configs default --steps 4 --out /tmp/mt.json    # the CI smoke test
+    python examples/maxtext/run.py --configs default fsdp8 --steps 4 --out /tmp/mt.json    # the CI smoke test
 
 Builds (once) a Python 3.12 venv with `maxtext[tpu]==0.2.4` (which pins jax 0.10.2) outside the checkout
 (MAXTEXT_VENV, default ~/.cache/xla_fp4/maxtext-venv), installs this checkout into it the way a user would
