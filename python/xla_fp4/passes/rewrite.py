@@ -256,7 +256,7 @@ class Emitter:
     self.matrix_gemm = matrix_gemm
     # value -> [(blocking, selector, q·scale, s_dec)] of the nearest-rounded quantizations of it or of reshapes of it
     self._quantized = {}
-    self._selectors = {}  # (block index, kept blocks) -> the branch index of _selector
+    self._selectors = {}  # (block index, kept blocks) -> whether the iteration is kept (_selector)
     self._reshapes = {}  # (source value, shape) -> its reshape (_reshaped)
 
   def _scale_and_key(self, x, axis, recipe, site_id):
@@ -288,10 +288,8 @@ class Emitter:
         # Dots are rewritten in program order, so a q in the user's own block precedes it.
         if b == blocking and _same_selector(sel, select) and _before_in_program_order(q, user):
           return self._reshaped(q, _tensor_type(x).shape, user), s_dec
-    if select is None:
-      q, s_dec = self._quantize(x, axis, recipe, site_id, whole)
-    else:
-      q, s_dec = self._quantize(x, axis, recipe, site_id, whole)
+    q, s_dec = self._quantize(x, axis, recipe, site_id, whole)
+    if select is not None:
       q = hlo.SelectOp(select, x, q).result
       s_dec = hlo.SelectOp(select, _const(1.0, _f32()), s_dec).result
     if not stochastic:
