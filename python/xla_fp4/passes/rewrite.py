@@ -44,9 +44,9 @@ operands' precision with f32 accumulation, rounded once to the output dtype, and
 the select). Conditionals gave MaxText's scanned decoder wrong forwards on XLA CPU, which no small program
 reproduced: on one device a case per operand gave a step-0 loss of 6.131 against 6.193 with the select or a case
 around the whole dot (each branch alone was right); under FSDP on 8 host devices a case around the whole dot gave
-6.055, the select 6.133, where every block in NVFP4 gives 6.131 (keeping one block moves it by 0.008 on one device). The packed form keeps a case around the whole dot (the original dot, or
-the FP4 GEMM on packed operands). The block index is passed into the scan body function as an extra argument when
-needed.
+6.055, the select 6.133, where every block in NVFP4 gives 6.131 (keeping one block moves it by 0.008 on one device).
+The packed form keeps a case around the whole dot (the original dot, or the FP4 GEMM on packed operands). The block
+index is passed into the scan body function as an extra argument when needed.
 
 Kernels come from a `KernelSet`: `FfiKernels` emits custom calls to the C++/CUDA FFI targets; `ReferenceKernels` emits
 calls to the kernels' twins, lowered the same way (platforms without compiled kernels).
@@ -233,8 +233,7 @@ class ReferenceKernels:
 
   def qdq_with_scale(self, x, salt, **params):
     salt = _const(salt, _u32())  # an operand, so that all sites share one function per shape and recipe
-    q, s_dec = self.twins.call(kernel_twins.qdq_with_scale, [x, salt], [x.type, _scalar(_f32())], **params)
-    return q, s_dec
+    return tuple(self.twins.call(kernel_twins.qdq_with_scale, [x, salt], [x.type, _scalar(_f32())], **params))
 
   def block_amax(self, x, **params):
     return self.twins.call(kernel_twins.block_amax, [x], [_block_amax_type(x, params["axis"])], **params)[0]
@@ -333,11 +332,16 @@ class Emitter:
   def _selector(self, block, keep_blocks, user):
     """_kept, once per block index value and kept blocks while it is visible: the dots of one iteration then share it,
     and _operand's reuse can tell that they select alike."""
-    key = (block, tuple(keep_blocks))
-    index = self._selectors.get(key)
-    if index is None or not _before_in_program_order(index, user):
-      index = self._selectors[key] = self._kept(block, keep_blocks)
-    return index
+    return self._visible_cached(self._selectors, (block, tuple(keep_blocks)), user,
+                                lambda: self._kept(block, keep_blocks))
+
+  @staticmethod
+  def _visible_cached(cache, key, user, make):
+    """cache[key] where it is visible at `user` (in program order), else a fresh make(), stored there."""
+    value = cache.get(key)
+    if value is None or not _before_in_program_order(value, user):
+      value = cache[key] = make()
+    return value
 
   def _emulated(self, dot, plan, select):
     acc, alpha = self._emulated_gemm(dot, plan.site, plan.decision, plan.form is Form.WHOLE_TENSOR, select)
@@ -355,12 +359,8 @@ class Emitter:
     source = _reshape_source(x)
     if list(_tensor_type(source).shape) == list(shape):
       return source
-    key = (source, tuple(shape))
-    reshaped = self._reshapes.get(key)
-    if reshaped is None or not _before_in_program_order(reshaped, user):
-      t = ir.RankedTensorType.get(list(shape), _tensor_type(x).element_type)
-      reshaped = self._reshapes[key] = hlo.ReshapeOp(t, source).result
-    return reshaped
+    t = ir.RankedTensorType.get(list(shape), _tensor_type(x).element_type)
+    return self._visible_cached(self._reshapes, (source, tuple(shape)), user, lambda: hlo.ReshapeOp(t, source).result)
 
   def _emulated_gemm(self, dot, site, decision, whole, select):
     """The dot_general on q·scale operands (with `select`, on the operands themselves in kept iterations),
