@@ -9,7 +9,8 @@ Custom-call contract (for code that emits `stablehlo.custom_call` itself, like t
   - `bool` attributes are `BoolAttr` (MLIR `true`/`false`, i.e. i1); XLA FFI decodes them as C++ `bool` (PRED scalar),
     which is also what `jax.ffi.ffi_call` emits for a Python bool. Do not pass them as integers.
   - `int` attributes are signless 64-bit `IntegerAttr` (`3 : i64`). `rht_seed` and `salt` must lie in [0, 2**32).
-`custom_call_backend_config(target, attrs)` builds that dictionary. Operands and results (row-major layouts):
+`custom_call_backend_config(target, attrs)` builds that dictionary. Operands and results are row-major, and
+the call must say so (`row_major`: `operand_layouts` and `result_layouts`):
 
   xla_fp4_qdq(x: f32|bf16|f16[...], s_dec: f32[], key: u32[]) -> x's type
       attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, apply_global_scale: bool
@@ -256,6 +257,15 @@ def backend_config_attributes(target, attrs):
         raise TypeError(f"attribute {name} of {target} must be an integer, got {value!r}")
       out[name] = ir.IntegerAttr.get(i64, int(value))
   return out
+
+
+def row_major(types):
+  """The layouts (minor-to-major dims) the kernels read and write, one per MLIR tensor type: row-major. Every custom
+  call to them must carry these: left free, XLA's layout assignment may give an operand or result another layout
+  (a result that is all-gathered along its last dim gets that dim major), and the kernel would read or write the
+  wrong elements."""
+  from jax.extend.mlir import ir
+  return [tuple(range(ir.RankedTensorType(t).rank - 1, -1, -1)) for t in types]
 
 
 def custom_call_backend_config(target, attrs):

@@ -66,6 +66,8 @@ BITWISE = textwrap.dedent("""
     w2 = jax.random.normal(jax.random.key(1), (256, 64)) * 0.1
     x = jax.random.normal(jax.random.key(2), (16, 32, 64))
     w3, x3 = w1[:48], x[..., :48]
+    w4 = jax.random.normal(jax.random.key(3), (128, 256)) * 0.1
+    x4 = jax.random.normal(jax.random.key(4), (16, 32, 128))
     fwd = lambda w1, w2, x: jnp.tanh(x @ w1) @ w2
     loss = lambda w1, w2, x: jnp.sum(fwd(w1, w2, x) ** 2)
     progs = {"forward": jax.jit(fwd), "dx": jax.jit(jax.grad(loss, argnums=2)),
@@ -74,6 +76,9 @@ BITWISE = textwrap.dedent("""
              ("dx", (w1, w2, x), (w1, w2, put(x, "d"))),
              ("forward", (w1, w2, x), (put(w1, "d"), put(w2, "d"), put(x, "d"))),   # FSDP: weights gathered
              ("column", (w1, x), (put(w1, None, "d"), x)),                          # tensor parallel, column
+             # x's features sharded too (MaxText's activation_embed): its q·scale is all-gathered along its last dim,
+             # for which XLA's layout assignment would make that dim major if the kernels' layouts were free.
+             ("column", (w4, x4), (put(w4, None, "d"), put(x4, None, None, "d"))),
              # K = 48 split 8 ways would cut blocks (6 per shard): the partitioner replicates K instead.
              ("column", (w3, x3), (put(w3, "d", None), x3))]
     xla_fp4.enable(strict=True, stochastic_rounding=False, keep_head=False)  # every layer in NVFP4

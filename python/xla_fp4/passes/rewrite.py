@@ -134,7 +134,9 @@ class FfiKernels:
     config = self._configs.get(key)
     if config is None:
       config = self._configs[key] = self.targets.backend_config_attributes(target, attrs)
-    op = mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config)
+    op = mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config,
+                          operand_layouts=self.targets.row_major([o.type for o in operands]),
+                          result_layouts=self.targets.row_major(result_types))
     if self.partitioned and target in partition.PARTITIONED_TARGETS:
       op.attributes["sdy.sharding_rule"] = partition.sharding_rule(target, [o.type for o in operands], result_types,
                                                                    attrs)
