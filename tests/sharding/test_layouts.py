@@ -29,7 +29,7 @@ def layouts(tmp_path_factory):
   return json.loads(out.read_text())["rows"]
 
 
-LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "2d", "scan_fsdp")
+LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "2d", "scan_fsdp", "fsdp_tp_embed")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

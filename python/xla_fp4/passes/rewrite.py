@@ -41,10 +41,10 @@ In a scanned stack with high-precision blocks, each operand is `stablehlo.select
 select, for all the dots that read it (a case around the whole dot made every dot gather the weight in its own
 branch: MaxText under FSDP on 8 host devices moved 1.27x the bytes, measured). Kept iterations thus run the dot in the
 operands' precision with f32 accumulation, rounded once to the output dtype, and quantize for nothing (the price of
-the select). Conditionals gave MaxText's scanned decoder wrong forwards on XLA CPU, which no small program
-reproduced: on one device a case per operand gave a step-0 loss of 6.131 against 6.193 with the select or a case
-around the whole dot (each branch alone was right); under FSDP on 8 host devices a case around the whole dot gave
-6.055, the select 6.133, where every block in NVFP4 gives 6.131 (keeping one block moves it by 0.008 on one device).
+the select). A case per operand would spare that work. It was dropped when it gave MaxText's scanned decoder a
+wrong forward (step-0 loss 6.131 against 6.193), which came from the kernels' calls leaving their layouts free: XLA
+gave a kernel's result a transposed layout. Every call now fixes row-major layouts (`kernels.row_major`), and with
+that the case per operand gives 6.193 too.
 The packed form keeps a case around the whole dot (the original dot, or the FP4 GEMM on packed operands). The block
 index is passed into the scan body function as an extra argument when needed.
 
