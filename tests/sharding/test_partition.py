@@ -60,3 +60,21 @@ def test_sharding_rules():
     amax1 = p.sharding_rule(kernels.BLOCK_AMAX_TARGET, [one_block], [ir.RankedTensorType.get([32, 1], f32)],
                             {"axis": 1})
     assert str(amax1) == "#sdy.op_sharding_rule<([i, j])->([i, k]) {i=32, j=16, k=1} need_replication={j}, custom>"
+
+
+def test_per_shard_module_fixes_row_major_layouts():
+  """The per-shard kernel call fixes its layouts like the pass's calls do (docs/design.md §5)."""
+  import numpy as np
+  shape = xc.Shape.array_shape(np.dtype(np.float32), (8, 32, 32))
+  scalar, key = xc.Shape.array_shape(np.dtype(np.float32), ()), xc.Shape.array_shape(np.dtype(np.uint32), ())
+  attrs = dict(axis=2, block_2d=False, stochastic=True, rht=False, rht_seed=0, apply_global_scale=False)
+  bytecode = p._per_shard_module(kernels.QDQ_TARGET, attrs, [shape, scalar, key], shape, np.arange(8, dtype=np.uint32))
+  with mlir.make_ir_context():
+    module = ir.Module.parse(bytecode)
+    calls = []
+    module.operation.walk(lambda op: (calls.append(op) if op.name == "stablehlo.custom_call" else None)
+                          or ir.WalkResult.ADVANCE)
+    (call,) = calls
+    layouts = lambda name: [list(ir.DenseIntElementsAttr(a)) for a in ir.ArrayAttr(call.attributes[name])]  # noqa
+    assert layouts("operand_layouts") == [[2, 1, 0], [], []]
+    assert layouts("result_layouts") == [[2, 1, 0]]
