@@ -18,7 +18,8 @@ CPU dot with two contracting dims (the baseline's wgrad over batch and sequence)
 takes 0.34 s on one device, flattened 0.19 s), the pass merges those dims, and so the one-device ratio as written
 compares a slow baseline with a pass that does not pay for it. Targets (issue 8): dot FLOPs <= 1.05x and
 collective bytes (scalar all-reduces aside) <= 1.10x in every layout, and the sharded step-time ratio (pass / none)
-within 10% of the one-device ratio. `--small` runs tiny sizes for the test suite, which asserts the costs, not the times.
+within 10% of the one-device ratio. `--small` runs tiny sizes for the test suite, which asserts the costs, not
+the times.
 
 Differences to the one-device step: a sharded contraction (the wgrad over tokens under data parallelism, K in a
 row-parallel layer) adds f32 partial sums in another order than one device does, with or without the pass, so the
