@@ -1,4 +1,4 @@
-"""Helpers shared by the numerics and kernel tests (tests/ is on pytest's pythonpath)."""
+"""Helpers shared by the tests (tests/ is on pytest's pythonpath)."""
 
 import numpy as np
 import pytest
@@ -50,3 +50,24 @@ def digest_np(x):
   """numerics.tensor_digest in numpy: the wrapping uint32 sum of the element bits (16-bit floats zero-extended)."""
   a = np.asarray(x)
   return int(a.view(np.uint32 if a.itemsize == 4 else np.uint16).astype(np.uint64).sum()) & 0xFFFFFFFF
+
+
+def kernel_calls_row_major(module):
+  """The `xla_fp4_*` custom calls in an MLIR module, after asserting that each fixes row-major layouts for its
+  operands and results (left free, XLA may store a result transposed: docs/design.md §5)."""
+  from jax._src.lib.mlir import ir
+  calls = []
+
+  def visit(op):
+    target = op.attributes["call_target_name"] if op.name == "stablehlo.custom_call" else None
+    if target is not None and ir.StringAttr(target).value.startswith("xla_fp4"):
+      calls.append(op)
+    return ir.WalkResult.ADVANCE
+
+  module.operation.walk(visit)
+  for op in calls:
+    for attr, values in (("operand_layouts", op.operands), ("result_layouts", op.results)):
+      assert attr in op.attributes, f"{op} has no {attr}"
+      layouts = [list(ir.DenseIntElementsAttr(a)) for a in ir.ArrayAttr(op.attributes[attr])]
+      assert layouts == [list(range(ir.RankedTensorType(v.type).rank - 1, -1, -1)) for v in values], op
+  return calls

@@ -157,7 +157,7 @@ def one_device_check(python, name, sharded_run, work):
   (work / "dump_one").mkdir()
   one = train(python, f"{name}_one_device", [], 1, True, work / "dump_one", work / "one_device.log", small=small)
   if one["returncode"] != 0 or not one["losses"]:
-    return dict(one), [f"the one-device run failed (see {one['log']})"]
+    return one, [f"the one-device run failed (see {one['log']})"]
   gap = round(abs(sharded_run["losses"][0] - one["losses"][0]), 4)
   out = dict(step0_loss_sharded=sharded_run["losses"][0], step0_loss_one_device=one["losses"][0], gap=gap)
   return out, [f"step-0 loss sharded {out['step0_loss_sharded']} vs one device {out['step0_loss_one_device']}: "

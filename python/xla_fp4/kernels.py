@@ -9,8 +9,8 @@ Custom-call contract (for code that emits `stablehlo.custom_call` itself, like t
   - `bool` attributes are `BoolAttr` (MLIR `true`/`false`, i.e. i1); XLA FFI decodes them as C++ `bool` (PRED scalar),
     which is also what `jax.ffi.ffi_call` emits for a Python bool. Do not pass them as integers.
   - `int` attributes are signless 64-bit `IntegerAttr` (`3 : i64`). `rht_seed` and `salt` must lie in [0, 2**32).
-`custom_call_backend_config(target, attrs)` builds that dictionary. Operands and results are row-major, and
-the call must say so (`row_major`: `operand_layouts` and `result_layouts`):
+`custom_call_backend_config(target, attrs)` builds that dictionary. Operands and results are row-major, and the call
+must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` emits such a call.
 
   xla_fp4_qdq(x: f32|bf16|f16[...], s_dec: f32[], key: u32[]) -> x's type
       attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, apply_global_scale: bool
@@ -259,13 +259,20 @@ def backend_config_attributes(target, attrs):
   return out
 
 
-def row_major(types):
-  """The layouts (minor-to-major dims) the kernels read and write, one per MLIR tensor type: row-major. Every custom
-  call to them must carry these: left free, XLA's layout assignment may give an operand or result another layout
-  (a result that is all-gathered along its last dim gets that dim major), and the kernel would read or write the
-  wrong elements."""
+def custom_call(target, result_types, operands, config):
+  """A `stablehlo.custom_call` to kernel `target` at the current insertion point (needs an MLIR context); `config`:
+  its backend_config attributes (`backend_config_attributes`). The call fixes row-major layouts for its operands and
+  results: left free, XLA's layout assignment may give one another layout (a result that is all-gathered along its
+  last dim gets that dim major), and the kernel would read or write the wrong elements."""
+  from jax._src.interpreters import mlir
   from jax.extend.mlir import ir
-  return [tuple(range(ir.RankedTensorType(t).rank - 1, -1, -1)) for t in types]
+
+  def row_major(types):
+    return [tuple(range(ir.RankedTensorType(t).rank - 1, -1, -1)) for t in types]
+
+  return mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config,
+                          operand_layouts=row_major([o.type for o in operands]),
+                          result_layouts=row_major(result_types))
 
 
 def custom_call_backend_config(target, attrs):

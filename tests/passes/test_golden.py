@@ -9,6 +9,7 @@ import pytest
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 
+from nvfp4_testing import kernel_calls_row_major
 from xla_fp4 import config
 from xla_fp4.passes import pipeline, rewrite
 
@@ -40,24 +41,6 @@ def test_there_is_a_golden_file_per_decision_kind():
           "keep_excluded_scope", "keep_excluded_regex", "keep_head", "scan_per_iteration_select"} <= names
 
 
-def _assert_kernel_calls_are_row_major(module):
-  """Every call to a kernel fixes its layouts: left free, XLA may store a result transposed (docs/design.md §5)."""
-  calls = []
-
-  def visit(op):
-    target = op.attributes["call_target_name"] if op.name == "stablehlo.custom_call" else None
-    if target is not None and ir.StringAttr(target).value.startswith("xla_fp4"):
-      calls.append(op)
-    return ir.WalkResult.ADVANCE
-
-  module.operation.walk(visit)
-  for op in calls:
-    for attr, values in (("operand_layouts", op.operands), ("result_layouts", op.results)):
-      assert attr in op.attributes, f"{op} has no {attr}"
-      layouts = [list(ir.DenseIntElementsAttr(a)) for a in ir.ArrayAttr(op.attributes[attr])]
-      assert layouts == [list(range(ir.RankedTensorType(v.type).rank - 1, -1, -1)) for v in values], op
-
-
 @pytest.mark.parametrize("path", GOLDEN, ids=[os.path.basename(p) for p in GOLDEN])
 def test_golden(path, tmp_path):
   text = open(path).read()
@@ -68,7 +51,7 @@ def test_golden(path, tmp_path):
                                 kernels=lambda m: rewrite.FfiKernels(partitioned=pipeline.num_partitions(m) > 1))
     out = tmp_path / "after.mlir"
     out.write_text(result.module.operation.get_asm())
-    _assert_kernel_calls_are_row_major(result.module)
+    kernel_calls_row_major(result.module)
   decided = " ".join(f"{r['role']}:{r['rule']}" for r in result.rows)
   assert decided == _decisions(text), f"decisions {decided!r}, the golden says {_decisions(text)!r}"
   check = subprocess.run([FILECHECK, path, "--input-file", str(out)], capture_output=True, text=True)

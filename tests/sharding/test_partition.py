@@ -1,9 +1,11 @@
 """The partitioner's pieces, without devices: block alignment, replicating a dim, shard indices, Shardy rules."""
 
+import numpy as np
 from jax._src.interpreters import mlir
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
 
+from nvfp4_testing import kernel_calls_row_major
 from xla_fp4 import kernels
 from xla_fp4.sharding import partition as p
 
@@ -64,17 +66,9 @@ def test_sharding_rules():
 
 def test_per_shard_module_fixes_row_major_layouts():
   """The per-shard kernel call fixes its layouts like the pass's calls do (docs/design.md §5)."""
-  import numpy as np
   shape = xc.Shape.array_shape(np.dtype(np.float32), (8, 32, 32))
   scalar, key = xc.Shape.array_shape(np.dtype(np.float32), ()), xc.Shape.array_shape(np.dtype(np.uint32), ())
   attrs = dict(axis=2, block_2d=False, stochastic=True, rht=False, rht_seed=0, apply_global_scale=False)
   bytecode = p._per_shard_module(kernels.QDQ_TARGET, attrs, [shape, scalar, key], shape, np.arange(8, dtype=np.uint32))
   with mlir.make_ir_context():
-    module = ir.Module.parse(bytecode)
-    calls = []
-    module.operation.walk(lambda op: (calls.append(op) if op.name == "stablehlo.custom_call" else None)
-                          or ir.WalkResult.ADVANCE)
-    (call,) = calls
-    layouts = lambda name: [list(ir.DenseIntElementsAttr(a)) for a in ir.ArrayAttr(call.attributes[name])]  # noqa
-    assert layouts("operand_layouts") == [[2, 1, 0], [], []]
-    assert layouts("result_layouts") == [[2, 1, 0]]
+    assert len(kernel_calls_row_major(ir.Module.parse(bytecode))) == 1

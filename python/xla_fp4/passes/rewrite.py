@@ -43,7 +43,7 @@ branch: MaxText under FSDP on 8 host devices moved 1.27x the bytes, measured). K
 operands' precision with f32 accumulation, rounded once to the output dtype, and quantize for nothing (the price of
 the select). A case per operand would spare that work. It was dropped when it gave MaxText's scanned decoder a
 wrong forward (step-0 loss 6.131 against 6.193), which came from the kernels' calls leaving their layouts free: XLA
-gave a kernel's result a transposed layout. Every call now fixes row-major layouts (`kernels.row_major`), and with
+gave a kernel's result a transposed layout. Every call now fixes row-major layouts (`kernels.custom_call`), and with
 that the case per operand gives 6.193 too.
 The packed form keeps a case around the whole dot (the original dot, or the FP4 GEMM on packed operands). The block
 index is passed into the scan body function as an extra argument when needed.
@@ -63,7 +63,6 @@ import typing
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import hlo
@@ -134,9 +133,7 @@ class FfiKernels:
     config = self._configs.get(key)
     if config is None:
       config = self._configs[key] = self.targets.backend_config_attributes(target, attrs)
-    op = mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config,
-                          operand_layouts=self.targets.row_major([o.type for o in operands]),
-                          result_layouts=self.targets.row_major(result_types))
+    op = self.targets.custom_call(target, result_types, operands, config)
     if self.partitioned and target in partition.PARTITIONED_TARGETS:
       op.attributes["sdy.sharding_rule"] = partition.sharding_rule(target, [o.type for o in operands], result_types,
                                                                    attrs)

@@ -207,10 +207,7 @@ def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
           salt = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
           salt = hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result
           operands[key_index] = hlo.XorOp(operands[key_index], salt).result
-        call = mlir.custom_call(target, result_types=[result_type], operands=operands, api_version=4,
-                                backend_config=kernels.backend_config_attributes(target, attrs),
-                                operand_layouts=kernels.row_major([o.type for o in operands]),
-                                result_layouts=kernels.row_major([result_type]))
+        call = kernels.custom_call(target, [result_type], operands, kernels.backend_config_attributes(target, attrs))
         func_dialect.ReturnOp(call.results)
     return mlir.module_to_bytecode(module)
 
