@@ -5,10 +5,11 @@ one-device step (nearest rounding), with and without the pass.
   python benchmarks/sharding.py [--small] [--out benchmarks/results/sharding.json]
 
 The program is a residual MLP train step, `x = x + gelu(x @ w1) @ w2` per layer, `jax.jit(jax.grad(loss))`, on 8 host
-devices (`--xla_force_host_platform_device_count=8`, mesh data=2 x model=4). Layouts: data parallel, FSDP, tensor
-parallel (w1 column-, w2 row-parallel over all 8 devices), 2D (batch over data, tensor parallel over model), a
-scanned layer stack under FSDP, and MaxText's FSDP x tensor parallelism (weights FSDP over data and tensor-parallel
-over model, the activations' features over model too); float32 and bfloat16. The pass runs with keep_head=0
+devices (`--xla_force_host_platform_device_count=8`, mesh data=2 x model=4 unless the layout says otherwise). Layouts:
+data parallel, FSDP, tensor parallel (w1 column-, w2 row-parallel over all 8 devices), 2D (batch over data, tensor
+parallel over model), a scanned layer stack under FSDP, and MaxText's FSDP x tensor parallelism (weights FSDP over
+data and tensor-parallel over model, the activations' features over model too) on data=2 x model=4 and on data=4 x
+model=2 (MaxText's fsdp4_tp2); float32 and bfloat16. The pass runs with keep_head=0
 keep_first=0 keep_last=0 (the last layer, whose output is the loss's, would be the head, and the last block kept):
 every GEMM goes through the partitioned kernels. Step times are also taken on a 2-device mesh (model=2), as many
 devices as the machine's cores, as on a pod where every device has its own compute: 8 host devices on 2 cores run in
@@ -30,6 +31,7 @@ contraction is split the sharded step is bit-identical under nearest rounding (t
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -48,16 +50,35 @@ import xla_fp4  # noqa: E402
 from xla_fp4.sharding.cost import cost  # noqa: E402
 
 ALL = ("data", "model")
-# layout -> (x spec, w1 spec, w2 spec, scanned, constrained: every layer keeps the residual stream sharded like x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  x: P
+  w1: P
+  w2: P
+  scanned: bool = False
+  constrained: bool = False  # every layer keeps the residual stream sharded like x
+  mesh: tuple = (2, 4)  # (data, model)
+
+
+# MaxText's FSDP x tensor parallelism: the weights FSDP-sharded over data and tensor-parallel over model, and the
+# residual stream's features sharded over model too (its activation_embed axis), constrained so in every layer.
+_FSDP_TP_EMBED = dict(x=P("data", None, "model"), w1=P("data", "model"), w2=P("model", "data"), constrained=True)
 LAYOUTS = {
-    "data_parallel": (P(ALL), P(), P(), False, False),
-    "fsdp": (P(ALL), P(ALL, None), P(ALL, None), False, False),
-    "tensor_parallel": (P(), P(None, ALL), P(ALL, None), False, False),
-    "2d": (P("data"), P(None, "model"), P("model", None), False, False),
-    "scan_fsdp": (P(ALL), P(None, ALL, None), P(None, ALL, None), True, False),
-    # MaxText's FSDP x tensor parallelism: the weights FSDP-sharded over data and tensor-parallel over model, and the
-    # residual stream's features sharded over model too (its activation_embed axis), constrained so in every layer.
-    "fsdp_tp_embed": (P("data", None, "model"), P("data", "model"), P("model", "data"), False, True),
+    "data_parallel": Layout(P(ALL), P(), P()),
+    "fsdp": Layout(P(ALL), P(ALL, None), P(ALL, None)),
+    "tensor_parallel": Layout(P(), P(None, ALL), P(ALL, None)),
+    "2d": Layout(P("data"), P(None, "model"), P("model", None)),
+    "scan_fsdp": Layout(P(ALL), P(None, ALL, None), P(None, ALL, None), scanned=True),
+    "fsdp_tp_embed": Layout(**_FSDP_TP_EMBED),
+    # On this mesh XLA gathers x along its features for the fprop and the wgrad, where the quantized versions of x
+    # were each gathered before the activations' K followed the dot (sharding/partition.py): 1.21x the bytes.
+    "fsdp_tp_embed_4x2": Layout(**_FSDP_TP_EMBED, mesh=(4, 2)),
+    # The same, scanned: the wgrads' RHT-quantized operands are gathered along their features, where the baseline
+    # gathers each activation once for its dgrad and wgrad (docs/design.md §5).
+    "scan_fsdp_tp_embed_4x2": Layout(**dict(_FSDP_TP_EMBED, w1=P(None, "data", "model"), w2=P(None, "model", "data")),
+                                     scanned=True, mesh=(4, 2)),
 }
 
 
@@ -89,14 +110,15 @@ def make(layers, d, f, batch, seq, dtype, scanned, flat=False):
 
 
 def place(mesh, params, x, layout):
-  xs, s1, s2, scanned, _ = LAYOUTS[layout]
+  spec = LAYOUTS[layout]
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
   w1, w2 = params
+  xs = spec.x
   if x.ndim == 2 and len(xs) == 3:  # tokens flattened: (batch, seq) -> one dim, sharded like batch
     xs = P(xs[0], xs[2])
-  if scanned:
-    return (put(w1, s1), put(w2, s2)), put(x, xs)
-  return ([put(a, s1) for a in w1], [put(b, s2) for b in w2]), put(x, xs)
+  if spec.scanned:
+    return (put(w1, spec.w1), put(w2, spec.w2)), put(x, xs)
+  return ([put(a, spec.w1) for a in w1], [put(b, spec.w2) for b in w2]), put(x, xs)
 
 
 def step_fn(scanned, residual=None):
@@ -125,9 +147,9 @@ def time_steps(fns, args, repeats):
 
 
 def measure(layout, dtype, sizes, repeats):
-  scanned, constrained = LAYOUTS[layout][3:]
+  scanned, constrained = LAYOUTS[layout].scanned, LAYOUTS[layout].constrained
   auto = (jax.sharding.AxisType.Auto,) * 2
-  mesh = jax.make_mesh((2, 4), ALL, axis_types=auto)
+  mesh = jax.make_mesh(LAYOUTS[layout].mesh, ALL, axis_types=auto)
   # As many devices as this machine has cores (model=2 of the first two): host devices beyond the cores take turns,
   # and every collective waits for all of them.
   cores = jax.make_mesh((1, 2), ALL, axis_types=auto, devices=jax.devices()[:2])
@@ -174,7 +196,7 @@ def measure(layout, dtype, sizes, repeats):
   none, new = out["none"]["cost"], out["pass"]["cost"]
   devices = mesh.devices.size
   return {
-      "layout": layout, "dtype": jnp.dtype(dtype).name,
+      "layout": layout, "dtype": jnp.dtype(dtype).name, "mesh": dict(zip(ALL, LAYOUTS[layout].mesh)),
       "dot_flops": {"none": none.dot_flops, "pass": new.dot_flops, "ratio": new.dot_flops / none.dot_flops},
       "collective_bytes": {"none": none.collective_bytes, "pass": new.collective_bytes,
                            "ratio_excluding_scalar": new.large_collective_bytes / max(none.large_collective_bytes, 1),
@@ -215,11 +237,11 @@ def main(argv=None):
   repeats = args.repeats or (2 if args.small else 10)
   rows = [measure(layout, jnp.dtype(dt), sizes, repeats)
           for dt in args.dtypes.split(",") for layout in args.layouts.split(",")]
-  result = {"benchmark": "sharding", "devices": 8, "mesh": {"data": 2, "model": 4},
+  result = {"benchmark": "sharding", "devices": 8,
             "sizes": dict(zip(("layers", "d_model", "d_ff", "batch", "seq"), sizes)),
             "jax": jax.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "rows": rows}
   for r in rows:
-    print(f"{r['layout']:16s} {r['dtype']:9s} dot flops x{r['dot_flops']['ratio']:.3f}  collective bytes "
+    print(f"{r['layout']:22s} {r['dtype']:9s} dot flops x{r['dot_flops']['ratio']:.3f}  collective bytes "
           f"x{r['collective_bytes']['ratio_excluding_scalar']:.3f} (+{r['collective_bytes']['scalar_pass']} B scalar)  "
           f"step pass/none 8 dev {r['step_s']['sharded_ratio']:.2f} 2 dev {r['step_s']['cores_ratio']:.2f} "
           f"one device {r['step_s']['single_ratio']:.2f}  flat tokens: 2 dev {r['step_s']['flat_cores_ratio']:.2f} "

@@ -29,7 +29,8 @@ def layouts(tmp_path_factory):
   return json.loads(out.read_text())["rows"]
 
 
-LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "2d", "scan_fsdp", "fsdp_tp_embed")
+LAYOUTS = ("data_parallel", "fsdp", "tensor_parallel", "2d", "scan_fsdp", "fsdp_tp_embed", "fsdp_tp_embed_4x2",
+           "scan_fsdp_tp_embed_4x2")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,6 +1,7 @@
 """The partitioner's pieces, without devices: block alignment, replicating a dim, shard indices, Shardy rules."""
 
 import numpy as np
+import pytest
 from jax._src.interpreters import mlir
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
@@ -55,6 +56,14 @@ def test_sharding_rules():
     qdq = p.sharding_rule(kernels.QDQ_TARGET, [x, scalar, scalar], [x], {"axis": 1, "block_2d": False})
     assert str(qdq) == ("#sdy.op_sharding_rule<([i, jk], [], [])->([i, jk]) {i=32, j=4, k=16} "
                         "need_replication={k}, custom>")
+    # An activation's K in a fprop: the result's K is its own compound, so the dot (its weight) decides how K is
+    # sharded and XLA reshards x before the kernel (docs/design.md §5).
+    follows = p.sharding_rule(kernels.QDQ_TARGET, [x, scalar, scalar], [x], {"axis": 1, "block_2d": False},
+                              k_follows_dot=True)
+    assert str(follows) == ("#sdy.op_sharding_rule<([i, jk], [], [])->([i, lm]) {i=32, j=4, k=16, l=4, m=16} "
+                            "need_replication={k, m}, custom>")
+    with pytest.raises(ValueError, match="1x16 blocks"):  # a 2D-tiled weight's tiles span both dims: it leads
+      p.sharding_rule(kernels.QDQ_TARGET, [x, scalar, scalar], [x], {"axis": 1, "block_2d": True}, k_follows_dot=True)
     blocks = ir.RankedTensorType.get([32, 4], f32)
     amax = p.sharding_rule(kernels.BLOCK_AMAX_TARGET, [x], [blocks], {"axis": 1})
     assert str(amax) == "#sdy.op_sharding_rule<([i, jk])->([i, j]) {i=32, j=4, k=16} need_replication={k}, custom>"

@@ -16,11 +16,14 @@ Form.PARTITIONED: the amax must be global, so it is a plain reduce that XLA part
   %key  = call @xla_fp4_twin_stochastic_key_<hash>(%x, %salt)  ; stochastic rounding only, else the salt
   %qx   = stablehlo.custom_call @xla_fp4_qdq(%x, %sx, %key) {axis, block_2d, stochastic, rht, rht_seed,
             apply_global_scale = false, sdy.sharding_rule = ...}
-Both forms compute the same numbers. How each op partitions (measured with benchmarks/sharding.py: dot FLOPs and
-collective bytes per device 1.00x of the unrewritten program in every layout): the reductions, the scale's barrier and
-the GEMM are plain StableHLO that XLA partitions itself; xla_fp4_block_amax and xla_fp4_qdq carry a Shardy rule and a
-registered custom-call partitioner (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of
-any dim, the quantization axis included (tensor parallelism shards K). `register_ffi_target_as_batch_partitionable`
+Both forms compute the same numbers. How each op partitions (measured with benchmarks/sharding.py: dot FLOPs per
+device 1.00x of the unrewritten program in every layout, collective bytes 1.00x but in MaxText's FSDP x TP on
+data=4 x model=2: 1.03x, scanned 1.09x): the reductions, the scale's barrier and the GEMM are plain StableHLO that XLA
+partitions itself; xla_fp4_block_amax and xla_fp4_qdq carry a Shardy rule and a registered custom-call partitioner
+(python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of any dim, the quantization axis
+included (tensor parallelism shards K). A fprop's activation and a dgrad's output gradient leave the sharding of
+their K to the dot (`k_follows_dot`), so that XLA gathers such a tensor before the kernels, once for the dots that
+quantize it two ways (1.21x the bytes before, docs/design.md §5). `register_ffi_target_as_batch_partitionable`
 was not used: it covers leading batch dims only. The plain-StableHLO twins of the kernels were not used: the kernels
 are faster. The scale and the key are: they are the twins `kernel_twins.decode_scale` and `stochastic_key`, lowered
 into private functions (`Twins`), one per operand signature. Lowering one costs 11-16 ms (measured), so each
@@ -114,7 +117,7 @@ class KernelSet(typing.Protocol):
 
   def qdq_with_scale(self, x, salt, **attrs): ...
   def block_amax(self, x, **attrs): ...
-  def qdq(self, x, s_dec, key, **attrs): ...
+  def qdq(self, x, s_dec, key, *, k_follows_dot=False, **attrs): ...
 
 
 class FfiKernels:
@@ -128,7 +131,7 @@ class FfiKernels:
     self.partitioned = partitioned
     self._configs = {}
 
-  def _custom_call(self, target, result_types, operands, attrs):
+  def _custom_call(self, target, result_types, operands, attrs, k_follows_dot=False):
     key = (target, tuple(sorted(attrs.items())))
     config = self._configs.get(key)
     if config is None:
@@ -136,7 +139,7 @@ class FfiKernels:
     op = self.targets.custom_call(target, result_types, operands, config)
     if self.partitioned and target in partition.PARTITIONED_TARGETS:
       op.attributes["sdy.sharding_rule"] = partition.sharding_rule(target, [o.type for o in operands], result_types,
-                                                                   attrs)
+                                                                   attrs, k_follows_dot)
     return op
 
   def _call(self, target, result_type, operands, **attrs):
@@ -150,9 +153,10 @@ class FfiKernels:
   def block_amax(self, x, **attrs):
     return self._call(self.targets.BLOCK_AMAX_TARGET, _block_amax_type(x, attrs["axis"]), [x], **attrs)
 
-  def qdq(self, x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
-    return self._call(self.targets.QDQ_TARGET, x.type, [x, s_dec, key], axis=axis, block_2d=block_2d,
-                      stochastic=stochastic, rht=rht, rht_seed=rht_seed, apply_global_scale=False)
+  def qdq(self, x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed, k_follows_dot=False):
+    attrs = dict(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
+                 apply_global_scale=False)
+    return self._custom_call(self.targets.QDQ_TARGET, [x.type], [x, s_dec, key], attrs, k_follows_dot).result
 
   def quantize_packed(self, x, s_dec, key, **attrs):
     """(rows, K) -> (data u8 (rows, K/2), swizzled scales u8)."""
@@ -237,7 +241,7 @@ class ReferenceKernels:
   def block_amax(self, x, **params):
     return self.twins.call(kernel_twins.block_amax, [x], [_block_amax_type(x, params["axis"])], **params)[0]
 
-  def qdq(self, x, s_dec, key, **params):
+  def qdq(self, x, s_dec, key, *, k_follows_dot=False, **params):  # XLA partitions the twins itself
     return self.twins.call(kernel_twins.qdq, [x, s_dec, key], [x.type], **params)[0]
 
 
@@ -268,9 +272,10 @@ class Emitter:
     key = self.twins.call(kernel_twins.stochastic_key, [x, salt], [_scalar(_u32())])[0] if stochastic else salt
     return s_dec, key, stochastic
 
-  def _operand(self, x, axis, recipe, site_id, user, whole, select):
+  def _operand(self, x, axis, recipe, site_id, user, whole, select, k_follows_dot):
     """-> (q·scale in x's dtype, s_dec f32 scalar); with `select` (whether the iteration of a scanned stack with kept
-    blocks is kept), `stablehlo.select`s that give (x, 1.0) in kept iterations instead.
+    blocks is kept), `stablehlo.select`s that give (x, 1.0) in kept iterations instead. `k_follows_dot`: x is the
+    activation (or output gradient) of a fprop (dgrad), whose K the weight's sharding decides (sharding/partition.py).
 
     Nearest rounding gives the same q wherever the same elements are quantized in the same blocks (_blocking), so
     each such operand is quantized once while the result is visible, and reshaped where another dot reads a reshape
@@ -286,7 +291,7 @@ class Emitter:
         # Dots are rewritten in program order, so a q in the user's own block precedes it.
         if b == blocking and _same_selector(sel, select) and _before_in_program_order(q, user):
           return self._reshaped(q, _tensor_type(x).shape, user), s_dec
-    q, s_dec = self._quantize(x, axis, recipe, site_id, whole)
+    q, s_dec = self._quantize(x, axis, recipe, site_id, whole, k_follows_dot)
     if select is not None:
       q = hlo.SelectOp(select, x, q).result
       s_dec = hlo.SelectOp(select, _const(1.0, _f32()), s_dec).result
@@ -294,7 +299,7 @@ class Emitter:
       self._quantized.setdefault(source, []).append((blocking, select, q, s_dec))
     return q, s_dec
 
-  def _quantize(self, x, axis, recipe, site_id, whole):
+  def _quantize(self, x, axis, recipe, site_id, whole, k_follows_dot):
     stochastic = recipe.rounding == "stochastic"
     if whole:
       return self.kernels.qdq_with_scale(x, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
@@ -302,7 +307,7 @@ class Emitter:
                                          salt=formats.fold_in_int(self.seed, site_id))
     s_dec, key, _ = self._scale_and_key(x, axis, recipe, site_id)
     q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
-                         rht=recipe.rht, rht_seed=self.seed)
+                         rht=recipe.rht, rht_seed=self.seed, k_follows_dot=k_follows_dot)
     return q, s_dec
 
   def emit(self, dot, plan, block_value=None):
@@ -386,8 +391,9 @@ class Emitter:
       batch = list(range(len(lb)))
       dims = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=batch, rhs_batching_dimensions=batch,
                                          lhs_contracting_dimensions=[la], rhs_contracting_dimensions=[ra])
-    qa, sa = self._operand(lhs, la, decision.lhs, 2 * site.index, dot, whole, select)
-    qb, sb = self._operand(rhs, ra, decision.rhs, 2 * site.index + 1, dot, whole, select)
+    follows = [site.role in ("fprop", "dgrad") and i != site.weight_operand for i in (0, 1)]
+    qa, sa = self._operand(lhs, la, decision.lhs, 2 * site.index, dot, whole, select, follows[0])
+    qb, sb = self._operand(rhs, ra, decision.rhs, 2 * site.index + 1, dot, whole, select, follows[1])
     acc_type = ir.RankedTensorType.get(_tensor_type(dot.results[0]).shape, _f32())
     kwargs = {}
     if "precision_config" in dot.attributes:

@@ -7,7 +7,12 @@ extent along those dims keeps whole blocks. Both halves of XLA's sharding get wh
 
 - propagation (Shardy): `sharding_rule()` is the call's `sdy.sharding_rule`. Every dim is its own factor and passes
   through to the result; K (and a single-dim 2D partner) is the compound (blocks, 16) with the 16 marked
-  need_replication, so propagation never splits a block. Scalars (s_dec, key) are replicated.
+  need_replication, so propagation never splits a block. Scalars (s_dec, key) are replicated. An activation's (or an
+  output gradient's) K in a fprop or dgrad is the exception, `k_follows_dot`: its result has K factors of its own,
+  so the dot, through the weight it contracts with, decides how K is sharded, and where that differs from x the
+  reshard happens on x before the kernel. x read by several dots (its fprop and its wgrad, quantized two ways) is
+  then resharded once for all of them, as without the pass; the q·scale each dot reads otherwise, each gathered on
+  its own (MaxText's FSDP x TP, activations' features sharded: 1.21x the collective bytes in a 3-layer MLP).
 - partitioning (XLA's SPMD partitioner): `register()` installs a custom-call partitioner per target. It takes the
   result's sharding for the operand and result, replicates any dim whose shards would split blocks (XLA reshards),
   and returns a per-shard module that runs the same kernel on the shard. Stochastic rounding mixes the shard's index
@@ -74,24 +79,36 @@ def _blocking(target, rank, attrs):
   return Blocking.of(rank, attrs["axis"], target == kernels.QDQ_TARGET and attrs["block_2d"])
 
 
-def sharding_rule(target, operand_types, result_types, attrs):
+def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=False):
   """The `sdy.sharding_rule` of a call to `target` whose first operand is the blocked tensor (needs a context).
-  xla_fp4_block_amax's result keeps the blocks factor of the quantization axis and drops the 16."""
+  xla_fp4_block_amax's result keeps the blocks factor of the quantization axis and drops the 16. `k_follows_dot`
+  (xla_fp4_qdq in 1x16 blocks only): the result's K has factors of its own, which the dot reading it shards."""
   shape = list(ir.RankedTensorType(operand_types[0]).shape)
   blocking = _blocking(target, len(shape), attrs)
   compound = {blocking.k} | ({blocking.partner[0]} if len(blocking.partner) == 1 else set())
+  if k_follows_dot and (target != kernels.QDQ_TARGET or attrs["block_2d"]):
+    raise ValueError(f"k_follows_dot is for {kernels.QDQ_TARGET} in 1x16 blocks, not {target} {dict(attrs)}")
   sizes, operand, result, need_replication = [], [], [], []
 
   def factor(n):
     sizes.append(n)
     return len(sizes) - 1
 
+  def compound_factors(n):
+    blocks, within = factor(n // BLOCK), factor(BLOCK)
+    need_replication.append(within)
+    return [blocks, within]
+
   for d, n in enumerate(shape):
     if d in compound and n > BLOCK and n % BLOCK == 0:
-      blocks, within = factor(n // BLOCK), factor(BLOCK)
-      need_replication.append(within)
-      operand.append([blocks, within])
-      result.append([blocks] if target == kernels.BLOCK_AMAX_TARGET and d == blocking.k else [blocks, within])
+      operand.append(compound_factors(n))
+      if target == kernels.BLOCK_AMAX_TARGET and d == blocking.k:
+        result.append(operand[-1][:1])
+      else:
+        result.append(compound_factors(n) if k_follows_dot and d == blocking.k else operand[-1])
+    elif k_follows_dot and d == blocking.k:  # one block, or not whole blocks: the partitioner keeps it whole
+      operand.append([factor(n)])
+      result.append([factor(n)])
     elif target == kernels.BLOCK_AMAX_TARGET and d == blocking.k:  # one block: the operand's 16 become 1
       within = factor(n)
       need_replication.append(within)
