@@ -1,6 +1,6 @@
 """Sharded programs under the pass, side by side in one run: per-device dot FLOPs and collective bytes from the
-compiled HLO, step time (the default recipe, stochastic rounding included), and how far the sharded step is from the
-one-device step (nearest rounding), with and without the pass.
+compiled HLO, XLA's temporary memory per device, step time (the default recipe, stochastic rounding included), and
+how far the sharded step is from the one-device step (nearest rounding), with and without the pass.
 
   python benchmarks/sharding.py [--small] [--out benchmarks/results/sharding.json]
 
@@ -184,6 +184,8 @@ def measure(layout, dtype, sizes, repeats):
       entry["flat_single"] = compiled(flat_single_args)
       entry["cost"] = cost(entry["sharded"])
       entry["single_cost"] = cost(entry["single"])
+      # XLA's temporary buffers per device (what the step allocates beyond its arguments and results)
+      entry["temp"] = {k: entry[k].memory_analysis().temp_size_in_bytes for k in ("sharded", "single")}
     if name != "pass":
       reference = entry["single"](*single_args)
       entry["diff"], entry["rel"] = difference(entry["sharded"](*sharded_args), reference)
@@ -213,6 +215,14 @@ def measure(layout, dtype, sizes, repeats):
       # Elements the pass's kernels quantize per device, and that times the devices over one device's count: above 1
       # where a layout replicates a quantized tensor (a replicated weight under data parallelism, a replicated
       # activation under tensor parallelism); a pod runs that on every device at once, 8 host devices on 2 cores do not.
+      # The pass holds q·scale copies of operands (a weight's from its fprop to its dgrad): a fixed size per device,
+      # so a larger share where sharding leaves a device little else (replicated weights under data parallelism).
+      "temp_bytes_per_device": {"sharded_none": out["none"]["temp"]["sharded"],
+                                "sharded_pass": out["pass"]["temp"]["sharded"],
+                                "single_none": out["none"]["temp"]["single"],
+                                "single_pass": out["pass"]["temp"]["single"],
+                                "sharded_ratio": out["pass"]["temp"]["sharded"] / out["none"]["temp"]["sharded"],
+                                "single_ratio": out["pass"]["temp"]["single"] / out["none"]["temp"]["single"]},
       "quantized_elements": {"per_device": new.quantized_elements,
                              "one_device": out["pass"]["single_cost"].quantized_elements,
                              "replication": new.quantized_elements * devices
@@ -247,6 +257,8 @@ def main(argv=None):
           f"one device {r['step_s']['single_ratio']:.2f}  flat tokens: 2 dev {r['step_s']['flat_cores_ratio']:.2f} "
           f"one device {r['step_s']['flat_single_ratio']:.2f}  "
           f"quantized x{r['quantized_elements']['replication']:.2f}  "
+          f"temp memory x{r['temp_bytes_per_device']['sharded_ratio']:.2f} one device "
+          f"x{r['temp_bytes_per_device']['single_ratio']:.2f}  "
           f"rel |sharded-single| none {r['rel_l2_sharded_minus_single']['none']:.1e} "
           f"pass {r['rel_l2_sharded_minus_single']['pass_nearest']:.1e}", file=sys.stderr)
   text = json.dumps(result, indent=1)

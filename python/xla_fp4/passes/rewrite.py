@@ -22,14 +22,15 @@ data=4 x model=2: 1.03x, scanned 1.09x): the reductions, the scale's barrier and
 partitions itself; xla_fp4_block_amax and xla_fp4_qdq carry a Shardy rule and a registered custom-call partitioner
 (python/xla_fp4/sharding/partition.py) that runs them on block-aligned shards of any dim, the quantization axis
 included (tensor parallelism shards K). A fprop's activation and a dgrad's output gradient leave the sharding of
-their K to the dot (`k_follows_dot`), so that XLA gathers such a tensor before the kernels, once for the dots that
-quantize it two ways (1.21x the bytes before, docs/design.md §5). `register_ffi_target_as_batch_partitionable`
-was not used: it covers leading batch dims only. The plain-StableHLO twins of the kernels were not used: the kernels
-are faster. The scale and the key are: they are the twins `kernel_twins.decode_scale` and `stochastic_key`, lowered
-into private functions (`Twins`), one per operand signature. Lowering one costs 11-16 ms (measured), so each
-signature is lowered once per process: on a 7-layer sharded train step the first compilation's pass time grows from
-0.06 s to 0.32 s and later ones stay at 0.03 s (measured). The partitioned form quantizes bit for bit as the
-whole-tensor kernel does (tests/sharding), and that kernel as its twin (tests/kernels).
+their K to the dot (`k_follows_dot`), so that XLA gathers such a tensor before the kernels, once for every reader
+that needs it gathered, not each quantized version of it (1.21x the bytes before, docs/design.md §5).
+`register_ffi_target_as_batch_partitionable` was not used: it covers leading batch dims only. The plain-StableHLO
+twins of the kernels were not used: the kernels are faster. The scale and the key are: they are the twins
+`kernel_twins.decode_scale` and `stochastic_key`, lowered into private functions (`Twins`), one per operand
+signature. Lowering one costs 11-16 ms (measured), so each signature is lowered once per process: on a 7-layer
+sharded train step the first compilation's pass time grows from 0.06 s to 0.32 s and later ones stay at 0.03 s
+(measured). The partitioned form quantizes bit for bit as the whole-tensor kernel does (tests/sharding), and that
+kernel as its twin (tests/kernels).
 Measured on a 2048x1024 f32 operand, block_amax takes 0.33 ms along axis 0 against 1.06 ms for XLA's select/abs/max
 reduction, and 1.23 ms with the RHT against 2.18 ms for xla_fp4_rht + that reduction; along the last axis 0.94 ms
 (4.8 ms with the RHT, which the pass only applies to wgrad operands, quantized along their leading token axis).
