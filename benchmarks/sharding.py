@@ -215,8 +215,6 @@ def measure(layout, dtype, sizes, repeats):
       # Elements the pass's kernels quantize per device, and that times the devices over one device's count: above 1
       # where a layout replicates a quantized tensor (a replicated weight under data parallelism, a replicated
       # activation under tensor parallelism); a pod runs that on every device at once, 8 host devices on 2 cores do not.
-      # The pass holds q·scale copies of operands (a weight's from its fprop to its dgrad): a fixed size per device,
-      # so a larger share where sharding leaves a device little else (replicated weights under data parallelism).
       "temp_bytes_per_device": {"sharded_none": out["none"]["temp"]["sharded"],
                                 "sharded_pass": out["pass"]["temp"]["sharded"],
                                 "single_none": out["none"]["temp"]["single"],
