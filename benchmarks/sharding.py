@@ -72,11 +72,11 @@ LAYOUTS = {
     "2d": Layout(P("data"), P(None, "model"), P("model", None)),
     "scan_fsdp": Layout(P(ALL), P(None, ALL, None), P(None, ALL, None), scanned=True),
     "fsdp_tp_embed": Layout(**_FSDP_TP_EMBED),
-    # On this mesh XLA gathers x along its features for the fprop and the wgrad, where the quantized versions of x
-    # were each gathered before the activations' K followed the dot (sharding/partition.py): 1.21x the bytes.
+    # On this mesh each quantized version of an activation was all-gathered along its features (1.21x the bytes)
+    # until the fprop's and dgrad's operands left their K's sharding to the dot (sharding/partition.py).
     "fsdp_tp_embed_4x2": Layout(**_FSDP_TP_EMBED, mesh=(4, 2)),
-    # The same, scanned: the wgrads' RHT-quantized operands are gathered along their features, where the baseline
-    # gathers each activation once for its dgrad and wgrad (docs/design.md §5).
+    # The same, scanned: the wgrads' RHT-quantized operands are all-gathered along their features, where the
+    # baseline reads the activation it gathered for the fprop or the dgrad (docs/design.md §5).
     "scan_fsdp_tp_embed_4x2": Layout(**dict(_FSDP_TP_EMBED, w1=P(None, "data", "model"), w2=P(None, "model", "data")),
                                      scanned=True, mesh=(4, 2)),
 }
@@ -147,9 +147,10 @@ def time_steps(fns, args, repeats):
 
 
 def measure(layout, dtype, sizes, repeats):
-  scanned, constrained = LAYOUTS[layout].scanned, LAYOUTS[layout].constrained
+  spec = LAYOUTS[layout]
+  scanned, constrained = spec.scanned, spec.constrained
   auto = (jax.sharding.AxisType.Auto,) * 2
-  mesh = jax.make_mesh(LAYOUTS[layout].mesh, ALL, axis_types=auto)
+  mesh = jax.make_mesh(spec.mesh, ALL, axis_types=auto)
   # As many devices as this machine has cores (model=2 of the first two): host devices beyond the cores take turns,
   # and every collective waits for all of them.
   cores = jax.make_mesh((1, 2), ALL, axis_types=auto, devices=jax.devices()[:2])
@@ -198,7 +199,7 @@ def measure(layout, dtype, sizes, repeats):
   none, new = out["none"]["cost"], out["pass"]["cost"]
   devices = mesh.devices.size
   return {
-      "layout": layout, "dtype": jnp.dtype(dtype).name, "mesh": dict(zip(ALL, LAYOUTS[layout].mesh)),
+      "layout": layout, "dtype": jnp.dtype(dtype).name, "mesh": dict(zip(ALL, spec.mesh)),
       "dot_flops": {"none": none.dot_flops, "pass": new.dot_flops, "ratio": new.dot_flops / none.dot_flops},
       "collective_bytes": {"none": none.collective_bytes, "pass": new.collective_bytes,
                            "ratio_excluding_scalar": new.large_collective_bytes / max(none.large_collective_bytes, 1),
@@ -212,15 +213,15 @@ def measure(layout, dtype, sizes, repeats):
                  "flat_cores_none": t[6], "flat_cores_pass": t[7], "flat_single_none": t[8], "flat_single_pass": t[9],
                  "flat_cores_ratio": t[7] / t[6], "flat_single_ratio": t[9] / t[8],
                  "flat_cores_over_single_ratio": (t[7] / t[6]) / (t[9] / t[8])},
-      # Elements the pass's kernels quantize per device, and that times the devices over one device's count: above 1
-      # where a layout replicates a quantized tensor (a replicated weight under data parallelism, a replicated
-      # activation under tensor parallelism); a pod runs that on every device at once, 8 host devices on 2 cores do not.
       "temp_bytes_per_device": {"sharded_none": out["none"]["temp"]["sharded"],
                                 "sharded_pass": out["pass"]["temp"]["sharded"],
                                 "single_none": out["none"]["temp"]["single"],
                                 "single_pass": out["pass"]["temp"]["single"],
                                 "sharded_ratio": out["pass"]["temp"]["sharded"] / out["none"]["temp"]["sharded"],
                                 "single_ratio": out["pass"]["temp"]["single"] / out["none"]["temp"]["single"]},
+      # Elements the pass's kernels quantize per device, and that times the devices over one device's count: above 1
+      # where a layout replicates a quantized tensor (a replicated weight under data parallelism, a replicated
+      # activation under tensor parallelism); a pod runs that on every device at once, 8 host devices on 2 cores do not.
       "quantized_elements": {"per_device": new.quantized_elements,
                              "one_device": out["pass"]["single_cost"].quantized_elements,
                              "replication": new.quantized_elements * devices
