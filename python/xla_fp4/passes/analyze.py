@@ -60,6 +60,7 @@ import re
 from typing import Any, Optional
 
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import sdy
 
 _NAME_LOC_RE = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"(\(|\)$)')
 _FILE_LOC_RE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
@@ -100,6 +101,8 @@ class DotSite:
   role: Role
   weight_operand: Optional[int]  # 0 (lhs) or 1 (rhs) for fprop/dgrad
   weight_arg: Optional[str]  # the @main argument the layer's weight comes from
+  # that argument's sharding annotation (Shardy's or GSPMD's) replicates it over the mesh: every device holds it whole
+  weight_replicated: bool = False
   block: Optional[int]  # static block index
   num_stacked: Optional[int]  # layers in the scanned stack when the block is per iteration
   block_offset: Optional[int]  # global block index of the scanned stack's first layer
@@ -203,6 +206,19 @@ def _indexed_subtrees(path):
   return out
 
 
+
+def _annotated_replicated(attrs):
+  """Whether an argument's attributes shard it over no mesh axis: Shardy's `sdy.sharding` with no axis on any dim,
+  or GSPMD's `mhlo.sharding = "{replicated}"`. No annotation (JAX's unspecified sharding, which propagation may
+  still shard) is not replicated."""
+  if "sdy.sharding" in attrs:
+    sharding = sdy.TensorShardingAttr(attrs["sdy.sharding"])
+    return all(not sdy.DimensionShardingAttr(d).axes for d in sharding.dimension_shardings)
+  if "mhlo.sharding" in attrs:
+    return ir.StringAttr(attrs["mhlo.sharding"]).value == "{replicated}"
+  return False
+
+
 def _shape(v):
   return tuple(ir.RankedTensorType(v.type).shape)
 
@@ -223,9 +239,13 @@ class _Module:
       self._collect(name, f.operation)
     main = self.funcs.get("main")
     self.main_args = []
+    self.replicated_args = set()  # indices of @main arguments annotated as replicated over the mesh
     if main is not None:
       for a in main.regions[0].blocks[0].arguments:
         self.main_args.append(name_of(a.location) or f"arg{a.arg_number}")
+      if "arg_attrs" in main.attributes:
+        self.replicated_args = {i for i, attrs in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"]))
+                                if _annotated_replicated(ir.DictAttr(attrs))}
 
   def _collect(self, fname, func_op):
     """Dots and calls of one function; the walk itself runs in C++ (a Python walk was a third of the pass time)."""
@@ -825,6 +845,7 @@ def analyze(module) -> Analysis:
   for i, d in enumerate(dots):
     op, src = d.op, d.src
     arg_name = mod.main_args[src.arg] if src is not None and src.arg < len(mod.main_args) else None
+    replicated = src is not None and src.arg in mod.replicated_args
     layer = _layer(d.path, arg_name) if d.role != "other" else d.path
     (lc, rc), (lb, rb) = _dot_dims(op)
     ls, rs = _shape(op.operands[0]), _shape(op.operands[1])
@@ -842,7 +863,8 @@ def analyze(module) -> Analysis:
     head = heads.get(i if d.role == "fprop" else d.partner) if d.role != "other" else None
     sites.append(DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
-        weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, block=block,
+        weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, weight_replicated=replicated,
+        block=block,
         num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head,
         excluded_scope=_excluded(mod, op),
         higher_order="jvp(transpose(" in d.stack or d.stack.count("transpose(") > 1, lhs_shape=ls, rhs_shape=rs,

@@ -273,7 +273,7 @@ class Emitter:
     key = self.twins.call(kernel_twins.stochastic_key, [x, salt], [_scalar(_u32())])[0] if stochastic else salt
     return s_dec, key, stochastic
 
-  def _operand(self, x, axis, recipe, site_id, user, whole, select, k_follows_dot):
+  def _operand(self, x, axis, recipe, site_id, user, whole, select, k_follows_dot, after=None, fresh=False):
     """-> (q·scale in x's dtype, s_dec f32 scalar); with `select` (whether the iteration of a scanned stack with kept
     blocks is kept), `stablehlo.select`s that give (x, 1.0) in kept iterations instead. `k_follows_dot`: x is the
     activation (or output gradient) of a fprop (dgrad), whose K the weight's sharding decides (sharding/partition.py).
@@ -283,30 +283,40 @@ class Emitter:
     of it: the q, k and v projections of one input share it, and a dgrad reuses its fprop's 16x16-tiled weight (the
     recipe's "same quantized values as in fprop"), also where one of them merges the weight's dims (attention's
     (D, heads, head_dim) projections). `whole`: the kernel measures its operand itself (Form.WHOLE_TENSOR) instead of
-    the reductions around it that a partitioned program needs for a global amax."""
+    the reductions around it that a partitioned program needs for a global amax.
+
+    `after` (a f32 scalar of the backward: the gradient's decode scale) orders a new nearest-rounded quantization of
+    a tensor that the forward computed: otherwise XLA may quantize it as soon as the forward has it and hold the
+    q·scale until the backward reads it, beside the tensor itself (_quantize). `fresh`: quantize anew rather than
+    reuse, for a dgrad's weight that every device holds whole (_emulated_gemm)."""
     stochastic = recipe.rounding == "stochastic"
     source = _reshape_source(x)
     blocking = _blocking(_tensor_type(x).shape, axis, recipe.block_2d, recipe.rht)
-    if not stochastic:
+    if not stochastic and not fresh:
       for (b, sel, q, s_dec) in self._quantized.get(source, ()):
         # Dots are rewritten in program order, so a q in the user's own block precedes it.
         if b == blocking and _same_selector(sel, select) and _before_in_program_order(q, user):
           return self._reshaped(q, _tensor_type(x).shape, user), s_dec
-    q, s_dec = self._quantize(x, axis, recipe, site_id, whole, k_follows_dot)
+    q, s_dec = self._quantize(x, axis, recipe, site_id, whole, k_follows_dot, after)
     if select is not None:
       q = hlo.SelectOp(select, x, q).result
       s_dec = hlo.SelectOp(select, _const(1.0, _f32()), s_dec).result
-    if not stochastic:
+    if not stochastic and not fresh:
       self._quantized.setdefault(source, []).append((blocking, select, q, s_dec))
     return q, s_dec
 
-  def _quantize(self, x, axis, recipe, site_id, whole, k_follows_dot):
+  def _quantize(self, x, axis, recipe, site_id, whole, k_follows_dot, after=None):
     stochastic = recipe.rounding == "stochastic"
     if whole:
       return self.kernels.qdq_with_scale(x, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
                                          rht=recipe.rht, rht_seed=self.seed,
                                          salt=formats.fold_in_int(self.seed, site_id))
     s_dec, key, _ = self._scale_and_key(x, axis, recipe, site_id)
+    if after is not None and not stochastic:
+      # A nearest-rounded qdq ignores its key (xla_fp4/kernels.py), so the key can carry the ordering: XLA cannot run
+      # the call before `after` exists. Holding the wgrads' RHT-quantized activations from the forward cost 1.32x the
+      # temporary memory of the unrewritten step under tensor parallelism (float32, benchmarks/sharding.py).
+      key = hlo.BitcastConvertOp(_scalar(_u32()), after).result
     q = self.kernels.qdq(x, s_dec, key, axis=axis, block_2d=recipe.block_2d, stochastic=stochastic,
                          rht=recipe.rht, rht_seed=self.seed, k_follows_dot=k_follows_dot)
     return q, s_dec
@@ -393,8 +403,23 @@ class Emitter:
       dims = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=batch, rhs_batching_dimensions=batch,
                                          lhs_contracting_dimensions=[la], rhs_contracting_dimensions=[ra])
     follows = [site.role in ("fprop", "dgrad") and i != site.weight_operand for i in (0, 1)]
-    qa, sa = self._operand(lhs, la, decision.lhs, 2 * site.index, dot, whole, select, follows[0])
-    qb, sb = self._operand(rhs, ra, decision.rhs, 2 * site.index + 1, dot, whole, select, follows[1])
+    operands, axes, recipes = [lhs, rhs], [la, ra], [decision.lhs, decision.rhs]
+    quantized = [None, None]
+    # In the backward the gradient goes first (JAX's transpose rule: a wgrad's lhs, a dgrad's non-weight operand); its
+    # decode scale then orders the other operand, which the forward computed (_operand's `after`). A dgrad quantizes
+    # a weight that every device holds whole anew, at no communication, rather than hold its fprop's q·scale across
+    # the step (one weight per layer: 1.35x the temporary memory under data parallelism, float32); a sharded weight
+    # reuses it, as a recomputation would gather it again (FSDP: 1.44x the collective bytes, measured).
+    grad = {"wgrad": 0, "dgrad": 1 - (site.weight_operand or 0)}.get(site.role)
+    order = (0, 1) if grad in (None, 0) else (1, 0)
+    after = None
+    for i in order:
+      fresh = site.role == "dgrad" and i == site.weight_operand and site.weight_replicated and not whole
+      quantized[i] = self._operand(operands[i], axes[i], recipes[i], 2 * site.index + i, dot, whole, select,
+                                   follows[i], None if i == grad or whole else after, fresh)
+      if i == grad:
+        after = quantized[i][1]
+    (qa, sa), (qb, sb) = quantized
     acc_type = ir.RankedTensorType.get(_tensor_type(dot.results[0]).shape, _f32())
     kwargs = {}
     if "precision_config" in dot.attributes:
