@@ -17,6 +17,7 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       == numerics qdq of (rht(x) if rht else x) with global_scale=s_dec and the key's random bits; the result stays in
       the RHT space. s_dec = amax / (6 * 448), amax taken after the RHT when rht is on. With apply_global_scale
       false the result is q * scale (exact), the operand of an emulated GEMM that folds s_dec into its output.
+      With stochastic false the key is not read (the pass passes a value there that orders the call).
   xla_fp4_qdq_with_scale(x: f32|bf16|f16[...]) -> (x's type, s_dec: f32[])
       attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, salt: i64
       measures x itself and then runs xla_fp4_qdq with apply_global_scale false: s_dec = amax * f32(1 / 2688), amax

@@ -37,9 +37,13 @@ reduction, and 1.23 ms with the RHT against 2.18 ms for xla_fp4_rht + that reduc
 Several contracting dims (a wgrad over batch and sequence) are merged into one, in place when they are adjacent, else
 after a transpose to (batch, free, K). A nearest-rounded operand is quantized
 once and reused by every dot that reads it the same way (q, k and v projections of one input; a dgrad and its fprop's
-16x16-tiled weight, the same values along either axis). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed,
-site)`: the digest is a wrapping uint32 sum of the operand's bits, so keys change every step and differ between
-layers, yet are reproducible; in a partitioned program each shard xors its own salt into the key.
+16x16-tiled weight, the same values along either axis, unless every device holds the weight whole: then the dgrad
+quantizes it anew rather than hold its q·scale across the step). In the backward the gradient operand is quantized
+first, and its decode scale is the key of the other operand's nearest-rounded qdq (which ignores it): XLA then
+quantizes what the forward computed where the backward reads it, not in the forward (docs/design.md §5).
+Stochastic-rounding keys are `digest(operand) ^ fold_in(seed, site)`: the digest is a wrapping uint32 sum of the
+operand's bits, so keys change every step and differ between layers, yet are reproducible; in a partitioned program
+each shard xors its own salt into the key.
 In a scanned stack with high-precision blocks, each operand is `stablehlo.select(block in keep, x, q·scale)` (and s_dec
 = 1 in kept iterations): one GEMM per iteration, and a weight that FSDP all-gathers is gathered once, after the
 select, for all the dots that read it (a case around the whole dot made every dot gather the weight in its own
