@@ -206,7 +206,6 @@ def _indexed_subtrees(path):
   return out
 
 
-
 def _annotated_replicated(attrs):
   """Whether an argument's attributes shard it over no mesh axis: Shardy's `sdy.sharding` with no axis on any dim,
   or GSPMD's `mhlo.sharding = "{replicated}"`. No annotation (JAX's unspecified sharding, which propagation may
@@ -864,8 +863,7 @@ def analyze(module) -> Analysis:
     sites.append(DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=layer, phase=d.phase, role=d.role,
         weight_operand=d.w if d.role in ("fprop", "dgrad") else None, weight_arg=arg_name, weight_replicated=replicated,
-        block=block,
-        num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head,
+        block=block, num_stacked=stacked, block_offset=offset, is_head=head is not None, head_reason=head,
         excluded_scope=_excluded(mod, op),
         higher_order="jvp(transpose(" in d.stack or d.stack.count("transpose(") > 1, lhs_shape=ls, rhs_shape=rs,
         out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),

@@ -415,12 +415,11 @@ class Emitter:
     # the step (one weight per layer: 1.35x the temporary memory under data parallelism, float32); a sharded weight
     # reuses it, as a recomputation would gather it again (FSDP: 1.44x the collective bytes, measured).
     grad = {"wgrad": 0, "dgrad": 1 - (site.weight_operand or 0)}.get(site.role)
-    order = (0, 1) if grad in (None, 0) else (1, 0)
-    after = None
-    for i in order:
+    after = None  # the gradient's s_dec once it is quantized (whole tensors have no key to carry it: _quantize)
+    for i in ((1, 0) if grad == 1 else (0, 1)):
       fresh = site.role == "dgrad" and i == site.weight_operand and site.weight_replicated and not whole
       quantized[i] = self._operand(operands[i], axes[i], recipes[i], 2 * site.index + i, dot, whole, select,
-                                   follows[i], None if i == grad or whole else after, fresh)
+                                   follows[i], after, fresh)
       if i == grad:
         after = quantized[i][1]
     (qa, sa), (qb, sb) = quantized
