@@ -14,22 +14,14 @@ from tests.sharding.test_layouts import run_python
 SCRIPT = """
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, "benchmarks")
+sys.path[:0] = ["benchmarks", "tests"]
 import jax, jax.numpy as jnp
 jax.config.update("jax_use_shardy_partitioner", sys.argv[2] == "shardy")
 import sharding as S
 import xla_fp4
 from jax._src.lib.mlir import ir
+from nvfp4_testing import kernel_calls_row_major
 from xla_fp4.passes import pipeline
-
-
-def walk(op):
-  yield op
-  for region in op.regions:
-    for block in region.blocks:
-      for inner in block.operations:
-        yield from walk(inner.operation)
-
 
 out = {}
 for layout in sys.argv[1].split(","):
@@ -45,8 +37,8 @@ for layout in sys.argv[1].split(","):
   module = pipeline.transform(step().lower(*args).compiler_ir("stablehlo"),
                               xla_fp4.config.load(enabled=True, **options)).module
   xla_fp4.disable()
-  calls = [op for op in walk(module.operation) if op.name == "stablehlo.custom_call"
-           and ir.StringAttr(op.attributes["call_target_name"]).value == "xla_fp4_qdq"]
+  calls = [op for op in kernel_calls_row_major(module)
+           if ir.StringAttr(op.attributes["call_target_name"]).value == "xla_fp4_qdq"]
   config = lambda op, key: ir.BoolAttr(ir.DictAttr(op.attributes["mhlo.backend_config"])[key]).value
   row["weight_qdq"] = sum(config(op, "block_2d") for op in calls)
   # nearest-rounded calls whose key is a gradient's decode scale (bitcast), not a salt: ordered into the backward
