@@ -180,8 +180,9 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
 }
 
 // For programs that are not partitioned, where x is the whole tensor: the amax and the key come from x itself instead
-// of from reductions emitted around the call (the same numbers: the pass's _amax and _digest), which keeps XLA's
-// compile time and the step's memory traffic close to the baseline's.
+// of from reductions emitted around the call (the same numbers as the partitioned pattern's: kernel_twins.decode_scale
+// over xla_fp4_block_amax, and kernel_twins.stochastic_key), which keeps XLA's compile time and the step's memory
+// traffic close to the baseline's.
 ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> s_dec, int64_t axis, bool block_2d, bool stochastic, bool rht,
                            int64_t rht_seed, int64_t salt) {

@@ -8,7 +8,7 @@ import jax
 from xla_fp4 import config as config_mod
 from xla_fp4 import hook, report
 from xla_fp4.passes import pipeline
-from xla_fp4.passes.analyze import EXCLUDE_ATTRIBUTE
+from xla_fp4.passes.analysis import EXCLUDE_ATTRIBUTE
 
 
 def enable_config(cfg):

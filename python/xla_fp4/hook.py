@@ -3,9 +3,11 @@
 `jax._src.compiler.compile_or_get_cached(backend, computation, ...)` is the funnel of jit, AOT compile, grad, pmap and
 shard_map (docs/design.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the
 persistent cache key is computed from it, so rewritten and original programs never share cache entries).
-Other private JAX modules the project uses: jax._src.lib.mlir (the MLIR bindings and dialects; passes/), jax._src
-.interpreters.mlir (custom_call, the IR context; rewrite.py) and jax._src.xla_bridge / custom partitioning
-(sharding/partition.py); docs/design.md §4 lists what each relies on.
+Other private JAX modules the project uses: jax._src.lib.mlir (the MLIR bindings and dialects; passes/),
+jax._src.interpreters.mlir (custom_call and the IR context; kernels/ and sharding/partition.py), jax._src.lib
+.xla_client and jax._src.xla_bridge (the custom-call partitioners; sharding/partition.py); docs/design.md §4 lists
+what each relies on. The installation (JAX's wrapped function and the config) is this module's, as the patch of JAX is the process's; whether
+the hook has warned is in xla_fp4/state.py.
 """
 
 import inspect
@@ -16,12 +18,13 @@ import warnings
 import jax
 from jax._src import compiler
 
+from xla_fp4 import state
 from xla_fp4.config import Config
 from xla_fp4.passes import pipeline
 
 logger = logging.getLogger("xla_fp4")
 _lock = threading.Lock()
-_state = {"original": None, "config": None, "warned": False}
+_installed = {"original": None, "config": None}  # JAX's compile_or_get_cached while wrapped, the pass's Config
 
 
 def _check_jax():
@@ -32,8 +35,9 @@ def _check_jax():
 
 
 def _warn_once(what, computation, e):
-  if not _state["warned"]:
-    _state["warned"] = True
+  current = state.current()
+  if not current.hook_warned:
+    current.hook_warned = True
     warnings.warn(f"xla_fp4: {what} on module {pipeline.module_name(computation)!r} ({type(e).__name__}: {e}); "
                   "compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. (Warned once per process.)",
                   RuntimeWarning, stacklevel=3)
@@ -41,8 +45,8 @@ def _warn_once(what, computation, e):
 
 
 def _compile_or_get_cached(backend, computation, *args, **kwargs):
-  config = _state["config"]
-  original = _state["original"]
+  config = _installed["config"]
+  original = _installed["original"]
   try:
     result = pipeline.transform(computation, config, platform=backend.platform)
     if config.dump_dir and result.rows:
@@ -67,9 +71,9 @@ def install(config: Config):
   """Route every compilation through the pass with `config` (idempotent; a second call swaps the config)."""
   _check_jax()
   with _lock:
-    _state["config"] = config
-    if _state["original"] is None:
-      _state["original"] = compiler.compile_or_get_cached
+    _installed["config"] = config
+    if _installed["original"] is None:
+      _installed["original"] = compiler.compile_or_get_cached
       compiler.compile_or_get_cached = _compile_or_get_cached
   jax.clear_caches()  # executables compiled before would otherwise be reused unchanged
 
@@ -79,19 +83,19 @@ def install_error(error: Exception):
   def refuse(*args, **kwargs):
     raise error
   with _lock:
-    if _state["original"] is None:
-      _state["original"] = compiler.compile_or_get_cached
+    if _installed["original"] is None:
+      _installed["original"] = compiler.compile_or_get_cached
     compiler.compile_or_get_cached = refuse
 
 
 def uninstall():
   with _lock:
-    if _state["original"] is not None:
-      compiler.compile_or_get_cached = _state["original"]
-      _state["original"] = None
-      _state["config"] = None
+    if _installed["original"] is not None:
+      compiler.compile_or_get_cached = _installed["original"]
+      _installed["original"] = None
+      _installed["config"] = None
   jax.clear_caches()
 
 
 def installed_config():
-  return _state["config"]
+  return _installed["config"]

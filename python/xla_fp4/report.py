@@ -18,7 +18,8 @@ def rows(sites, decisions, notes=None):
     reason = d.reason + (f"; {notes[s.index]}" if s.index in notes else "")
     block = s.block if s.block is not None else ("scan" if s.num_stacked else None)
     out.append(dict(index=s.index, layer=s.layer, role=s.role, phase=s.phase, block=block,
-                    lhs_shape=list(s.lhs_shape), rhs_shape=list(s.rhs_shape), dtype=s.dtype, flops=s.flops,
+                    lhs_shape=list(s.gemm.lhs_shape), rhs_shape=list(s.gemm.rhs_shape), dtype=s.gemm.dtype,
+                    flops=s.gemm.flops,
                     decision=d.decision, rule=d.rule, reason=reason,
                     recipe=None if d.lhs is None else {"lhs": _recipe(d.lhs), "rhs": _recipe(d.rhs)},
                     keep_blocks=list(d.keep_blocks), num_stacked=s.num_stacked))
@@ -26,7 +27,7 @@ def rows(sites, decisions, notes=None):
 
 
 def _recipe(r):
-  parts = ["2d" if r.block_2d else "1d", "sr" if r.rounding == "stochastic" else "rn"] + (["rht"] if r.rht else [])
+  parts = ["2d" if r.block_2d else "1d", "sr" if r.stochastic else "rn"] + (["rht"] if r.rht else [])
   return "+".join(parts)
 
 

@@ -1,6 +1,7 @@
 """End to end through the compile hook: a rewritten training step against an independent emulation of the recipe
 written with xla_fp4.numerics, against the f32 baseline, and the pass's safety properties."""
 
+import dataclasses
 import functools
 import warnings
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import xla_fp4
-from xla_fp4 import kernels, numerics as nv
+from xla_fp4 import kernels, numerics as nv, state
 from xla_fp4.passes import pipeline, rewrite
 
 D_IN, D_HID, D_OUT, BATCH, SEQ = 64, 128, 32, 4, 16  # 3-D activations: the wgrads contract over (batch, seq)
@@ -191,13 +192,17 @@ def test_user_rules_decide_first_and_the_program_runs():
     assert 0 < float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.7
 
 
+def _not_warned_yet():
+  """A process state in which the compile hook has not warned yet (it warns once per process)."""
+  return state.use(dataclasses.replace(state.current(), hook_warned=False))
+
+
 def test_internal_failure_compiles_the_original_and_warns(monkeypatch):
   def boom(*a, **k):
     raise RuntimeError("injected")
   monkeypatch.setattr(pipeline, "transform", boom)
-  monkeypatch.setitem(xla_fp4.hook._state, "warned", False)
   base = _grads(fp4=False)
-  with warnings.catch_warnings(record=True) as caught:
+  with warnings.catch_warnings(record=True) as caught, _not_warned_yet():
     warnings.simplefilter("always")
     got = _grads_uncached(stochastic_rounding=False)
   assert any("injected" in str(w.message) and "XLA_FP4_STRICT" in str(w.message) for w in caught)
@@ -208,12 +213,12 @@ def test_internal_failure_compiles_the_original_and_warns(monkeypatch):
 def test_xla_compile_failure_compiles_the_original_and_warns(monkeypatch):
   """The rewritten module calls a target no one registered: XLA refuses it, the original program still runs."""
   from xla_fp4 import kernels
+  from xla_fp4.kernels import targets
   missing = "xla_fp4_not_registered"
-  monkeypatch.setattr(kernels, "QDQ_WITH_SCALE_TARGET", missing)
+  monkeypatch.setattr(targets, "QDQ_WITH_SCALE", dataclasses.replace(targets.QDQ_WITH_SCALE, name=missing))
   monkeypatch.setitem(kernels.ATTRIBUTES, missing, kernels.ATTRIBUTES["xla_fp4_qdq_with_scale"])
-  monkeypatch.setitem(xla_fp4.hook._state, "warned", False)
   base = _grads(fp4=False)
-  with warnings.catch_warnings(record=True) as caught:
+  with warnings.catch_warnings(record=True) as caught, _not_warned_yet():
     warnings.simplefilter("always")
     got = _grads_uncached(stochastic_rounding=False)
   assert any("could not compile" in str(w.message) and missing in str(w.message) for w in caught), \
@@ -281,8 +286,8 @@ def test_platforms_without_compiled_kernels_get_the_pure_jax_reference(monkeypat
   """Where no FFI kernel is registered (e.g. a GPU without the CUDA build) the rewrite calls private functions lowered
   from xla_fp4.numerics: the same numbers as the C++ kernels."""
   ffi = _grads_uncached(stochastic_rounding=False)
-  monkeypatch.setattr(kernels, "_registered", set())  # as if no platform had its FFI targets registered
-  ref = _grads_uncached(stochastic_rounding=False)
+  with state.use(dataclasses.replace(state.current(), registered=set())):  # as if no platform had its targets
+    ref = _grads_uncached(stochastic_rounding=False)
   for layer in ("fc1", "fc2", "head"):
     assert jnp.array_equal(ffi["params"][layer]["kernel"], ref["params"][layer]["kernel"]), layer
 

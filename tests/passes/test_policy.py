@@ -8,24 +8,34 @@ import pytest
 
 from xla_fp4 import config, report
 from xla_fp4.passes import policy
-from xla_fp4.passes.analyze import Analysis, BlockIndex, DotSite
+from xla_fp4.passes.analysis import Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Phase, Role
 
 CFG = config.load(environ={}, enabled=True)
+_GEMM = dict(lhs_shape=(64, 64), rhs_shape=(64, 64), out_shape=(64, 64), dtype="f32", operand_dtypes=("f32", "f32"),
+             m=64, n=64, k=64, flops=2 * 64 ** 3, contracting=((1,), (0,)), batch=((), ()))
 
 
-def _site(index=0, **overrides):
-  """A plain NVFP4-eligible fprop of a 64x64 layer; overrides make it match other rules."""
+def _site(index=0, is_head=False, **overrides):
+  """A plain NVFP4-eligible fprop of a 64x64 layer; overrides (of its fields and its Gemm's) make it match other
+  rules."""
+  gemm = Gemm(**{**_GEMM, **{k: v for k, v in overrides.items() if k in _GEMM}})
   base = dict(index=index, func="main", name_stack="jit(f)/jvp(m)/fc/dot_general", layer="m/fc", phase="forward",
-              role="fprop", weight_operand=1, weight_arg="p['fc']", block=None, num_stacked=None, block_offset=None,
-              is_head=False, head_reason=None, excluded_scope=False, higher_order=False, lhs_shape=(64, 64),
-              rhs_shape=(64, 64), out_shape=(64, 64), dtype="f32", operand_dtypes=("f32", "f32"), m=64, n=64, k=64,
-              flops=2 * 64 ** 3, contracting=((1,), (0,)), batch=((), ()))
-  return DotSite(**{**base, **overrides})
+              role="fprop", weight_operand=1, weight_arg="p['fc']", head_reason="x" if is_head else None, gemm=gemm)
+  fields = {**base, **{k: v for k, v in overrides.items() if k not in _GEMM}}
+  fields["head_reason"] = (fields["head_reason"] or "x") if is_head else None
+  return DotSite(**{**fields, "role": Role(fields["role"]), "phase": Phase(fields["phase"])})
 
 
-def _decide(sites, num_blocks=0, block_values=None, **options):
-  analysis = Analysis(sites=sites, ops={}, block_values=block_values or {}, num_blocks=num_blocks)
-  return policy.decide(analysis, config.load(environ={}, enabled=True, **options))
+def _analysis(sites, num_blocks=0, block_index=None):
+  """An Analysis of `sites`; block_index: {site index: where its scanned stack's block index is (BlockIndex)}."""
+  block_index = block_index or {}
+  records = [DotRecord(op=None, site=s, block_source=BlockSource(block_index[s.index], None)
+                       if s.index in block_index else None) for s in sites]
+  return Analysis(records=records, num_blocks=num_blocks)
+
+
+def _decide(sites, num_blocks=0, block_index=None, **options):
+  return policy.decide(_analysis(sites, num_blocks, block_index), config.load(environ={}, enabled=True, **options))
 
 
 # Each rule with a site that matches it *and every later rule*: the first match must win.
@@ -64,8 +74,8 @@ def test_rule_order_is_the_documented_one():
 
 
 def test_the_roles_a_user_rule_names_are_the_analysis_roles():
-  """config.ROLES (config cannot import the pass) must be analyze.Role without `other` (never rewritten)."""
-  from xla_fp4.passes.analyze import Role
+  """config.ROLES (config cannot import the pass) must be analysis.Role without `other` (never rewritten)."""
+  from xla_fp4.passes.analysis import Role
   assert set(config.ROLES) == {r.value for r in Role} - {"other"}
 
 
@@ -136,7 +146,7 @@ def test_a_scanned_stack_keeps_its_share_of_the_global_blocks():
   """An encoder (blocks 0-5, static) and a scanned decoder (blocks 6-11): the decoder's dot keeps its local blocks 4
   and 5 (global 10 and 11) per iteration."""
   scanned = _site(0, num_stacked=6, block_offset=6)
-  (d,), _ = _decide([scanned], num_blocks=12, block_values={0: (None, None)})
+  (d,), _ = _decide([scanned], num_blocks=12, block_index={0: BlockIndex.IN_SCOPE})
   assert d.decision == "nvfp4" and d.keep_blocks == (4, 5)
   assert "blocks [4, 5] run the high-precision dot" in d.reason
 
@@ -202,13 +212,13 @@ def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
   it."""
   sites = [_site(0), _site(1, batch=((0,), (0,))), _site(2, num_stacked=4, block_offset=0, k=48),
            _site(3, num_stacked=4, block_offset=0), _site(4, role="other")]
-  analysis = Analysis(sites=sites, ops={}, block_values={2: (None, None), 3: (None, None)}, num_blocks=4,
-                      block_index={2: BlockIndex.PASSED_IN, 3: BlockIndex.UNAVAILABLE})
+  analysis = _analysis(sites, 4, {2: BlockIndex.PASSED_IN, 3: BlockIndex.UNAVAILABLE})
   decided, _ = policy.decide(analysis, config.load(environ={}, enabled=True, keep_first=0, keep_last=1))
   assert [d.decision for d in decided] == [policy.Verdict.NVFP4] * 4 + [policy.Verdict.KEEP]
 
   def forms(**kw):
-    return [(p.site.index, p.form, p.block_index, p.notes) for p in policy.plan(analysis, decided, **kw)]
+    return [(p.site.index, p.form, p.block_source and p.block_source.kind, p.notes)
+            for p in policy.plan(analysis, decided, **kw)]
   unavailable = "block index unavailable per iteration: every iteration runs in NVFP4"
   assert forms(partitioned=False, native=False, cuda=False) == [
       (0, policy.Form.WHOLE_TENSOR, None, ()), (1, policy.Form.WHOLE_TENSOR, None, ()),
@@ -224,12 +234,35 @@ def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
   assert all(f[1] is policy.Form.PARTITIONED and "no partitioner" in f[3][-1] for f in partitioned_native)
 
 
+def test_operand_plans_say_what_each_operand_is_and_in_which_order_it_is_quantized():
+  """fprop: activation and weight, in operand order, K of the activation follows the dot. dgrad: the gradient
+  first, then the weight after it (ordered by its scale), quantized anew where every device holds it whole in a
+  partitioned program. wgrad: the gradient (lhs) first, the activation after it; no operand's K follows the dot."""
+  sites = [_site(0), _site(1, role="dgrad", weight_operand=0, weight_replicated=True),
+           _site(2, role="wgrad", weight_operand=None), _site(3, role="dgrad", weight_operand=1)]
+  decided, _ = _decide(sites)
+
+  def operands(partitioned):
+    return [(p.order, [(o.kind, o.k_follows_dot, o.fresh, o.after_gradient, o.salt_id) for o in p.operands])
+            for p in policy.plan(_analysis(sites), decided, partitioned=partitioned, native=False, cuda=False)]
+  A, W, G = policy.Operand.ACTIVATION, policy.Operand.WEIGHT, policy.Operand.GRADIENT
+  assert operands(partitioned=True) == [
+      ((0, 1), [(A, True, False, False, 0), (W, False, False, False, 1)]),
+      ((1, 0), [(W, False, True, True, 2), (G, True, False, False, 3)]),
+      ((0, 1), [(G, False, False, False, 4), (A, False, False, True, 5)]),
+      ((0, 1), [(G, True, False, False, 6), (W, False, False, True, 7)])]
+  # One device: a replicated weight is reused like any other (whole tensors hold no sharded copy to re-gather).
+  assert not any(o[2] for _, ops in operands(partitioned=False) for o in ops)
+  plans = policy.plan(_analysis(sites), decided, partitioned=False, native=False, cuda=False)
+  assert [o.recipe for o in plans[2].operands] == [decided[2].lhs, decided[2].rhs]
+
+
 def test_a_users_nvfp4_rule_puts_every_iteration_of_a_scanned_stack_in_nvfp4():
   """As for unscanned blocks, a user's nvfp4 rule comes before the kept blocks' rule."""
   def stack():
     return [_site(0, num_stacked=4, block_offset=0, layer="m/mlp")]
-  (policy_default,), _ = _decide(stack(), num_blocks=4, block_values={0: (None, None)}, keep_last=1)
+  (policy_default,), _ = _decide(stack(), num_blocks=4, block_index={0: BlockIndex.IN_SCOPE}, keep_last=1)
   assert policy_default.rule == "nvfp4" and policy_default.keep_blocks == (3,)
-  (users,), _ = _decide(stack(), num_blocks=4, block_values={0: (None, None)}, keep_last=1,
+  (users,), _ = _decide(stack(), num_blocks=4, block_index={0: BlockIndex.IN_SCOPE}, keep_last=1,
                         rules=[{"layer": "mlp", "decision": "nvfp4"}])
   assert users.rule == "user_rule_0" and users.keep_blocks == () and users.decision == "nvfp4"

@@ -1,5 +1,5 @@
 """A nearest-rounded operand is quantized once for all the dots that read it, or a reshape of it, in the same blocks
-(rewrite._blocking): a dgrad reuses its fprop's 16x16-tiled weight even where one of them merges the weight's dims."""
+(rewrite.reuse.blocking): a dgrad reuses its fprop's 16x16-tiled weight even where one of them merges the weight's dims."""
 
 import itertools
 
@@ -11,6 +11,7 @@ import pytest
 import xla_fp4
 from xla_fp4.numerics import kernel_twins
 from xla_fp4.passes import pipeline, rewrite
+from xla_fp4.passes.rewrite import reuse
 
 D, H, K = 64, 4, 16
 
@@ -33,7 +34,7 @@ def test_equal_blocking_means_the_same_quantized_values(block_2d, rht):
       q[shape, axis] = np.asarray(y).reshape(-1)
   pairs = 0
   for (a, qa), (b, qb) in itertools.combinations(q.items(), 2):
-    same = rewrite._blocking(a[0], a[1], block_2d, rht) == rewrite._blocking(b[0], b[1], block_2d, rht)
+    same = reuse.blocking(a[0], a[1], block_2d, rht) == reuse.blocking(b[0], b[1], block_2d, rht)
     assert np.array_equal(qa, qb) == same, (a, b)
     pairs += same
   assert pairs >= 3

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xla_fp4.numerics import formats, nvfp4 as qz
+from xla_fp4.numerics.nvfp4 import Rounding
 from xla_fp4.numerics.rht import rht_f32
 
 
@@ -17,8 +18,12 @@ from xla_fp4.numerics.rht import rht_f32
 class OperandRecipe:
   """How one GEMM operand is quantized (docs/design.md §2 table)."""
   block_2d: bool = False
-  rounding: str = "nearest"
+  rounding: Rounding = Rounding.NEAREST
   rht: bool = False
+
+  @property
+  def stochastic(self):
+    return self.rounding == Rounding.STOCHASTIC
 
 
 def _canonical(x, batch, contract):
@@ -71,7 +76,7 @@ def dot_general(a, b, dimension_numbers, *, a_recipe=OperandRecipe(), b_recipe=O
                      f"(lhs shape {a.shape}, contracting dims {tuple(ca)}). Keep this GEMM in high precision.")
   for r in (a_recipe, b_recipe):
     qz._check_rounding(r.rounding)
-  stochastic = "stochastic" in (a_recipe.rounding, b_recipe.rounding)
+  stochastic = a_recipe.stochastic or b_recipe.stochastic
   key = formats.key_to_u32(key) if stochastic else None
   out_dtype = preferred_element_type or jnp.result_type(a.dtype, b.dtype)
   dn = ((tuple(ca), tuple(cb)), (tuple(ba), tuple(bb)))

@@ -20,7 +20,7 @@ def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
   x32 = x.astype(jnp.float32)
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  rounding = "stochastic" if stochastic else "nearest"
+  rounding = nvfp4.Rounding.STOCHASTIC if stochastic else nvfp4.Rounding.NEAREST
   return nvfp4.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
 
 

@@ -9,6 +9,7 @@ layout cuBLASLt's VEC16_UE4M3 mode reads.
 """
 
 import dataclasses
+import enum
 from typing import Any
 
 import jax
@@ -18,7 +19,14 @@ import numpy as np
 from xla_fp4.numerics import formats
 from xla_fp4.numerics.formats import BLOCK
 
-ROUNDINGS = ("nearest", "stochastic")
+
+
+class Rounding(enum.StrEnum):
+  NEAREST = "nearest"  # round half to even
+  STOCHASTIC = "stochastic"  # unbiased, from a key's random bits (gradients: arXiv 2509.25149 §4)
+
+
+ROUNDINGS = tuple(Rounding)
 _INV_E2M1_MAX = np.float32(1.0 / formats.E2M1_MAX)  # 0x1.555556p-3f, the same constant in nvfp4_format.h
 
 
@@ -51,7 +59,7 @@ def canonical_axis(shape, axis):
 
 def _check_rounding(rounding):
   if rounding not in ROUNDINGS:
-    raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    raise ValueError(f"rounding must be one of {[str(r) for r in ROUNDINGS]}, got {rounding!r}")
 
 
 def _check_float(x):

@@ -8,7 +8,13 @@ paper kept the first 2 and last 8 of 62 blocks); GEMMs whose contraction is not 
 kept.
 
 In a scanned layer stack one dot serves every layer: the decision there is `nvfp4` with `keep_blocks`, and the rewrite
-runs per iteration either the NVFP4 GEMM or the high-precision one, on the block index (a stablehlo.case).
+gives the GEMM per iteration either the operands themselves or their q·scale (a `stablehlo.select` per operand, on
+the block index; the packed form selects between the original dot and the FP4 GEMM with a `stablehlo.case`).
+
+`plan` turns each NVFP4 decision into the whole plan of its rewrite (`Plan`): the form of the pattern, where the
+block index comes from, and per operand (`OperandPlan`) what it is (activation, weight, gradient), its recipe, whether
+the dot decides how its K is sharded, whether it is quantized anew or may reuse an earlier quantization, and in which
+order the operands are quantized. The rewrite applies plans; it decides nothing.
 """
 
 import dataclasses
@@ -18,7 +24,8 @@ from typing import Callable, Optional
 
 from xla_fp4.config import Config, UserRule
 from xla_fp4.numerics.gemm import OperandRecipe
-from xla_fp4.passes.analyze import Analysis, BlockIndex, DotSite
+from xla_fp4.numerics.nvfp4 import Rounding
+from xla_fp4.passes.analysis import Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Role
 
 
 class Verdict(enum.StrEnum):
@@ -31,6 +38,13 @@ class Form(enum.StrEnum):
   WHOLE_TENSOR = "whole_tensor"  # one kernel per operand measures it (amax, key) and returns q·scale; one device
   PARTITIONED = "partitioned"  # per-block maxima, a plain max reduction (XLA's all-reduce), then the qdq kernel
   PACKED = "packed"  # packed FP4 operands and the FP4 GEMM (the native backend)
+
+
+class Operand(enum.StrEnum):
+  """What a GEMM operand is, which decides its recipe (docs/design.md §2)."""
+  ACTIVATION = "activation"
+  WEIGHT = "weight"
+  GRADIENT = "gradient"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,14 +74,39 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OperandPlan:
+  """How one operand of an NVFP4 dot is quantized."""
+  position: int  # 0: lhs, 1: rhs
+  kind: Operand
+  recipe: OperandRecipe
+  salt_id: int  # 2 * dot index + position: mixed with the seed into the stochastic-rounding key's salt
+  # A fprop's activation, a dgrad's output gradient (1x16 blocks): the dot, through the weight it contracts with,
+  # decides how K is sharded (Form.PARTITIONED; sharding/partition.py `k_follows_dot`).
+  k_follows_dot: bool
+  # Quantized anew, never reused: a dgrad's weight that every device holds whole (partitioned forms), rather than
+  # hold its fprop's q·scale across the step (1.35x the temporary memory under data parallelism, float32). A sharded
+  # weight reuses it: quantizing it anew would gather it again (FSDP: 1.44x the collective bytes, measured).
+  fresh: bool
+  # Quantized after the dot's gradient operand (whose decode scale orders it): a tensor the forward computed is then
+  # quantized where the backward reads it, not held from the forward (docs/design.md §5).
+  after_gradient: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
-  """How one NVFP4 dot is rewritten: its decision (recipe per operand), the form of the pattern and, where kept blocks
-  of a scanned stack select per iteration, where the block index comes from."""
-  site: DotSite
+  """How one NVFP4 dot is rewritten: its decision, the form of the pattern, its operands' plans and, where kept
+  blocks of a scanned stack select per iteration, where the block index comes from."""
+  record: DotRecord
   decision: Decision
   form: Form
-  block_index: Optional[BlockIndex]  # None: no per-iteration select
+  operands: tuple  # (lhs OperandPlan, rhs OperandPlan)
+  order: tuple  # positions in the order they are quantized: the gradient first
+  block_source: Optional[BlockSource]  # None: no per-iteration select
   notes: tuple = ()  # what the report adds to the decision's reason (a fallback and why)
+
+  @property
+  def site(self) -> DotSite:
+    return self.record.site
 
 
 def kept_blocks(config: Config, num_blocks: int) -> frozenset:
@@ -94,12 +133,12 @@ def default_rules(config: Config):
   exclude = re.compile(config.exclude) if config.exclude else None
   return (
       Rule(name="not_linear", decision=Verdict.KEEP, reason="not a linear-layer GEMM (no operand is a parameter)",
-           when=lambda s, c: s.role == "other"),
+           when=lambda s, c: s.role is Role.OTHER),
       Rule(name="dtype", decision=Verdict.KEEP,
            reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
-           when=lambda s, c: not set(s.operand_dtypes) <= QUANTIZABLE_DTYPES),
+           when=lambda s, c: not set(s.gemm.operand_dtypes) <= QUANTIZABLE_DTYPES),
       Rule(name="contraction_not_16", decision=Verdict.KEEP, reason="contraction size is not a multiple of 16",
-           when=lambda s, c: s.k % 16 != 0),
+           when=lambda s, c: s.gemm.k % 16 != 0),
       *(_user_rule(u) for u in config.rules),
       Rule(name="higher_order", decision=Verdict.KEEP,
            reason="inside a derivative of a derivative (a gradient in the loss): the recipe is for first-order "
@@ -110,7 +149,7 @@ def default_rules(config: Config):
       Rule(name="exclude_regex", decision=Verdict.KEEP, reason=f"layer path matches XLA_FP4_EXCLUDE={config.exclude!r}",
            when=lambda s, c: exclude is not None and bool(exclude.search(s.layer))),
       Rule(name="tiny", decision=Verdict.KEEP, reason=f"M, N or K below XLA_FP4_MIN_DIM={config.min_dim}",
-           when=lambda s, c: min(s.m, s.n, s.k) < c.config.min_dim),
+           when=lambda s, c: min(s.gemm.m, s.gemm.n, s.gemm.k) < c.config.min_dim),
       Rule(name="head", decision=Verdict.KEEP, reason="output head (logits) kept in high precision",
            when=lambda s, c: s.is_head and c.config.keep_head),
       Rule(name="high_precision_block", decision=Verdict.KEEP,
@@ -120,18 +159,27 @@ def default_rules(config: Config):
   )
 
 
+def operand_kinds(site: DotSite):
+  """(lhs, rhs) Operand kinds. JAX's transpose rule emits dot_general(g, other): the gradient is the non-weight
+  operand of a dgrad and the lhs of a wgrad."""
+  if site.role is Role.WGRAD:
+    return Operand.GRADIENT, Operand.ACTIVATION
+  other = Operand.ACTIVATION if site.role is Role.FPROP else Operand.GRADIENT
+  return (Operand.WEIGHT, other) if site.weight_operand == 0 else (other, Operand.WEIGHT)
+
+
 def recipe_for(site: DotSite, config: Config):
-  """Per-operand recipe of docs/design.md §2's table. JAX's transpose rule emits dot_general(g, other): the gradient is
-  the non-weight operand of a dgrad and the lhs of a wgrad."""
-  sr = "stochastic" if config.stochastic_rounding else "nearest"
-  weight = OperandRecipe(block_2d=config.weights_2d)
-  if site.role == "fprop":
-    act = OperandRecipe()
-    return (weight, act) if site.weight_operand == 0 else (act, weight)
-  if site.role == "dgrad":
-    grad = OperandRecipe(rounding=sr)
-    return (weight, grad) if site.weight_operand == 0 else (grad, weight)
-  return (OperandRecipe(rounding=sr, rht=config.rht), OperandRecipe(rht=config.rht))
+  """Per-operand (lhs, rhs) recipes of docs/design.md §2's table (arXiv 2509.25149 §4): weights in 16x16 blocks,
+  gradients stochastically rounded, both wgrad operands through the RHT."""
+  sr = Rounding.STOCHASTIC if config.stochastic_rounding else Rounding.NEAREST
+  wgrad = site.role is Role.WGRAD
+
+  def recipe(kind):
+    if kind is Operand.WEIGHT:
+      return OperandRecipe(block_2d=config.weights_2d)
+    rounding = sr if kind is Operand.GRADIENT else Rounding.NEAREST
+    return OperandRecipe(rounding=rounding, rht=config.rht and wgrad)
+  return tuple(recipe(k) for k in operand_kinds(site))
 
 
 def decide(analysis: Analysis, config: Config, rules=None):
@@ -140,7 +188,8 @@ def decide(analysis: Analysis, config: Config, rules=None):
   ctx = Context(config=config, num_blocks=analysis.num_blocks,
                 kept_blocks=kept_blocks(config, analysis.num_blocks))
   used, decisions = set(), []
-  for site in analysis.sites:
+  for record in analysis.records:
+    site = record.site
     rule = next(r for r in rules if r.when(site, ctx))
     used.add(rule.name)
     if rule.decision is Verdict.KEEP:
@@ -153,7 +202,7 @@ def decide(analysis: Analysis, config: Config, rules=None):
     # Kept blocks select per iteration under the built-in rule only: a user's nvfp4 rule comes before the kept blocks'
     # rule, so every iteration runs in NVFP4, as the same blocks would unscanned.
     builtin = rule.name == "nvfp4"
-    if builtin and site.index in analysis.block_values:
+    if builtin and record.block_source is not None:
       first = site.block_offset or 0  # the stack's blocks, numbered from its first layer
       keep_blocks = tuple(sorted(b - first for b in ctx.kept_blocks if first <= b < first + (site.num_stacked or 0)))
       if keep_blocks:
@@ -170,11 +219,25 @@ def native_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
   """Why the packed FP4 GEMM cannot run `site`, or None. It multiplies plain matrices (free and contracting dims merge
   into M, N and K; M and N need no alignment, the scales are padded to 128x4 tiles); cuBLASLt also needs K-major rows
   of 16 bytes (K a multiple of 32)."""
-  if site.batch[0]:
+  if site.gemm.batch[0]:
     return "the packed GEMM takes no batch dims"
-  if cuda and site.k % 32:
-    return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={site.k}"
+  if cuda and site.gemm.k % 32:
+    return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={site.gemm.k}"
   return None
+
+
+def _operand_plans(site: DotSite, decision: Decision, form: Form):
+  """((lhs, rhs) OperandPlans, quantization order)."""
+  kinds = operand_kinds(site)
+  backward = site.role is not Role.FPROP
+  plans = tuple(OperandPlan(
+      position=i, kind=kind, recipe=(decision.lhs, decision.rhs)[i], salt_id=2 * site.index + i,
+      k_follows_dot=site.role is not Role.WGRAD and kind is not Operand.WEIGHT,
+      fresh=(site.role is Role.DGRAD and kind is Operand.WEIGHT and site.weight_replicated
+             and form is not Form.WHOLE_TENSOR),
+      after_gradient=backward and kind is not Operand.GRADIENT) for i, kind in enumerate(kinds))
+  order = (1, 0) if backward and kinds[1] is Operand.GRADIENT else (0, 1)
+  return plans, order
 
 
 def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda: bool):
@@ -185,17 +248,19 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
   for d in decisions:
     if d.decision is not Verdict.NVFP4:
       continue
-    site, notes = analysis.sites[d.index], []
-    block_index = analysis.block_index[d.index] if d.keep_blocks else None
-    if block_index is BlockIndex.UNAVAILABLE:
+    record, notes = analysis.records[d.index], []
+    source = record.block_source if d.keep_blocks else None
+    if source is not None and source.kind is BlockIndex.UNAVAILABLE:
       notes.append("block index unavailable per iteration: every iteration runs in NVFP4")
     form = Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
     if native:
       why = ("partitioned program: the packed kernels have no partitioner" if partitioned else
-             native_ineligible(site, cuda))
+             native_ineligible(record.site, cuda))
       if why:
         notes.append(f"{why}: emulated")
       else:
         form = Form.PACKED
-    plans.append(Plan(site=site, decision=d, form=form, block_index=block_index, notes=tuple(notes)))
+    operands, order = _operand_plans(record.site, d, form)
+    plans.append(Plan(record=record, decision=d, form=form, operands=operands, order=order, block_source=source,
+                      notes=tuple(notes)))
   return plans

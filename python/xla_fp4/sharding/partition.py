@@ -38,11 +38,12 @@ from jax._src.lib.mlir.dialects import hlo
 from jax._src.lib.mlir.dialects import sdy
 
 from xla_fp4 import kernels
+from xla_fp4.kernels import targets
 from xla_fp4.numerics import formats
 from xla_fp4.numerics.formats import BLOCK
 
-# target -> index of its stochastic-rounding key operand (None: the kernel draws no random bits)
-PARTITIONED_TARGETS = {kernels.QDQ_TARGET: 2, kernels.RHT_TARGET: None, kernels.BLOCK_AMAX_TARGET: None}
+# The block-local targets, by name: their records (kernels/targets.py `BlockLocal`) say how shards run them.
+PARTITIONED = {t.name: t.block_local for t in targets.ALL if t.block_local is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Blocking:
 
 
 def _blocking(target, rank, attrs):
-  return Blocking.of(rank, attrs["axis"], target == kernels.QDQ_TARGET and attrs["block_2d"])
+  return Blocking.of(rank, attrs["axis"], PARTITIONED[target].takes_2d and attrs["block_2d"])
 
 
 def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=False):
@@ -86,8 +87,9 @@ def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=Fals
   shape = list(ir.RankedTensorType(operand_types[0]).shape)
   blocking = _blocking(target, len(shape), attrs)
   compound = {blocking.k} | ({blocking.partner[0]} if len(blocking.partner) == 1 else set())
-  if k_follows_dot and (target != kernels.QDQ_TARGET or attrs["block_2d"]):
-    raise ValueError(f"k_follows_dot is for {kernels.QDQ_TARGET} in 1x16 blocks, not {target} {dict(attrs)}")
+  local = PARTITIONED[target]
+  if k_follows_dot and (not local.k_may_follow_dot or attrs["block_2d"]):
+    raise ValueError(f"k_follows_dot is for calls in 1x16 blocks whose result a dot reads, not {target} {dict(attrs)}")
   sizes, operand, result, need_replication = [], [], [], []
 
   def factor(n):
@@ -102,14 +104,14 @@ def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=Fals
   for d, n in enumerate(shape):
     if d in compound and n > BLOCK and n % BLOCK == 0:
       operand.append(compound_factors(n))
-      if target == kernels.BLOCK_AMAX_TARGET and d == blocking.k:
+      if local.counts_blocks and d == blocking.k:
         result.append(operand[-1][:1])
       else:
         result.append(compound_factors(n) if k_follows_dot and d == blocking.k else operand[-1])
     elif k_follows_dot and d == blocking.k:  # one block, or not whole blocks: the partitioner keeps it whole
       operand.append([factor(n)])
       result.append([factor(n)])
-    elif target == kernels.BLOCK_AMAX_TARGET and d == blocking.k:  # one block: the operand's 16 become 1
+    elif local.counts_blocks and d == blocking.k:  # one block: the operand's 16 become 1
       within = factor(n)
       need_replication.append(within)
       operand.append([within])
@@ -218,7 +220,7 @@ def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
       with ir.InsertionPoint(block):
         operands = list(block.arguments)
         if salts is not None:
-          key_index = PARTITIONED_TARGETS[target]
+          key_index = PARTITIONED[target].key_operand
           u32 = ir.IntegerType.get_unsigned(32)
           table = hlo.ConstantOp(ir.DenseElementsAttr.get(salts, type=ir.RankedTensorType.get([len(salts)], u32)))
           salt = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
@@ -234,7 +236,7 @@ def _result_sharding(target, shape, sharding, attrs):
   if sharding.is_manual() or sharding.is_maximal():
     return sharding
   rank = len(shape)
-  if target == kernels.BLOCK_AMAX_TARGET:  # the result counts blocks along the axis: check x's shape
+  if PARTITIONED[target].counts_blocks:  # the result counts blocks along the axis: check x's shape
     shape = list(shape)
     shape[attrs["axis"] % rank] *= BLOCK
   bad = _blocking(target, rank, attrs).split_blocks(shape, _tiles_and_devices(sharding, rank)[0])
@@ -251,7 +253,7 @@ def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding,
   rank = len(result_shape.dimensions())
   sharding = _result_sharding(target, list(result_shape.dimensions()), result_sharding, attrs)
   salts = None
-  if PARTITIONED_TARGETS[target] is not None and attrs["stochastic"] and not sharding.is_replicated():
+  if PARTITIONED[target].key_operand is not None and attrs["stochastic"] and not sharding.is_replicated():
     num_partitions = int(np.max(sharding.tile_assignment_devices())) + 1
     salts = _shard_salts(_shard_index_table(sharding, rank, num_partitions))
   arg_shardings = [sharding] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 1)  # x, then the scalars
@@ -282,7 +284,7 @@ def register():
   with _lock:
     if _registered:
       return
-    for target in PARTITIONED_TARGETS:
+    for target in PARTITIONED:
       callbacks = dict(prop_user_sharding=functools.partial(_propagate_user_sharding, target),
                        partition=functools.partial(_partition, target),
                        infer_sharding_from_operands=functools.partial(_infer_from_operands, target))

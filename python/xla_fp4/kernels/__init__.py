@@ -39,39 +39,29 @@ Contraction sizes must be multiples of 16; a violated contract fails the call wi
 what was wrong. Nothing here touches JAX backends, so `register()` is safe in a plugin's `initialize()`.
 """
 
-import threading
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-QDQ_TARGET = "xla_fp4_qdq"
-QDQ_WITH_SCALE_TARGET = "xla_fp4_qdq_with_scale"
-RHT_TARGET = "xla_fp4_rht"
-BLOCK_AMAX_TARGET = "xla_fp4_block_amax"
-QUANTIZE_PACKED_TARGET = "xla_fp4_quantize_packed"
-DEQUANTIZE_PACKED_TARGET = "xla_fp4_dequantize_packed"
-GEMM_PACKED_TARGET = "xla_fp4_gemm_packed"
+from xla_fp4 import state
+from xla_fp4.kernels import targets
 
-_QUANTIZE_ATTRIBUTES = {"block_2d": bool, "stochastic": bool, "rht": bool, "rht_seed": int}
+QDQ_TARGET = targets.QDQ.name
+QDQ_WITH_SCALE_TARGET = targets.QDQ_WITH_SCALE.name
+RHT_TARGET = targets.RHT.name
+BLOCK_AMAX_TARGET = targets.BLOCK_AMAX.name
+QUANTIZE_PACKED_TARGET = targets.QUANTIZE_PACKED.name
+DEQUANTIZE_PACKED_TARGET = targets.DEQUANTIZE_PACKED.name
+GEMM_PACKED_TARGET = targets.GEMM_PACKED.name
+
 # target -> {attribute name: Python type}; bool -> BoolAttr, int -> i64 IntegerAttr. The handlers bind the lists of
 # xla_fp4/ffi_targets.h; the extension exports them and a test checks that this is the same (tests/kernels).
-ATTRIBUTES = {
-    QDQ_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "apply_global_scale": bool},
-    QDQ_WITH_SCALE_TARGET: {"axis": int, **_QUANTIZE_ATTRIBUTES, "salt": int},
-    RHT_TARGET: {"axis": int, "rht_seed": int},
-    BLOCK_AMAX_TARGET: {"axis": int, "rht": bool, "rht_seed": int},
-    QUANTIZE_PACKED_TARGET: dict(_QUANTIZE_ATTRIBUTES),
-    DEQUANTIZE_PACKED_TARGET: {},
-    GEMM_PACKED_TARGET: {},
-}
+ATTRIBUTES = {t.name: dict(t.attributes) for t in targets.ALL}
 TARGETS = tuple(ATTRIBUTES)
 
-_lock = threading.Lock()
-_registered = set()  # XLA platform names whose targets are registered: "cpu", "CUDA"
-_refused = {}  # XLA platform name -> why its targets were not registered
-_warned = set()  # reasons register_all() has warned about
+# What is registered, refused and warned about lives in the process state (xla_fp4/state.py).
 
 
 def _load_extension():
@@ -144,19 +134,20 @@ def _ffi_mismatch(module):
 def _register(xla_platform, module):
   """Register `module`'s handlers for `xla_platform` once; raises RuntimeError with the reason when XLA would not
   take them (an incompatible FFI API fails the whole backend at start-up, so it is checked here first)."""
-  with _lock:
-    if xla_platform in _registered:
+  current = state.current()
+  with current.lock:
+    if xla_platform in current.registered:
       return
-    if xla_platform in _refused:
-      raise RuntimeError(_refused[xla_platform])
+    if xla_platform in current.refused:
+      raise RuntimeError(current.refused[xla_platform])
     why = _ffi_mismatch(module)
     if why is not None:
-      _refused[xla_platform] = why
+      current.refused[xla_platform] = why
       raise RuntimeError(why)
     # CPU targets register at once; CUDA ones wait in JAX until its CUDA plugin starts (xla_client keeps them).
     for name, capsule in module.registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=1)
-    _registered.add(xla_platform)
+    current.registered.add(xla_platform)
 
 
 def register():
@@ -177,7 +168,7 @@ def register_all():
   """Register every platform the kernels were built for; never raises, warns once for each platform whose kernels
   exist but cannot be registered. {platform: (registered, reason)}; the pass uses the plain StableHLO form of the
   kernels on a platform whose targets are not registered."""
-  out = {}
+  out, current = {}, state.current()
   for platform, load in (("cpu", lambda: (_ext, _reason)), ("CUDA", _load_cuda)):
     module, why = load()
     built = module is not None or (platform == "CUDA" and _cuda_built())
@@ -187,9 +178,9 @@ def register_all():
         why = f"{platform} FFI kernels registered"
       except RuntimeError as e:
         why = str(e)
-    ok = platform in _registered
-    if not ok and (built or platform == "cpu") and why not in _warned:
-      _warned.add(why)
+    ok = platform in current.registered
+    if not ok and (built or platform == "cpu") and why not in current.warned:
+      current.warned.add(why)
       warnings.warn(f"xla_fp4: {why}. NVFP4 on {platform} uses the plain StableHLO form of the kernels (same numbers, "
                     "slower).", RuntimeWarning, stacklevel=2)
     out[platform] = (ok, why)
@@ -198,18 +189,18 @@ def register_all():
 
 def registered(platform):
   """Whether the FFI targets are registered for `platform` (a backend's platform name: cpu, cuda, gpu)."""
-  return platform is not None and _xla_platform(platform) in _registered
+  return platform is not None and _xla_platform(platform) in state.current().registered
 
 
 def status(platform):
   """(registered, reason) for `platform`: which kernels the pass can call there, or why it uses the StableHLO form."""
   if platform is None:
     return False, "no platform"
-  xla_platform = _xla_platform(platform)
-  if xla_platform in _registered:
+  xla_platform, current = _xla_platform(platform), state.current()
+  if xla_platform in current.registered:
     return True, f"{xla_platform} FFI kernels"
-  if xla_platform in _refused:
-    return False, _refused[xla_platform]
+  if xla_platform in current.refused:
+    return False, current.refused[xla_platform]
   if xla_platform == "CUDA":
     module, why = _load_cuda()
     return False, why or "the CUDA FFI kernels are not registered (xla_fp4.enable() registers them)"

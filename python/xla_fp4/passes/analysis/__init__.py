@@ -1,0 +1,96 @@
+"""Analysis: find every stablehlo.dot_general, classify its phase and role, trace its weight, find its layer, block
+and whether it is the output head. Reads the module only; returns one `DotRecord` per dot (records.py).
+
+Input: a StableHLO module as JAX lowers it. For example
+
+  func.func public @main(%arg0: tensor<32x64xf32> loc("p['params']['fc1']['kernel']"), %arg1: tensor<8x32xf32> ...)
+    %0 = stablehlo.dot_general %arg1, %arg0, contracting_dims = [1] x [0]
+           loc("jit(step)/jvp(MLP)/fc1/dot_general"(...))              -> fprop, weight = rhs, layer MLP/fc1
+    %5 = stablehlo.dot_general %g, %arg0, contracting_dims = [1] x [1]
+           loc("jit(step)/transpose(jvp(MLP))/fc1/dot_general"(...))   -> dgrad (an operand is fc1's weight)
+    %6 = stablehlo.dot_general %g, %arg1, contracting_dims = [0] x [0]
+           loc("jit(step)/transpose(jvp(MLP))/fc1/dot_general"(...))   -> wgrad (same source frame, no weight operand)
+
+One module per concern (docs/design.md §4):
+  callgraph.py  the call graph and the one step every walk takes across functions, loops and shard_map bodies
+  names.py      name stacks, source frames, phase, layer paths (ops in outlined functions carry names relative to
+                their call site, so the first call site's name stack is prefixed)
+  trace.py      a dot operand to the @main argument it reads (the weight), a tensor to its origin
+  roles.py      fprop / dgrad / wgrad / other
+  heads.py      the output head, from the dataflow of its gradient
+  blocks.py     the repeated blocks and, in scanned stacks, where the iteration's block index is
+Also here: `excluded_scope` (the dot, or an op or call site around it, carries the `xla_fp4_exclude` frontend
+attribute that `xla_fp4.exclude()` sets; JAX copies it onto the transposed dots) and `higher_order` (names.py).
+"""
+
+import math
+
+from jax._src.lib.mlir import ir
+
+from xla_fp4.passes.analysis import blocks as blocks_mod
+from xla_fp4.passes.analysis import heads as heads_mod
+from xla_fp4.passes.analysis import names
+from xla_fp4.passes.analysis import roles
+from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_sites, visible
+from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Phase,
+                                             Role)
+from xla_fp4.passes.analysis.trace import Tracer, dot_dims, replicated_arguments
+
+__all__ = ["Analysis", "BlockIndex", "BlockSource", "DotRecord", "DotSite", "EXCLUDE_ATTRIBUTE", "Gemm", "Phase",
+           "Role", "analyze", "specialize_call_sites", "visible"]
+
+EXCLUDE_ATTRIBUTE = "xla_fp4_exclude"  # the frontend attribute xla_fp4.exclude() sets (jax's set_xla_metadata)
+
+
+def analyze(module) -> Analysis:
+  graph = CallGraph(module)
+  tracer = Tracer(graph)
+  arg_names = names.argument_names(graph.main)
+  replicated = replicated_arguments(graph.main)
+  dots = []
+  for fname, op in graph.dots():
+    prefix = graph.call_prefix(fname)
+    loc_text = str(op.location)
+    own = names.name_of(loc_text)
+    stack = f"{prefix}/{own}" if prefix and own else (prefix or own)
+    dots.append(roles.Dot(graph, fname, op, loc_text, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
+  roles.classify_forward(dots)
+  roles.pair_backward(dots)
+  heads = heads_mod.heads(graph, dots)
+  blocks, num_blocks = blocks_mod.blocks(graph, arg_names, dots)
+
+  records = []
+  for i, d in enumerate(dots):
+    src = d.src
+    arg_name = arg_names[src.arg] if src is not None and src.arg < len(arg_names) else None
+    block, stacked, offset = blocks.get(i, (None, None, None))
+    linear = d.role is not Role.OTHER
+    site = DotSite(
+        index=i, func=d.fname, name_stack=d.stack, layer=names.layer_of(d.path, arg_name) if linear else d.path,
+        phase=d.phase, role=d.role, weight_operand=d.w if d.role in (Role.FPROP, Role.DGRAD) else None,
+        weight_arg=arg_name, weight_replicated=src is not None and src.arg in replicated,
+        block=block, num_stacked=stacked, block_offset=offset,
+        head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
+        excluded_scope=_excluded(graph, d.op), higher_order=names.higher_order(d.stack), gemm=_gemm(d.op))
+    source = blocks_mod.block_source(d.op, src) if stacked is not None else None
+    records.append(DotRecord(op=d.op, site=site, block_source=source))
+  return Analysis(records=records, num_blocks=num_blocks)
+
+
+def _gemm(op) -> Gemm:
+  (lc, rc), (lb, rb) = dot_dims(op)
+  ls, rs, out = shape(op.operands[0]), shape(op.operands[1]), shape(op.results[0])
+  k = int(math.prod([ls[x] for x in lc]))
+  batch = int(math.prod([ls[x] for x in lb]))
+  m = batch * int(math.prod([ls[x] for x in range(len(ls)) if x not in lc and x not in lb]))
+  n = int(math.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb]))
+  return Gemm(lhs_shape=ls, rhs_shape=rs, out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
+              operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]),
+              contracting=(lc, rc), batch=(lb, rb), m=m, n=n, k=k, flops=2 * int(math.prod(out)) * k)
+
+
+def _excluded(graph, op):
+  """Whether xla_fp4.exclude() marked `op`, or an op or call site around it: JAX writes set_xla_metadata's key into
+  the `mhlo.frontend_attributes` of every op traced in its scope, the transposed dots of the backward pass included."""
+  return any("mhlo.frontend_attributes" in o.attributes and
+             EXCLUDE_ATTRIBUTE in ir.DictAttr(o.attributes["mhlo.frontend_attributes"]) for o in (op, *graph.around(op)))

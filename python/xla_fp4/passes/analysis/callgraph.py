@@ -1,0 +1,234 @@
+"""The module as a call graph, and the one step every value walk takes across functions, loops and shard_map bodies.
+
+A JAX module is @main plus outlined functions (scan bodies on jax 0.10, nested jit, remat, custom_jvp) entered by
+`func.call`; loops are `stablehlo.while` with carried block arguments; shard_map bodies are `sdy.manual_computation`
+regions. The walks of the analysis (trace.py: a weight to its parameter, a tensor to its origin; heads.py: the
+slice upstream of a gradient, the path of an output to the loss) differ only in which of these steps they take, so
+the steps are defined here once: `argument_origin` (a block argument -> the values it is bound to) and `returned`
+(a call's result -> the value its callee returns), with `forwarded` (an op whose result is its operand up to
+layout, dtype or sharding).
+
+`specialize_call_sites` gives each call of a function holding a dot a copy of its own, so every dot is analysed and
+rewritten in its own calling context.
+"""
+
+import dataclasses
+import enum
+from typing import Any
+
+from jax._src.lib.mlir import ir
+
+_PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
+                 "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding",
+                 "sdy.sharding_constraint", "sdy.reshard"}
+_SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement"}
+
+
+def op_of(value_or_owner):
+  """The ir.Operation behind an op view or operation."""
+  return value_or_owner.operation if hasattr(value_or_owner, "operation") else value_or_owner
+
+
+def defining_op(value):
+  """The operation whose result `value` is (None for a block argument)."""
+  return None if isinstance(value.owner, ir.Block) else op_of(value.owner)
+
+
+def shape(value):
+  return tuple(ir.RankedTensorType(value.type).shape)
+
+
+def terminator(region):
+  block = region.blocks[0]
+  return block.operations[len(block.operations) - 1]
+
+
+def users(value):
+  """(user operation, operand number) of every use of `value`."""
+  for use in value.uses:
+    yield op_of(use.owner), use.operand_number
+
+
+def func_name(func_op):
+  return ir.StringAttr(func_op.attributes["sym_name"]).value
+
+
+def forwarded(op, result_number):
+  """The operand whose values `op`'s result `result_number` carries unchanged up to layout, dtype or sharding, or
+  None: what every upstream walk looks through."""
+  if op.name in _PASS_THROUGH:
+    return op.operands[0]
+  if op.name == "stablehlo.custom_call" and \
+      ir.StringAttr(op.attributes["call_target_name"]).value in _SHARDING_TARGETS:
+    return op.operands[0]
+  if op.name == "stablehlo.optimization_barrier":
+    return op.operands[result_number]
+  return None
+
+
+class Binding(enum.Enum):
+  """What a block argument is an argument of."""
+  MAIN = "main"  # @main: a parameter or input of the program
+  FUNCTION = "function"  # another function: bound to the operand of each of its call sites
+  LOOP = "loop"  # a stablehlo.while carry: bound to the loop's initial operand and to the body's yield
+  MANUAL = "manual"  # an sdy.manual_computation (shard_map) body: bound to the op's operand
+  OTHER = "other"  # a reduction or sort body, a case branch...: no walk continues
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+  """Where a block argument's values come from, one step upstream."""
+  binding: Binding
+  number: int  # the argument's position
+  owner: Any = None  # the func.func, stablehlo.while or sdy.manual_computation (ir.Operation)
+  calls: tuple = ()  # FUNCTION: the call sites of the function, program order
+
+  def operand(self, op=None):
+    """The value bound at `op` (a call site for FUNCTION; the loop or manual computation itself otherwise)."""
+    return (op if op is not None else self.owner).operands[self.number]
+
+  def loop_carried(self):
+    """LOOP: the value the body yields for the next iteration."""
+    return terminator(self.owner.regions[1]).operands[self.number]
+
+
+class CallGraph:
+  """Symbol table, call graph, dots in program order and @main's arguments of a module."""
+
+  def __init__(self, module):
+    self.funcs = {}
+    self._prefixes = {}  # function name -> call_prefix
+    self.calls = {}  # callee -> [call ops], program order
+    self.order = []  # (func name, op) for every dot_general and func.call, program order
+    for op in module.body.operations:
+      if op.operation.name == "func.func":
+        self.funcs[func_name(op)] = op
+    for name, f in self.funcs.items():
+      self._collect(name, f.operation)
+    main = self.funcs.get("main")
+    self.main = main.operation if main is not None else None
+
+  def _collect(self, fname, func_op):
+    """Dots and calls of one function; the walk itself runs in C++ (a Python walk was a third of the pass time)."""
+    def visit(op):
+      if op.name in ("stablehlo.dot_general", "func.call"):
+        op = op.operation
+        self.order.append((fname, op))
+        if op.name == "func.call":
+          self.calls.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
+      return ir.WalkResult.ADVANCE
+    func_op.walk(visit, ir.WalkOrder.PRE_ORDER)
+
+  def dots(self):
+    """(function name, dot_general) in program order."""
+    return [(f, op) for f, op in self.order if op.name == "stablehlo.dot_general"]
+
+  def callee(self, call):
+    """The func.func a func.call calls (None for an unknown symbol)."""
+    return self.funcs.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
+
+  def argument_origin(self, value) -> Origin:
+    """The one step upstream from a block argument (see the module docstring)."""
+    arg = ir.BlockArgument(value)
+    owner = arg.owner.owner  # Block -> Operation
+    if owner is None:
+      return Origin(Binding.OTHER, arg.arg_number)
+    owner = op_of(owner)
+    if owner.name == "func.func":
+      fname = func_name(owner)
+      if fname == "main":
+        return Origin(Binding.MAIN, arg.arg_number, owner)
+      return Origin(Binding.FUNCTION, arg.arg_number, owner, tuple(self.calls.get(fname, ())))
+    if owner.name == "stablehlo.while":
+      return Origin(Binding.LOOP, arg.arg_number, owner)
+    if owner.name == "sdy.manual_computation":
+      return Origin(Binding.MANUAL, arg.arg_number, owner)
+    return Origin(Binding.OTHER, arg.arg_number, owner)
+
+  def returned(self, call, result_number):
+    """The value `call`'s callee returns as result `result_number`, or None for an unknown callee."""
+    callee = self.callee(call)
+    return None if callee is None else terminator(callee.regions[0]).operands[result_number]
+
+  def call_prefix(self, fname, seen=()):
+    """Name stack of the first call site of `fname`, recursively; '' for main."""
+    from xla_fp4.passes.analysis.names import name_of
+    if fname in self._prefixes:
+      return self._prefixes[fname]
+    sites = self.calls.get(fname)
+    if fname == "main" or not sites or fname in seen:
+      return ""
+    call = sites[0]
+    prefix = self.call_prefix(self.enclosing_func(call), seen + (fname,))
+    own = name_of(call.location)
+    result = self._prefixes[fname] = f"{prefix}/{own}" if prefix and own else (prefix or own)
+    return result
+
+  def enclosing_func(self, op):
+    """The name of the function `op` is in."""
+    op = op.parent
+    while op is not None and op.name != "func.func":
+      op = op.parent
+    return func_name(op) if op is not None else "main"
+
+  def around(self, op):
+    """The ops enclosing `op`, innermost first, leaving an outlined function through its first call site."""
+    cur = op.parent
+    while cur is not None:
+      yield cur
+      if cur.name == "func.func":
+        calls = self.calls.get(func_name(cur))
+        cur = calls[0] if calls else None
+      else:
+        cur = cur.parent
+
+  def loop_of(self, op):
+    """The innermost stablehlo.while around `op`, through the first call site of outlined functions; None if none."""
+    return next((o for o in self.around(op) if o.name == "stablehlo.while"), None)
+
+
+def specialize_call_sites(module) -> int:
+  """Give each call of a function that holds a dot_general a copy of its own (`<name>_site<k>`), so that every dot is
+  analysed and rewritten in its own calling context: one jitted `dense` helper applied to 8 layers is 8 layers, each
+  with its weight, its block and its decision. For the pipeline's clone, never the user's module; returns how many
+  copies were made. JAX lowers no recursion, so this ends."""
+  copies = 0
+  while True:
+    graph = CallGraph(module)
+    holds_dot = {fname for fname, _ in graph.dots()}
+    calls = [(fname, ir.FlatSymbolRefAttr(op.attributes["callee"]).value) for fname, op in graph.order
+             if op.name == "func.call"]
+    grown = True
+    while grown:  # a function holds a dot when it or anything it calls does
+      grown = bool({caller for caller, callee in calls if callee in holds_dot} - holds_dot)
+      holds_dot |= {caller for caller, callee in calls if callee in holds_dot}
+    shared = [(callee, sites) for callee, sites in graph.calls.items()
+              if len(sites) > 1 and callee in holds_dot and callee in graph.funcs]
+    if not shared:
+      return copies
+    for callee, sites in shared:
+      for k, site in enumerate(sites[1:], start=1):
+        copy = graph.funcs[callee].operation.clone()
+        name = f"{callee}_site{k}"
+        while name in graph.funcs:
+          name += "_"
+        copy.attributes["sym_name"] = ir.StringAttr.get(name)
+        module.body.append(copy)
+        graph.funcs[name] = copy
+        site.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
+        copies += 1
+
+
+def visible(value, op):
+  """Whether `value` can be used at `op`: defined in an enclosing block, and before `op` if in the same block."""
+  if isinstance(value.owner, ir.Block):
+    vblock, vop = value.owner, None
+  else:
+    vop = op_of(value.owner)
+    vblock = vop.block
+  cur = op
+  while cur is not None:
+    if cur.block == vblock:
+      return vop is None or vop.is_before_in_block(cur)
+    cur = cur.parent
+  return False

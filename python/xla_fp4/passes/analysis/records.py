@@ -1,0 +1,93 @@
+"""What the analysis returns: one `DotRecord` per stablehlo.dot_general (its op, its site facts, where its block index
+comes from), in program order. Everything downstream (policy, rewrite, report) reads these records only."""
+
+import dataclasses
+import enum
+from typing import Any, Optional
+
+
+class Role(enum.StrEnum):
+  FPROP = "fprop"  # a linear layer's forward GEMM
+  DGRAD = "dgrad"  # its gradient with respect to the input
+  WGRAD = "wgrad"  # its gradient with respect to the weight
+  OTHER = "other"  # not a linear layer's GEMM (no operand is a parameter)
+
+
+class Phase(enum.StrEnum):
+  FORWARD = "forward"  # the forward pass, remat recomputation included
+  BACKWARD = "backward"  # a transposed (differentiated) dot
+
+
+class BlockIndex(enum.StrEnum):
+  """Where a scanned stack's dot finds the iteration's block index, for the per-iteration select of kept blocks."""
+  IN_SCOPE = "in_scope"  # visible at the dot (the dot is in the loop body itself)
+  PASSED_IN = "passed_in"  # visible at the body function's call: the rewrite passes it in as an extra argument
+  UNAVAILABLE = "unavailable"  # not found: every iteration runs in NVFP4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gemm:
+  """The dot's geometry: M, N, K merge every free / contracting dim (batch dims count into M)."""
+  lhs_shape: tuple
+  rhs_shape: tuple
+  out_shape: tuple
+  dtype: str  # of the result
+  operand_dtypes: tuple  # (lhs, rhs) element types
+  contracting: tuple  # ((lhs dims), (rhs dims))
+  batch: tuple  # ((lhs dims), (rhs dims))
+  m: int
+  n: int
+  k: int
+  flops: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotSite:
+  """What the analysis found out about one dot (plain values only: the report and the policy's rules read these)."""
+  index: int  # program order over the module
+  func: str
+  name_stack: str
+  layer: str
+  phase: Phase
+  role: Role
+  weight_operand: Optional[int] = None  # 0 (lhs) or 1 (rhs) for fprop/dgrad
+  weight_arg: Optional[str] = None  # the @main argument the layer's weight comes from
+  # that argument's sharding annotation (Shardy's or GSPMD's) replicates it over the mesh: every device holds it whole
+  weight_replicated: bool = False
+  block: Optional[int] = None  # static block index
+  num_stacked: Optional[int] = None  # layers in the scanned stack when the block is per iteration
+  block_offset: Optional[int] = None  # global block index of the scanned stack's first layer
+  head_reason: Optional[str] = None  # the layer is the output head: how that was found (dataflow, or the name)
+  excluded_scope: bool = False  # inside xla_fp4.exclude()
+  higher_order: bool = False  # differentiates a derivative: a transpose inside a jvp, or two transposes
+  gemm: Gemm
+
+  @property
+  def is_head(self):
+    return self.head_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSource:
+  """The block index of a scanned stack's iteration: `value`, visible in the scope of `entry_call` (the func.call that
+  enters the dot's function; None when the dot sees the value itself)."""
+  kind: BlockIndex
+  value: Any  # ir.Value
+  entry_call: Any = None  # ir.Operation
+
+
+@dataclasses.dataclass(frozen=True)
+class DotRecord:
+  op: Any  # the stablehlo.dot_general (ir.Operation)
+  site: DotSite
+  block_source: Optional[BlockSource] = None  # scanned stacks whose block index the program holds
+
+
+@dataclasses.dataclass
+class Analysis:
+  records: list  # [DotRecord], program order (records[i].site.index == i)
+  num_blocks: int
+
+  @property
+  def sites(self):
+    return [r.site for r in self.records]

@@ -1,0 +1,130 @@
+"""Tracing values upstream: a dot operand to the @main argument it reads (a weight, `Tracer`), and a tensor to the
+value it is a pass-through copy of (`root`: dots that read the same tensor get the same root).
+
+Both look through `callgraph.forwarded` ops; they differ in how they cross functions and loops:
+- `Tracer.trace` follows call results into callees and function arguments back to their call sites (the call it came
+  down through, else every call site, the first that traces wins), loop carries to the loop's initial operand and
+  shard_map arguments to the op's operand; a `dynamic_slice` of a stacked parameter records the slice's start index
+  (the block of a scanned stack) in the scope of the call that entered the dot's function.
+- `root` follows functions with a single call site (nested jit, remat and custom_jvp bodies) and functions that
+  return an argument, not into loops: a loop-carried value is another tensor every iteration.
+"""
+
+import dataclasses
+from typing import Any, Optional
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.lib.mlir.dialects import sdy
+
+from xla_fp4.passes.analysis.callgraph import Binding, CallGraph, defining_op, forwarded, shape
+
+
+@dataclasses.dataclass
+class Source:
+  """Where a dot operand comes from: a @main argument, sliced per iteration in a scanned stack."""
+  arg: int  # @main argument index
+  index: Any = None  # dynamic_slice start index (layer of a stacked weight), in `entry_call`'s caller scope
+  stacked: Optional[int] = None  # layers in the stack (the product over nested stacks)
+  entry_call: Any = None  # the call op through which the dot's function was entered, if any
+
+
+class Tracer:
+  def __init__(self, graph: CallGraph):
+    self.graph = graph
+
+  def trace(self, value, stack=(), entry=None, depth=0) -> Optional[Source]:
+    """The Source of `value`, or None when it reads no @main argument. `stack`: the calls whose results led here."""
+    if depth > 200:
+      return None
+    if isinstance(value.owner, ir.Block):
+      origin = self.graph.argument_origin(value)
+      if origin.binding is Binding.MAIN:
+        return Source(arg=origin.number, entry_call=entry)
+      if origin.binding is Binding.FUNCTION:
+        if stack:  # we came down into this callee through a call result: go back up the same call
+          return self.trace(origin.operand(stack[-1]), stack[:-1], entry, depth + 1)
+        for call in origin.calls:
+          src = self.trace(origin.operand(call), (), entry or call, depth + 1)
+          if src is not None:
+            return src
+        return None
+      if origin.binding in (Binding.LOOP, Binding.MANUAL):  # loop carries, shard_map bodies
+        return self.trace(origin.operand(), stack, entry, depth + 1)
+      return None
+    op, number = defining_op(value), ir.OpResult(value).result_number
+    through = forwarded(op, number)
+    if through is not None:
+      return self.trace(through, stack, entry, depth + 1)
+    if op.name == "stablehlo.dynamic_slice":
+      src = self.trace(op.operands[0], stack, entry, depth + 1)
+      if src is not None and src.stacked is None:
+        src.index = self._lift(op.operands[1], stack)
+        src.stacked = shape(op.operands[0])[0]
+      elif src is not None:  # a slice of a slice (nested scans): the flat layer index is no value of the program
+        src.index, src.stacked = None, src.stacked * shape(op.operands[0])[0]
+      return src
+    if op.name == "func.call":
+      inner = self.graph.returned(op, number)
+      return None if inner is None else self.trace(inner, stack + (op,), entry, depth + 1)
+    return None
+
+  def _lift(self, value, stack):
+    """Express a callee-local block argument in the scope of the calls on `stack`."""
+    stack = list(stack)
+    while stack and isinstance(value.owner, ir.Block):
+      if self.graph.argument_origin(value).binding not in (Binding.MAIN, Binding.FUNCTION):
+        break
+      value = stack.pop().operands[ir.BlockArgument(value).arg_number]
+    return value if not stack else None
+
+
+def root(graph: CallGraph, value):
+  """The value a chain of forwarded ops starts from (see the module docstring)."""
+  for _ in range(256):
+    if isinstance(value.owner, ir.Block):
+      origin = graph.argument_origin(value)
+      if origin.binding is Binding.MANUAL or (origin.binding is Binding.FUNCTION and len(origin.calls) == 1):
+        value = origin.operand(origin.calls[0] if origin.calls else None)
+        continue
+      return value
+    op = defining_op(value)
+    if op.name == "func.call":  # a value a function passes through (a residual returned by a jitted forward)
+      inner = graph.returned(op, ir.OpResult(value).result_number)
+      if inner is None or not isinstance(inner.owner, ir.Block):
+        return value
+      value = op.operands[ir.BlockArgument(inner).arg_number]
+      continue
+    through = forwarded(op, ir.OpResult(value).result_number)
+    if through is None:
+      return value
+    value = through
+  return value
+
+
+def dot_dims(op):
+  """((lhs contracting, rhs contracting), (lhs batch, rhs batch)) of a dot_general."""
+  d = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+  return ((tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
+          (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)))
+
+
+def replicated_arguments(main):
+  """Indices of @main's arguments whose sharding annotation shards them over no mesh axis: Shardy's `sdy.sharding`
+  with no axis on any dim, or GSPMD's `mhlo.sharding = "{replicated}"`. No annotation (JAX's unspecified sharding,
+  which propagation may still shard) is not replicated."""
+  if main is None or "arg_attrs" not in main.attributes:
+    return set()
+  out = set()
+  for i, attrs in enumerate(ir.ArrayAttr(main.attributes["arg_attrs"])):
+    attrs = ir.DictAttr(attrs)
+    if "sdy.sharding" in attrs:
+      sharding = sdy.TensorShardingAttr(attrs["sdy.sharding"])
+      replicated = all(not sdy.DimensionShardingAttr(d).axes for d in sharding.dimension_shardings)
+    elif "mhlo.sharding" in attrs:
+      replicated = ir.StringAttr(attrs["mhlo.sharding"]).value == "{replicated}"
+    else:
+      replicated = False
+    if replicated:
+      out.add(i)
+  return out

@@ -1,0 +1,55 @@
+"""The backend of one compilation: which kernel set the rewrite calls on the platform and which GEMM runs
+(emulated on q·scale operands, or the FP4 GEMM on packed ones), and why (shown in the decision report)."""
+
+import dataclasses
+
+from xla_fp4.config import Config
+from xla_fp4.passes.rewrite import FfiKernels, ReferenceKernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """What the rewrite emits on one platform, and why (shown in the decision report)."""
+  kernel_set: object  # a rewrite.KernelSet: FfiKernels or ReferenceKernels
+  kernels: str  # which kernels run: "cpu FFI kernels", "CUDA FFI kernels", or the plain StableHLO form and why
+  gemm: str  # "native" (packed operands, FP4 GEMM) or "emulate" (high-precision GEMM on q·scale operands)
+  gemm_reason: str
+
+  def describe(self):
+    return {"kernels": self.kernels, "gemm": self.gemm, "gemm_reason": self.gemm_reason}
+
+
+def is_cuda(platform):
+  return (platform or "").lower() in ("cuda", "gpu")
+
+
+def choose_backend(config: Config, platform, module, kernels=None, *, partitioned=False) -> Backend:
+  """The kernel set and GEMM for `platform`: the platform's FFI kernels where they are registered, else the plain
+  StableHLO form lowered from `xla_fp4.numerics`; the FP4 GEMM where config.backend asks for it (native) or where one
+  runs in hardware (auto: CUDA with compute capability 10.x and cuBLASLt >= 12.8). `kernels(module)` overrides."""
+  from xla_fp4 import kernels as kernels_mod
+  registered, why = kernels_mod.status(platform)
+  if kernels is not None:
+    kernel_set = kernels(module)
+    described = type(kernel_set).__name__
+  elif registered:
+    kernel_set, described = FfiKernels(partitioned=partitioned), why
+  else:
+    kernel_set, described = ReferenceKernels(module), f"plain StableHLO form ({why})"
+  packed = kernel_set.has_packed
+  if config.backend == "emulate":
+    return Backend(kernel_set, described, "emulate", "XLA_FP4_BACKEND=emulate")
+  if is_cuda(platform):
+    fp4_gemm, fp4_why = kernels_mod.fp4_gemm_supported()
+  else:
+    fp4_gemm, fp4_why = False, f"no FP4 tensor cores on {platform} (XLA_FP4_BACKEND=native runs the C++ reference GEMM)"
+  if config.backend == "native":
+    if not packed:
+      raise RuntimeError(f"XLA_FP4_BACKEND=native needs the compiled kernels for platform {platform!r} ({described}); "
+                         "build them (see docs/cuda.md) or use XLA_FP4_BACKEND=emulate")
+    if is_cuda(platform) and not fp4_gemm:  # the GEMM would fail at run time: refuse at compile time instead
+      raise RuntimeError(f"XLA_FP4_BACKEND=native: {fp4_why}; use XLA_FP4_BACKEND=emulate or auto")
+    return Backend(kernel_set, described, "native", "XLA_FP4_BACKEND=native")
+  if fp4_gemm and packed:
+    return Backend(kernel_set, described, "native", "auto: cuBLASLt FP4 GEMM (compute capability 10.x)")
+  return Backend(kernel_set, described, "emulate", f"auto: {fp4_why if not fp4_gemm else described}")

@@ -1,0 +1,77 @@
+"""Rewrite: apply the plans (policy.Plan), one per NVFP4 dot, to the module; decides nothing.
+
+Before (fprop of a linear layer):
+  %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : (tensor<8x32xbf16>, tensor<32x64xbf16>) -> ...
+After (Form.WHOLE_TENSOR; emitter.py shows every form):
+  %qx, %sx = stablehlo.custom_call @xla_fp4_qdq_with_scale(%x) {axis, block_2d, stochastic, rht, rht_seed, salt}
+  %qw, %sw = ... the same for %w ...
+  %acc = stablehlo.dot_general %qx, %qw (same dims and precision) -> f32
+  %y   = convert(%acc * (%sx * %sw))
+The dot is erased; its uses read %y (same type). Where a scanned stack's block index is visible only at the call of
+the dot's function (BlockIndex.PASSED_IN), the function gets it as an extra argument, once per function and call.
+
+  emitter.py      the pattern of one dot            kernel_sets.py  FFI custom calls or lowered twins
+  reuse.py        quantizations, reshapes and selectors shared between dots
+  dims.py         operand layouts (merged contracting dims, K-major matrices)
+  values.py       small MLIR value builders
+"""
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+
+from xla_fp4.passes.analysis import BlockIndex
+from xla_fp4.passes.rewrite.emitter import Emitter
+from xla_fp4.passes.rewrite.kernel_sets import FfiKernels, KernelSet, ReferenceKernels, Twins
+
+__all__ = ["Emitter", "FfiKernels", "KernelSet", "ReferenceKernels", "Twins", "apply"]
+
+
+def apply(module, plans, kernel_set, *, seed, matrix_gemm=False):
+  """Rewrite every planned dot of `module` (in place, in program order) with `kernel_set`; the module must verify
+  after. `matrix_gemm`: emit emulated GEMMs as plain matrices where XLA CPU needs them (Emitter)."""
+  emitter = Emitter(kernel_set, Twins(module), seed, matrix_gemm=matrix_gemm)
+  passed_in = {}  # (function, id of the entry call) -> the block index inside the function
+  for plan in plans:
+    dot = plan.record.op
+    y = emitter.emit(plan, _block_value(module, plan, passed_in))
+    dot.results[0].replace_all_uses_with(y)
+    dot.erase()
+  if not module.operation.verify():
+    raise RuntimeError("xla_fp4 produced a module that does not verify")
+
+
+def _block_value(module, plan, passed_in):
+  """The iteration's block index where the dot can read it (None: no per-iteration select)."""
+  source = plan.block_source
+  if source is None or source.kind is BlockIndex.UNAVAILABLE:
+    return None
+  if source.kind is BlockIndex.IN_SCOPE:
+    return source.value
+  key = (plan.site.func, id(source.entry_call))
+  if key not in passed_in:
+    passed_in[key] = plumb_block_value(source.value, source.entry_call, _func(module, plan.site.func))
+  return passed_in[key]
+
+
+def _func(module, name):
+  return next(op.operation for op in module.body.operations
+              if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == name)
+
+
+def plumb_block_value(value, entry_call, func_op):
+  """Make `value` (visible at `entry_call`) available inside `func_op` by adding an argument; returns it there."""
+  block = func_op.regions[0].blocks[0]
+  arg = block.add_argument(value.type, ir.Location.unknown())
+  ftype = ir.FunctionType(ir.TypeAttr(func_op.attributes["function_type"]).value)
+  func_op.attributes["function_type"] = ir.TypeAttr.get(
+      ir.FunctionType.get(list(ftype.inputs) + [value.type], list(ftype.results)))
+  if "arg_attrs" in func_op.attributes:
+    attrs = list(ir.ArrayAttr(func_op.attributes["arg_attrs"]))
+    func_op.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs + [ir.DictAttr.get({})])
+  with ir.InsertionPoint(entry_call), entry_call.location:
+    new_call = func_dialect.CallOp([r.type for r in entry_call.results], entry_call.attributes["callee"],
+                                   list(entry_call.operands) + [value])
+  for old, new in zip(entry_call.results, new_call.results):
+    old.replace_all_uses_with(new)
+  entry_call.erase()
+  return arg

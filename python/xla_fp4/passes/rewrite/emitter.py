@@ -1,0 +1,205 @@
+"""The emitter: the NVFP4 pattern of one planned dot (policy.Plan) at the dot, returning the value that replaces it.
+
+Emulated forms (the GEMM in high precision on q·scale operands, f32 accumulation, both decode scales folded into the
+output as cuBLASLt's alpha):
+  Form.WHOLE_TENSOR   %q, %s = xla_fp4_qdq_with_scale(%x)   one call per operand measures it (amax, key) itself
+  Form.PARTITIONED    %b = xla_fp4_block_amax(%x); %s = decode_scale twin(%b) (a max reduce XLA turns into an
+                      all-reduce); %key = stochastic_key twin(%x, %salt) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
+  then                %acc = dot_general(%qa, %qb) -> f32;  %y = convert(%acc * (%sa * %sb))
+Form.PACKED: operands made K-major matrices, xla_fp4_quantize_packed (codes + swizzled E4M3 scales) and
+xla_fp4_gemm_packed with alpha = s_dec_a * s_dec_b, which writes the dot's own output type.
+
+Per-iteration select of a scanned stack with kept blocks (`block_value` is the iteration's block index): in the
+emulated forms a `stablehlo.select` per operand gives the GEMM the operand itself (and s_dec = 1) in kept iterations
+and its q·scale in the others: one GEMM per iteration, and a weight that a layout all-gathers is gathered once, after
+the select, for every dot that reads it (a case around the whole dot made each dot gather its weight in its own
+branch: MaxText under FSDP moved 1.27x the bytes, measured). The packed form holds the original dot and the FP4
+GEMM in the two branches of a `stablehlo.case`.
+
+Operands follow their OperandPlan: quantized in the plan's order; `after_gradient` operands take the gradient's
+decode scale, bitcast to uint32, as their key: a nearest-rounded qdq never reads its key, so this orders the call
+after the gradient without changing a number (StableHLO has no control dependency). `fresh` operands are never
+reused (reuse.py). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed, salt_id)`: they change every step
+and differ between layers, yet are reproducible.
+"""
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+
+from xla_fp4.kernels import targets
+from xla_fp4.numerics import formats
+from xla_fp4.numerics import kernel_twins
+from xla_fp4.passes.policy import Form, Operand
+from xla_fp4.passes.rewrite import dims
+from xla_fp4.passes.rewrite.reuse import Reuse, blocking
+from xla_fp4.passes.rewrite.values import broadcast, const, f32, scalar_type, tensor_type, u32
+
+
+class Emitter:
+  def __init__(self, kernels, twins, seed, matrix_gemm=False):
+    self.kernels = kernels  # a kernel_sets.KernelSet
+    self.twins = twins  # kernel_sets.Twins of the module being rewritten
+    self.seed = seed
+    # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
+    # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
+    # matrices (dims.as_matrices) they run.
+    self.matrix_gemm = matrix_gemm
+    self.reuse = Reuse()
+
+  def emit(self, plan, block_value=None):
+    """Insert `plan`'s pattern before its dot; returns the value that replaces the dot's result (same type)."""
+    dot, site, keep_blocks = plan.record.op, plan.site, plan.decision.keep_blocks
+    with ir.InsertionPoint(dot), ir.Location.name(f"xla_fp4/{site.layer or 'dot'}/{site.role}", dot.location):
+      select = None
+      if keep_blocks and block_value is not None:
+        select = self.reuse.selector(block_value, keep_blocks, dot, lambda: _kept(block_value, keep_blocks))
+      if plan.form is not Form.PACKED:
+        return self._emulated(plan, select)
+      if select is None:
+        return self._native_gemm(plan)
+      i32 = ir.IntegerType.get_signless(32)
+      case = hlo.CaseOp([dot.results[0].type], hlo.SelectOp(select, const(0, i32), const(1, i32)).result, 2)
+      with ir.InsertionPoint(case.regions[0].blocks.append()):
+        hlo.ReturnOp([dot.operation.clone().results[0]])
+      with ir.InsertionPoint(case.regions[1].blocks.append()):
+        hlo.ReturnOp([self._native_gemm(plan)])
+      return case.results[0]
+
+  # -- quantization ---------------------------------------------------------------------------------------------
+
+  def _scale_and_key(self, x, axis, operand):
+    """The global decode scale of x (after the RHT where it applies) and the stochastic-rounding key, as the
+    partitioned pattern computes them: per-block maxima (block-local, so each shard measures its own), then the twins
+    kernel_twins.decode_scale (a plain max reduce, which XLA partitions into a scalar all-reduce) and stochastic_key."""
+    recipe = operand.recipe
+    blocks = self.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=self.seed))[0]
+    s_dec = self.twins.call(kernel_twins.decode_scale, [blocks], [scalar_type(f32())])[0]
+    salt = const(formats.fold_in_int(self.seed, operand.salt_id), u32())
+    key = self.twins.call(kernel_twins.stochastic_key, [x, salt], [scalar_type(u32())])[0] \
+        if recipe.stochastic else salt
+    return s_dec, key
+
+  def _operand(self, x, axis, operand, user, form, select, after):
+    """-> (q·scale in x's dtype, s_dec f32 scalar) of x quantized along `axis` per `operand` (an OperandPlan); with
+    `select`, `stablehlo.select`s that give (x, 1.0) in kept iterations instead. `after`: the gradient's decode scale
+    where the plan orders this operand after it."""
+    reusable = not operand.recipe.stochastic and not operand.fresh
+    blocks = blocking(tensor_type(x).shape, axis, operand.recipe.block_2d, operand.recipe.rht)
+    if reusable:
+      found = self.reuse.quantized(x, blocks, select, user)
+      if found is not None:
+        return found
+    q, s_dec = self._quantize(x, axis, operand, form, after)
+    if select is not None:
+      q = hlo.SelectOp(select, x, q).result
+      s_dec = hlo.SelectOp(select, const(1.0, f32()), s_dec).result
+    if reusable:
+      self.reuse.remember(x, blocks, select, q, s_dec)
+    return q, s_dec
+
+  def _quantize(self, x, axis, operand, form, after):
+    recipe = operand.recipe
+    attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
+                 rht_seed=self.seed)
+    if form is Form.WHOLE_TENSOR:
+      q, s_dec = self.kernels.call(targets.QDQ_WITH_SCALE, [x],
+                                   dict(attrs, salt=formats.fold_in_int(self.seed, operand.salt_id)))
+      return q, s_dec
+    s_dec, key = self._scale_and_key(x, axis, operand)
+    if after is not None and not recipe.stochastic:
+      # Holding the wgrads' RHT-quantized activations from the forward cost 1.32x the temporary memory of the
+      # unrewritten step under tensor parallelism (float32, benchmarks/sharding.py).
+      key = hlo.BitcastConvertOp(scalar_type(u32()), after).result
+    q = self.kernels.call(targets.QDQ, [x, s_dec, key], dict(attrs, apply_global_scale=False),
+                          k_follows_dot=operand.k_follows_dot)[0]
+    return q, s_dec
+
+  # -- GEMMs ----------------------------------------------------------------------------------------------------
+
+  def _emulated(self, plan, select):
+    dot = plan.record.op
+    acc, alpha = self._emulated_gemm(plan, select)
+    out_type = tensor_type(dot.results[0])
+    y = hlo.MulOp(acc, broadcast(alpha, tensor_type(acc))).result  # fold both s_dec into the f32 output
+    if out_type.element_type != f32():
+      y = hlo.ConvertOp(out_type, y).result
+    return y
+
+  def _emulated_gemm(self, plan, select):
+    """The dot_general on q·scale operands (with `select`, on the operands themselves in kept iterations),
+    accumulated in f32 -> (acc, s_dec_a * s_dec_b). One contracting dim per operand is quantized in place; several
+    are merged first (dims.py)."""
+    dot, site = plan.record.op, plan.site
+    (lc, rc), (lb, rb) = site.gemm.contracting, site.gemm.batch
+    lhs, rhs = dot.operands[0], dot.operands[1]
+    dimension_numbers = dot.attributes["dot_dimension_numbers"]
+    if len(lc) == 1:
+      la, ra = lc[0], rc[0]
+    elif dims.adjacent(lc) and dims.adjacent(rc):
+      lhs, rhs = (self.reuse.reshaped(v, dims.merged_shape(v, c), dot) for v, c in ((lhs, lc), (rhs, rc)))
+      la, ra = lc[0], rc[0]
+      dimension_numbers = hlo.DotDimensionNumbers.get(
+          lhs_batching_dimensions=[dims.after_merge(d, lc) for d in lb],
+          rhs_batching_dimensions=[dims.after_merge(d, rc) for d in rb],
+          lhs_contracting_dimensions=[la], rhs_contracting_dimensions=[ra])
+    else:
+      lhs, rhs = dims.canonical(lhs, lb, lc), dims.canonical(rhs, rb, rc)
+      la, ra = len(tensor_type(lhs).shape) - 1, len(tensor_type(rhs).shape) - 1
+      batch = list(range(len(lb)))
+      dimension_numbers = hlo.DotDimensionNumbers.get(
+          lhs_batching_dimensions=batch, rhs_batching_dimensions=batch,
+          lhs_contracting_dimensions=[la], rhs_contracting_dimensions=[ra])
+    values, axes, quantized, after = (lhs, rhs), (la, ra), [None, None], None
+    for i in plan.order:
+      operand = plan.operands[i]
+      quantized[i] = self._operand(values[i], axes[i], operand, dot, plan.form, select,
+                                   after if operand.after_gradient else None)
+      if operand.kind is Operand.GRADIENT:
+        after = quantized[i][1]
+    (qa, sa), (qb, sb) = quantized
+    acc_type = ir.RankedTensorType.get(tensor_type(dot.results[0]).shape, f32())
+    kwargs = {}
+    if "precision_config" in dot.attributes:
+      kwargs["precision_config"] = dot.attributes["precision_config"]
+    matrices = dims.as_matrices(qa, qb, dimension_numbers, lambda v, shape: self.reuse.reshaped(v, shape, dot)) \
+        if self.matrix_gemm and tensor_type(qa).element_type != f32() else None
+    if matrices is None:
+      acc = hlo.DotGeneralOp(acc_type, qa, qb, dimension_numbers, **kwargs).result
+    else:
+      qa, qb, dimension_numbers, shape = matrices
+      acc = hlo.DotGeneralOp(ir.RankedTensorType.get(shape, f32()), qa, qb, dimension_numbers, **kwargs).result
+      acc = hlo.ReshapeOp(acc_type, acc).result  # (batch, lhs free, rhs free): the dot's own output order
+    return acc, hlo.MulOp(sa, sb).result
+
+  def _native_gemm(self, plan):
+    """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM, which applies alpha = s_dec_a * s_dec_b to its f32
+    accumulator and writes the dot's own output type (f32, bf16 or f16), as cuBLASLt's epilogue does."""
+    dot, (lc, rc) = plan.record.op, plan.site.gemm.contracting
+    a = dims.matrix(dims.canonical(dot.operands[0], (), lc))  # (M, K)
+    b = dims.matrix(dims.canonical(dot.operands[1], (), rc))  # (N, K)
+    pa, sa = self._packed(a, plan.operands[0])
+    pb, sb = self._packed(b, plan.operands[1])
+    alpha = hlo.MulOp(sa, sb).result
+    m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
+    out_type = tensor_type(dot.results[0])
+    y = self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], {},
+                          result_types=[ir.RankedTensorType.get([m, n], out_type.element_type)])[0]
+    return hlo.ReshapeOp(out_type, y).result
+
+  def _packed(self, x, operand):
+    s_dec, key = self._scale_and_key(x, 1, operand)
+    recipe = operand.recipe
+    packed = self.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key],
+                               dict(block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
+                                    rht_seed=self.seed))
+    return tuple(packed), s_dec
+
+
+def _kept(block, keep_blocks):
+  """Whether `block` is one of `keep_blocks` (high precision): an i1 scalar."""
+  etype = tensor_type(block).element_type
+  kept = None
+  for b in keep_blocks:
+    c = hlo.CompareOp(block, const(b, etype), hlo.ComparisonDirectionAttr.get("EQ")).result
+    kept = c if kept is None else hlo.OrOp(kept, c).result
+  return kept

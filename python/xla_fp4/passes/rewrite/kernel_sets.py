@@ -1,0 +1,118 @@
+"""Kernel sets: what the emitter calls to run a kernel target (kernels/targets.py) at the insertion point.
+
+Every set has one method, `call(target, operands, attrs, *, result_types=None, k_follows_dot=False)`, returning the
+call's results; the result types come from the target's record unless given.
+- `FfiKernels`: a `stablehlo.custom_call` to the compiled FFI target (C++ on CPU, CUDA on GPU), row-major layouts
+  fixed; in a partitioned program a block-local target also carries its Shardy rule (sharding/partition.py).
+- `ReferenceKernels`: a call to the target's pure-JAX twin, lowered into the module (`Twins`): the same numbers, for
+  platforms without compiled kernels. XLA partitions the twins itself. The packed targets have no twin here.
+"""
+
+import hashlib
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+
+from xla_fp4 import state
+from xla_fp4.passes.rewrite.values import const, u32
+
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+class KernelSet(typing.Protocol):
+  has_packed: bool  # whether the packed targets (quantize_packed, gemm_packed) run, i.e. the native backend can
+
+  def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False) -> list: ...
+
+
+class FfiKernels:
+  """Custom calls to the compiled FFI targets; contract in xla_fp4/kernels/__init__.py."""
+  has_packed = True
+
+  def __init__(self, partitioned=False):
+    from xla_fp4 import kernels  # the compiled extension is only needed on this path
+    from xla_fp4.sharding import partition
+    self._kernels, self._partition = kernels, partition
+    self.partitioned = partitioned  # block-local calls carry their Shardy rule
+    self._configs = {}
+
+  def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
+    types = result_types or target.result_types([o.type for o in operands], attrs)
+    key = (target.name, tuple(sorted(attrs.items())))
+    config = self._configs.get(key)
+    if config is None:
+      config = self._configs[key] = self._kernels.backend_config_attributes(target.name, attrs)
+    op = self._kernels.custom_call(target.name, types, operands, config)
+    if self.partitioned and target.block_local is not None:
+      op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
+          target.name, [o.type for o in operands], types, attrs, k_follows_dot)
+    return list(op.results)
+
+
+class ReferenceKernels:
+  """The targets as calls to their pure-JAX twins (Twins); for platforms without compiled kernels."""
+  has_packed = False
+
+  def __init__(self, module):
+    self.twins = Twins(module)
+
+  def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
+    if target.twin is None:
+      raise ValueError(f"{target.name} has no twin the pass can lower (ReferenceKernels runs no packed target)")
+    fixed = dict(target.twin_fixed)
+    for name, value in fixed.items():
+      if attrs[name] != value:
+        raise ValueError(f"the twin of {target.name} implements {name}={value} only, got {attrs[name]}")
+    # Operands, not parameters, so that all sites share one function per shape and recipe.
+    extra = [const(attrs[name], u32()) for name in target.twin_operands]
+    params = {k: v for k, v in attrs.items() if k not in target.twin_operands and k not in fixed}
+    types = result_types or target.result_types([o.type for o in operands], attrs)
+    return list(self.twins.call(target.twin, list(operands) + extra, types, **params))
+
+
+class Twins:
+  """Calls to private functions lowered from the pure-JAX twins (xla_fp4.numerics.kernel_twins) into `module`: one
+  function per twin, operand types and parameters."""
+
+  def __init__(self, module):
+    self.module = module
+    self.names = set()
+
+  def call(self, fn, operands, result_types, **params):
+    arg_types = [o.type for o in operands]
+    sig = repr((fn.__module__, fn.__name__, [str(t) for t in arg_types], sorted(params.items())))
+    name = "xla_fp4_twin_" + fn.__name__ + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
+    if name not in self.names:
+      if name not in ir.SymbolTable(self.module.operation):  # another Twins on this module may have defined it
+        self._define(name, sig, fn, arg_types, params)
+      self.names.add(name)
+    return func_dialect.CallOp(result_types, ir.FlatSymbolRefAttr.get(name), operands).results
+
+  def _define(self, name, sig, fn, arg_types, params):
+    lowered_twins = state.current().lowered_twins  # one lowering per signature and process
+    text = lowered_twins.get(sig)
+    if text is None:
+      avals = [jax.ShapeDtypeStruct(tuple(ir.RankedTensorType(t).shape),
+                                    _DTYPES.get(str(ir.RankedTensorType(t).element_type), jnp.uint32))
+               for t in arg_types]
+      # Outside the user's mesh (the pass runs inside their jit): a twin takes whole tensors, and its functions must
+      # not name a mesh that the module lacks.
+      with jax.set_mesh(None):
+        lowered = jax.jit(lambda *a: fn(*a, **params), keep_unused=True).lower(*avals)
+      text = lowered_twins[sig] = lowered.as_text(debug_info=False)
+    helper = ir.Module.parse(text, context=self.module.context)
+    funcs = [op for op in helper.body.operations if op.operation.name == "func.func"]  # not a mesh JAX may add
+    for op in funcs:  # rename every symbol first, so that calls between helper functions follow
+      sym = ir.StringAttr(op.attributes["sym_name"]).value
+      new = name if sym == "main" else f"{name}_{sym}"
+      ir.SymbolTable.replace_all_symbol_uses(sym, new, helper.operation)
+      op.attributes["sym_name"] = ir.StringAttr.get(new)
+      op.attributes["sym_visibility"] = ir.StringAttr.get("private")
+      for attr in ("arg_attrs", "res_attrs"):
+        if attr in op.attributes:
+          del op.attributes[attr]
+    for op in funcs:
+      self.module.body.append(op.clone())

@@ -1,0 +1,85 @@
+"""Reuse: values the rewrite makes once and every later dot that can see them shares.
+
+- quantizations: nearest rounding gives the same q wherever the same elements are quantized in the same blocks
+  (`blocking`), so such an operand is quantized once while the result is visible, and reshaped where another dot
+  reads a reshape of it: the q, k and v projections of one input share it, and a dgrad reuses its fprop's
+  16x16-tiled weight (the recipe's "same quantized values as in fprop"), also where one of them merges the weight's
+  dims (attention's (D, heads, head_dim) projections).
+- reshapes: one per source value and shape. The q, k and v wgrads then see the same merged activation, and XLA sees
+  one value where two dots read a weight alike, which a layout then gathers once (an all-gather per reshape
+  otherwise: MaxText's attention weights under FSDP, measured).
+- selectors: whether a scanned stack's iteration is kept, once per block index value and kept blocks, so that the
+  dots of one iteration select alike (and share quantizations).
+
+Dots are rewritten in program order, so a value made for an earlier dot in the user's own block precedes it.
+"""
+
+import math
+
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+
+from xla_fp4.passes.analysis import visible
+from xla_fp4.passes.rewrite.dims import reshape_source
+from xla_fp4.passes.rewrite.values import tensor_type
+
+
+class Reuse:
+  def __init__(self):
+    # source value -> [(blocking, selector, q·scale, s_dec)] of the nearest-rounded quantizations of it or of reshapes
+    self._quantized = {}
+    self._selectors = {}  # (block index, kept blocks) -> whether the iteration is kept
+    self._reshapes = {}  # (source value, shape) -> its reshape
+
+  def quantized(self, x, blocking_, select, user):
+    """(q·scale reshaped like x, s_dec) of an earlier quantization of x's elements in the same blocks that `user`
+    can see and that selects alike, or None."""
+    for (b, sel, q, s_dec) in self._quantized.get(reshape_source(x), ()):
+      if b == blocking_ and same_selector(sel, select) and before_in_program_order(q, user):
+        return self.reshaped(q, tensor_type(x).shape, user), s_dec
+    return None
+
+  def remember(self, x, blocking_, select, q, s_dec):
+    self._quantized.setdefault(reshape_source(x), []).append((blocking_, select, q, s_dec))
+
+  def reshaped(self, x, shape, user):
+    """x reshaped to `shape`, one reshape per source value and shape while it is visible."""
+    source = reshape_source(x)
+    if list(tensor_type(source).shape) == list(shape):
+      return source
+    t = ir.RankedTensorType.get(list(shape), tensor_type(x).element_type)
+    return self._visible_cached(self._reshapes, (source, tuple(shape)), user, lambda: hlo.ReshapeOp(t, source).result)
+
+  def selector(self, block, keep_blocks, user, make):
+    """make() (whether the iteration is kept), once per block index value and kept blocks while it is visible."""
+    return self._visible_cached(self._selectors, (block, tuple(keep_blocks)), user, make)
+
+  @staticmethod
+  def _visible_cached(cache, key, user, make):
+    """cache[key] where it is visible at `user` (in program order), else a fresh make(), stored there."""
+    value = cache.get(key)
+    if value is None or not before_in_program_order(value, user):
+      value = cache[key] = make()
+    return value
+
+
+def blocking(shape, axis, block_2d, rht):
+  """Which elements, in row-major order, share a scale (and an RHT) when a tensor of `shape` is quantized along `axis`
+  (numerics/nvfp4.py _encode): viewed as the matrix (outer * K, inner), a 1x16 block is 16 consecutive rows of one
+  column (K % 16 == 0: no block straddles two outer indices) and the RHT mixes the same 16 values; a 16x16 tile is 16
+  rows by 16 columns of that matrix, or of (outer, K) when inner is 1. Two quantizations with equal blocking, of a
+  tensor and of a reshape of it, give the same q in row-major order (tests/passes/test_reuse.py)."""
+  outer, k, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+  return (block_2d, rht) + ((outer, k) if block_2d and inner == 1 else (outer * k, inner))
+
+
+def same_selector(a, b):
+  """Whether two quantizations select alike: neither is per iteration, or both on the same branch index value."""
+  return a is None and b is None or (a is not None and b is not None and a == b)
+
+
+def before_in_program_order(value, op):
+  """visible(), for a value the rewrite made for an earlier dot: dots are rewritten in program order, so one in op's
+  own block precedes it (is_before_in_block is the costly part of visible)."""
+  owner = value.owner.operation if hasattr(value.owner, "operation") else value.owner
+  return owner.block == op.block or visible(value, op)

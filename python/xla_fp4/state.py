@@ -1,0 +1,48 @@
+"""The process state of xla_fp4, in one object: what lives as long as the process (or until a test replaces it).
+
+- kernel registration: the XLA platforms whose FFI targets are registered, those refused and why, the reasons
+  already warned about (kernels/__init__.py);
+- the lowered twins: a twin's StableHLO text per signature (lowering one costs 11-16 ms, parsing it back well under
+  one, so each signature is lowered once per process: passes/rewrite/kernel_sets.py `Twins`);
+- the dump counter (passes/pipeline.py `dump`);
+- whether the compile hook has warned that the pass failed (hook.py; the hook's installation itself, a patch of JAX,
+  stays with the hook).
+
+Code reads `current()`; a test makes its own (`with state.use(State()) as s:`, or a copy with some fields
+replaced) instead of patching modules.
+"""
+
+import contextlib
+import dataclasses
+import itertools
+import threading
+from typing import Any
+
+
+@dataclasses.dataclass
+class State:
+  registered: set = dataclasses.field(default_factory=set)  # XLA platform names: "cpu", "CUDA"
+  refused: dict = dataclasses.field(default_factory=dict)  # XLA platform name -> why its targets were not registered
+  warned: set = dataclasses.field(default_factory=set)  # reasons kernels.register_all() has warned about
+  lowered_twins: dict = dataclasses.field(default_factory=dict)  # twin signature -> its StableHLO text
+  dumps: Any = dataclasses.field(default_factory=itertools.count)  # numbers the dump files of a process
+  hook_warned: bool = False  # the hook has warned that the pass failed (once per process)
+  lock: Any = dataclasses.field(default_factory=threading.RLock, repr=False)
+
+
+_current = State()
+
+
+def current() -> State:
+  return _current
+
+
+@contextlib.contextmanager
+def use(state: State):
+  """Make `state` the current one inside the block (tests: a fresh registration, cache or hook state)."""
+  global _current
+  previous, _current = _current, state
+  try:
+    yield state
+  finally:
+    _current = previous
