@@ -1,4 +1,4 @@
-// The CPU FFI handlers (one family per .cc file). Attribute names and types are documented in python/xla_fp4/kernels.py.
+// The CPU FFI handlers (one family per .cc file). Attribute names and types are documented in python/xla_fp4/kernels/__init__.py.
 #ifndef XLA_FP4_CPU_KERNELS_H_
 #define XLA_FP4_CPU_KERNELS_H_
 

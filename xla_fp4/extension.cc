@@ -1,5 +1,5 @@
 // The Python extension xla_fp4._xla_fp4_ext: the CPU FFI handlers as PyCapsules (registered by
-// python/xla_fp4/kernels.py), the build's facts the registration checks, plus element-wise access to the format
+// python/xla_fp4/kernels/__init__.py), the build's facts the registration checks, plus element-wise access to the format
 // helpers of nvfp4_format.h for the tests (submodule `format`). The CUDA handlers are a module of their own
 // (cuda/bindings.cc).
 #include <nanobind/nanobind.h>

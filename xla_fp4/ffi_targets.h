@@ -1,6 +1,6 @@
 // The XLA FFI custom-call targets, listed once: their names and their attributes. The CPU and the CUDA handlers bind
 // their attributes from these lists (XLA_FP4_BIND_ATTRIBUTES), the extension exports them (`attributes()`), and a
-// test checks python/xla_fp4/kernels.py's ATTRIBUTES and target names against that export.
+// test checks the records of python/xla_fp4/kernels/targets.py against that export.
 #ifndef XLA_FP4_FFI_TARGETS_H_
 #define XLA_FP4_FFI_TARGETS_H_
 

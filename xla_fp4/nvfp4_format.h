@@ -199,7 +199,7 @@ struct RhtSigns {
   }
 };
 
-// How one call quantizes, from its attributes (python/xla_fp4/kernels.py): 16x16 tiles or 1x16 blocks, stochastic or
+// How one call quantizes, from its attributes (python/xla_fp4/kernels/__init__.py): 16x16 tiles or 1x16 blocks, stochastic or
 // nearest rounding, the RHT along the axis or none. The CPU and the CUDA kernels take it alike (by value on a GPU).
 struct Recipe {
   bool block_2d, stochastic, rht;

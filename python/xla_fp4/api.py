@@ -52,10 +52,16 @@ def exclude(fn=None):
 
 
 def explain(fn, *args, **kwargs):
-  """Lower `fn(*args, **kwargs)` (without compiling or running it); print and return the pass's decision rows."""
+  """Lower `fn(*args, **kwargs)` (without compiling or running it); print and return the pass's decision rows.
+  The options are the enabled pass's (xla_fp4.enable or XLA_FP4=1); where the pass is not enabled, the XLA_FP4_*
+  environment's, and the printout says so."""
   lowered = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args, **kwargs)
   module = lowered.compiler_ir("stablehlo")
-  cfg = hook.installed_config() or config_mod.load(enabled=True)
+  cfg = hook.installed_config()
+  source = "the enabled pass's options"
+  if cfg is None:
+    cfg = config_mod.load(enabled=True)
+    source = "the pass is not enabled: options from the XLA_FP4_* environment"
   rows, unmatched = pipeline.decisions(module, cfg)
-  print(report.table(rows, unmatched, title=pipeline.module_name(module)), end="")
+  print(report.table(rows, unmatched, title=f"{pipeline.module_name(module)} ({source})"), end="")
   return rows

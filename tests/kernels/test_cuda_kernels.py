@@ -16,6 +16,7 @@ import pytest
 
 from nvfp4_testing import assert_same_bits, extension_or_skip
 from xla_fp4 import kernels
+from xla_fp4.kernels import registry
 from xla_fp4 import numerics as nv
 from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.rht import rht_f32
@@ -34,7 +35,7 @@ RHT_SEED = 1234
 
 def _built_with_cuda():
   extension_or_skip()
-  module, why = kernels._load_cuda()
+  module, why = registry._load_cuda()
   if module is None:
     pytest.skip(why)
   return module

@@ -21,6 +21,7 @@ from jax._src.lib import xla_client
 
 import xla_fp4
 from xla_fp4 import config, kernels, report, state
+from xla_fp4.kernels import registry
 from xla_fp4.passes import pipeline, policy, rewrite
 
 
@@ -47,7 +48,7 @@ def _fake_cuda(monkeypatch, fp4_gemm):
   ext = kernels.extension()
   fake = types.SimpleNamespace(registrations=ext.registrations, ffi_api_version=ext.ffi_api_version,
                                fp4_gemm_supported=lambda: fp4_gemm)
-  monkeypatch.setattr(kernels, "_load_cuda", lambda: (fake, ""))
+  monkeypatch.setattr(registry, "_load_cuda", lambda: (fake, ""))
   return fake
 
 
@@ -105,8 +106,8 @@ def test_native_on_a_gpu_without_fp4_gemm_is_refused_at_compile_time(fresh_regis
 
 
 def test_cuda_not_built_says_why(fresh_registry, monkeypatch):
-  monkeypatch.setattr(kernels, "_cuda_built", lambda: False)
-  monkeypatch.setattr(kernels, "_load_cuda", lambda: (None, "the xla_fp4 CUDA kernels were not built: no nvcc"))
+  monkeypatch.setattr(registry, "_cuda_built", lambda: False)
+  monkeypatch.setattr(registry, "_load_cuda", lambda: (None, "the xla_fp4 CUDA kernels were not built: no nvcc"))
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # a CUDA build that does not exist is no reason to warn on a CPU machine
     assert kernels.register_all()["CUDA"] == (False, "the xla_fp4 CUDA kernels were not built: no nvcc")
@@ -118,15 +119,15 @@ def test_cuda_not_built_says_why(fresh_registry, monkeypatch):
 def test_the_build_says_whether_it_has_cuda():
   ext = kernels.extension()
   assert ext.cuda_build.startswith(("built for sm_", "not built: ")), ext.cuda_build
-  module, why = kernels._load_cuda()
+  module, why = registry._load_cuda()
   assert (module is not None) == ext.cuda_build.startswith("built") or "do not load" in why
 
 
 @pytest.mark.parametrize("built, running, refused", [((0, 3), (0, 3), False), ((0, 3), (0, 5), False),
                                                      ((0, 5), (0, 3), True), ((1, 0), (0, 9), True)])
 def test_ffi_api_compatibility(monkeypatch, built, running, refused):
-  monkeypatch.setattr(kernels, "runtime_ffi_api", lambda: running)
-  why = kernels._ffi_mismatch(types.SimpleNamespace(ffi_api_version=built))
+  monkeypatch.setattr(registry, "runtime_ffi_api", lambda: running)
+  why = registry._ffi_mismatch(types.SimpleNamespace(ffi_api_version=built))
   assert (why is not None) == refused
   if refused:
     assert f"built against XLA FFI API {built[0]}.{built[1]}" in why and "--no-build-isolation" in why
@@ -135,7 +136,7 @@ def test_ffi_api_compatibility(monkeypatch, built, running, refused):
 def test_the_running_jaxlib_api_is_read_and_the_build_is_accepted():
   running = kernels.runtime_ffi_api()
   assert running is not None and len(running) == 2
-  assert kernels._ffi_mismatch(kernels.extension()) is None, (kernels.extension().ffi_api_version, running)
+  assert registry._ffi_mismatch(kernels.extension()) is None, (kernels.extension().ffi_api_version, running)
 
 
 def test_native_needs_k_a_multiple_of_32_on_cuda_only():
@@ -159,9 +160,9 @@ def test_a_registration_that_xla_would_refuse_leaves_a_running_program(tmp_path)
   script = textwrap.dedent("""
       import json, sys, warnings
       warnings.simplefilter("always")
-      from xla_fp4 import kernels
+      from xla_fp4.kernels import registry
       if sys.argv[1] == "refuse":
-        kernels.runtime_ffi_api = lambda: (0, 0)  # as if this jaxlib were older than the kernels' headers
+        registry.runtime_ffi_api = lambda: (0, 0)  # as if this jaxlib were older than the kernels' headers
       import jax, jax.numpy as jnp
       with warnings.catch_warnings(record=True) as caught:
         w = jax.random.normal(jax.random.key(0), (64, 64))

@@ -253,6 +253,10 @@ def test_explain_returns_decisions_without_running(capsys):
   roles = sorted((r["layer"].split("/")[-1], r["role"], r["decision"]) for r in rows)
   assert ("head", "fprop", "keep") in roles and ("fc2", "wgrad", "nvfp4") in roles
   assert "output head" in out and "% of dot FLOPs" in out
+  # Which options decided is said, never assumed: here the pass is not enabled.
+  enabled = xla_fp4.hook.installed_config() is not None
+  assert ("the enabled pass's options" in out) == enabled
+  assert ("the pass is not enabled: options from the XLA_FP4_* environment" in out) == (not enabled)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])

@@ -1,7 +1,7 @@
 """Memory per device under the pass: what the forward quantizes for the backward is not held across the step.
 
 XLA's temporary buffers (memory_analysis) of benchmarks/sharding.py's train step at the issue's sizes, float32, with
-and without the pass, on 8 host devices; and the rewritten module's quantizations that decide it (rewrite._operand's
+and without the pass, on 8 host devices; and the rewritten module's quantizations that decide it (the rewrite emitter's
 `after` and `fresh`).
 """
 

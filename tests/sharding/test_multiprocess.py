@@ -5,7 +5,7 @@ Two policies run in each process. With every layer in NVFP4 the losses are equal
 (the loss's head and the last block kept in high precision) they are equal at step 0 and then agree to the noise of
 stochastic rounding, not bit for bit: XLA itself does not compute the kept f32 layers bit for bit alike on 8 local
 devices and on 2 x 4 (measured without the pass: 81% of the first layer's gradient elements differ, by at most
-1.9e-9), and the rounding key's digest of an operand (python/xla_fp4/passes/rewrite.py) turns a last-bit difference
+1.9e-9), and the rounding key's digest of an operand (python/xla_fp4/passes/rewrite/emitter.py) turns a last-bit difference
 into other random bits. Nearest rounding hides such differences; every layer quantized hides them too, as the
 operands of every GEMM are then on the FP4 grid."""
 

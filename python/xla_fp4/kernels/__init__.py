@@ -36,16 +36,13 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       -> f32|bf16|f16[M, N]; no attrs. C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
 
 Contraction sizes must be multiples of 16; a violated contract fails the call with an INVALID_ARGUMENT error that says
-what was wrong. Nothing here touches JAX backends, so `register()` is safe in a plugin's `initialize()`.
+what was wrong. Loading and registration: registry.py; one record per target: targets.py.
 """
-
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_fp4 import state
 from xla_fp4.kernels import targets
 
 QDQ_TARGET = targets.QDQ.name
@@ -61,176 +58,9 @@ GEMM_PACKED_TARGET = targets.GEMM_PACKED.name
 ATTRIBUTES = {t.name: dict(t.attributes) for t in targets.ALL}
 TARGETS = tuple(ATTRIBUTES)
 
-# What is registered, refused and warned about lives in the process state (xla_fp4/state.py).
-
-
-def _load_extension():
-  try:
-    from xla_fp4 import _xla_fp4_ext
-  except ImportError as e:
-    return None, (f"the xla_fp4 C++ extension is not built ({e}); build it with `pip install -e .` from the checkout")
-  return _xla_fp4_ext, "the xla_fp4 C++ extension is loaded"
-
-
-_ext, _reason = _load_extension()
-
-
-def available():
-  """(True, reason) when the compiled extension loaded, else (False, why not)."""
-  return _ext is not None, _reason
-
-
-def extension():
-  """The extension module; raises RuntimeError with the reason when it is not built."""
-  if _ext is None:
-    raise RuntimeError(_reason)
-  return _ext
-
-
-def _cuda_built():
-  return _ext is not None and _ext.cuda_build.startswith("built")
-
-
-def _load_cuda():
-  """(xla_fp4._xla_fp4_cuda, "") or (None, why not). Imported on first use: it loads cuBLASLt."""
-  if _ext is None:
-    return None, _reason
-  if not _cuda_built():
-    return None, f"the xla_fp4 CUDA kernels were {_ext.cuda_build} (docs/cuda.md)"
-  try:
-    from xla_fp4 import _xla_fp4_cuda
-  except ImportError as e:
-    return None, f"the xla_fp4 CUDA kernels were built but do not load: {e}"
-  return _xla_fp4_cuda, ""
-
-
-def _xla_platform(platform):
-  """XLA's name for a JAX backend platform: cpu, or CUDA for JAX's cuda/gpu (how custom-call targets are keyed)."""
-  return "CUDA" if platform.lower() in ("cuda", "gpu") else platform.lower()
-
-
-def runtime_ffi_api():
-  """(major, minor) of the XLA FFI API of the running jaxlib, read from the headers it ships; None if unreadable."""
-  import re
-  try:
-    with open(f"{jax.ffi.include_dir()}/xla/ffi/api/c_api.h") as f:
-      text = f.read()
-  except OSError:
-    return None
-  found = [re.search(rf"#define XLA_FFI_API_{part}\s+(\d+)", text) for part in ("MAJOR", "MINOR")]
-  return None if None in found else tuple(int(m.group(1)) for m in found)
-
-
-def _ffi_mismatch(module):
-  """Why XLA would refuse `module`'s handlers (it accepts handlers built against its own or an older minor API)."""
-  built, running = tuple(module.ffi_api_version), runtime_ffi_api()
-  if running is None or (built[0] == running[0] and built[1] <= running[1]):
-    return None
-  return (f"the xla_fp4 kernels were built against XLA FFI API {built[0]}.{built[1]} but this jaxlib "
-          f"({jax.lib.__version__}) runs {running[0]}.{running[1]}; reinstall xla-fp4 so it builds against this "
-          "jaxlib: pip install --force-reinstall --no-deps --no-build-isolation .")
-
-
-def _register(xla_platform, module):
-  """Register `module`'s handlers for `xla_platform` once; raises RuntimeError with the reason when XLA would not
-  take them (an incompatible FFI API fails the whole backend at start-up, so it is checked here first)."""
-  current = state.current()
-  with current.lock:
-    if xla_platform in current.registered:
-      return
-    if xla_platform in current.refused:
-      raise RuntimeError(current.refused[xla_platform])
-    why = _ffi_mismatch(module)
-    if why is not None:
-      current.refused[xla_platform] = why
-      raise RuntimeError(why)
-    # CPU targets register at once; CUDA ones wait in JAX until its CUDA plugin starts (xla_client keeps them).
-    for name, capsule in module.registrations().items():
-      jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=1)
-    current.registered.add(xla_platform)
-
-
-def register():
-  """Register the CPU targets with XLA (idempotent). Raises RuntimeError with the reason when that is not possible."""
-  _register("cpu", extension())
-
-
-def register_cuda():
-  """Register the CUDA targets if the CUDA kernels were built and load (idempotent); returns whether they were."""
-  module, why = _load_cuda()
-  if module is None:
-    return False
-  _register("CUDA", module)
-  return True
-
-
-def register_all():
-  """Register every platform the kernels were built for; never raises, warns once for each platform whose kernels
-  exist but cannot be registered. {platform: (registered, reason)}; the pass uses the plain StableHLO form of the
-  kernels on a platform whose targets are not registered."""
-  out, current = {}, state.current()
-  for platform, load in (("cpu", lambda: (_ext, _reason)), ("CUDA", _load_cuda)):
-    module, why = load()
-    built = module is not None or (platform == "CUDA" and _cuda_built())
-    if module is not None:
-      try:
-        _register(platform, module)
-        why = f"{platform} FFI kernels registered"
-      except RuntimeError as e:
-        why = str(e)
-    ok = platform in current.registered
-    if not ok and (built or platform == "cpu") and why not in current.warned:
-      current.warned.add(why)
-      warnings.warn(f"xla_fp4: {why}. NVFP4 on {platform} uses the plain StableHLO form of the kernels (same numbers, "
-                    "slower).", RuntimeWarning, stacklevel=2)
-    out[platform] = (ok, why)
-  return out
-
-
-def registered(platform):
-  """Whether the FFI targets are registered for `platform` (a backend's platform name: cpu, cuda, gpu)."""
-  return platform is not None and _xla_platform(platform) in state.current().registered
-
-
-def status(platform):
-  """(registered, reason) for `platform`: which kernels the pass can call there, or why it uses the StableHLO form."""
-  if platform is None:
-    return False, "no platform"
-  xla_platform, current = _xla_platform(platform), state.current()
-  if xla_platform in current.registered:
-    return True, f"{xla_platform} FFI kernels"
-  if xla_platform in current.refused:
-    return False, current.refused[xla_platform]
-  if xla_platform == "CUDA":
-    module, why = _load_cuda()
-    return False, why or "the CUDA FFI kernels are not registered (xla_fp4.enable() registers them)"
-  if xla_platform == "cpu":
-    return False, (_reason if _ext is None
-                   else "the CPU FFI kernels are not registered (xla_fp4.enable() registers them)")
-  return False, f"xla_fp4 has no kernels for platform {platform!r}"
-
-
-def info():
-  """What was built and what registers, per platform (`python -m xla_fp4 info`). Registers the targets."""
-  out = {"jax": jax.__version__, "jaxlib XLA FFI API": runtime_ffi_api()}
-  if _ext is None:
-    return {**out, "cpu kernels": _reason}
-  out["kernels built against XLA FFI API"] = tuple(_ext.ffi_api_version)
-  out["CUDA kernels"] = _ext.cuda_build
-  for platform, (ok, why) in register_all().items():
-    out[f"{platform} registration"] = why
-  if registered("CUDA"):
-    out["FP4 GEMM"] = fp4_gemm_supported()[1] or "runs (compute capability 10.x, cuBLASLt >= 12.8)"
-  return out
-
-
-def fp4_gemm_supported():
-  """(True, reason) when an FP4 tensor-core GEMM can run here (CUDA build, compute capability 10.x,
-  cuBLASLt >= 12.8)."""
-  module, why = _load_cuda()
-  if module is None:
-    return False, why
-  return tuple(module.fp4_gemm_supported())
+from xla_fp4.kernels.registry import (  # noqa: F401  (the package's API)
+    available, extension, fp4_gemm_supported, info, register, register_all, register_cuda, registered,
+    runtime_ffi_api, status, xla_platform)
 
 
 def backend_config_attributes(target, attrs):
@@ -273,9 +103,13 @@ def custom_call_backend_config(target, attrs):
   return ir.DictAttr.get(backend_config_attributes(target, attrs))
 
 
-def _attrs(target, **attrs):
-  """ffi_call keyword attributes with the contract's Python types (bool stays bool, ints become int)."""
-  return {name: want(attrs[name]) for name, want in ATTRIBUTES[target].items()}
+def _call(target, operands, dtype=None, **attrs):
+  """Run `target` (a targets.Target) on arrays through jax.ffi.ffi_call, its results shaped by its record."""
+  register()
+  typed = {name: want(attrs[name]) for name, want in target.attributes.items()}  # bool stays bool, ints int
+  results = target.results(operands, typed, dtype)
+  call = jax.ffi.ffi_call(target.name, results if len(results) > 1 else results[0])
+  return call(*operands, **typed)
 
 
 def _u8_scales(scales):
@@ -290,68 +124,43 @@ def _scalar(value, dtype):
 def qdq(x, s_dec, key=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0,
         apply_global_scale=True):
   """Fake-quantize x (see the module docstring) with the C++ kernel; the result has x's shape and dtype."""
-  register()
-  x = jnp.asarray(x)
-  call = jax.ffi.ffi_call(QDQ_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
-  return call(x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
-              **_attrs(QDQ_TARGET, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
-                       apply_global_scale=apply_global_scale))
+  return _call(targets.QDQ, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)], axis=axis,
+               block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
+               apply_global_scale=apply_global_scale)
 
 
 def qdq_with_scale(x, salt=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
   """(q * scale in x's shape and dtype, s_dec) with s_dec and the rounding key measured from x (module docstring)."""
-  register()
-  x = jnp.asarray(x)
-  call = jax.ffi.ffi_call(QDQ_WITH_SCALE_TARGET, (jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                                  jax.ShapeDtypeStruct((), jnp.float32)))
-  return call(x, **_attrs(QDQ_WITH_SCALE_TARGET, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
-                          rht_seed=rht_seed, salt=salt))
+  return _call(targets.QDQ_WITH_SCALE, [jnp.asarray(x)], axis=axis, block_2d=block_2d, stochastic=stochastic,
+               rht=rht, rht_seed=rht_seed, salt=salt)
 
 
 def rht(x, *, axis=-1, seed=0):
   """The random Hadamard transform along `axis`, float32 result."""
-  register()
-  x = jnp.asarray(x)
-  call = jax.ffi.ffi_call(RHT_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32))
-  return call(x, **_attrs(RHT_TARGET, axis=axis, rht_seed=seed))
+  return _call(targets.RHT, [jnp.asarray(x)], axis=axis, rht_seed=seed)
 
 
 def block_amax(x, *, axis=-1, rht=False, rht_seed=0):
   """float32 max |v| per 1x16 block along `axis` (x's shape with the axis divided by 16); see the module docstring."""
-  register()
-  x = jnp.asarray(x)
-  shape = list(x.shape)
-  shape[axis] //= 16
-  call = jax.ffi.ffi_call(BLOCK_AMAX_TARGET, jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
-  return call(x, **_attrs(BLOCK_AMAX_TARGET, axis=axis, rht=rht, rht_seed=rht_seed))
+  return _call(targets.BLOCK_AMAX, [jnp.asarray(x)], axis=axis, rht=rht, rht_seed=rht_seed)
 
 
 def quantize_packed(x, s_dec, key=0, *, block_2d=False, stochastic=False, rht=False, rht_seed=0):
   """x (rows, K) -> (data uint8 (rows, K/2), scales uint8 flat swizzled); see numerics.pack."""
-  from xla_fp4.numerics.packing import padded_scale_shape
-  register()
   x = jnp.asarray(x)
   if x.ndim != 2:
     raise ValueError(f"quantize_packed takes a matrix (rows, K) with K last, got shape {x.shape}")
-  rows, k = x.shape
-  n_scales = int(np.prod(padded_scale_shape(rows, k)))
-  call = jax.ffi.ffi_call(QUANTIZE_PACKED_TARGET, (jax.ShapeDtypeStruct((rows, k // 2), jnp.uint8),
-                                                   jax.ShapeDtypeStruct((n_scales,), jnp.uint8)))
-  return call(x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
-              **_attrs(QUANTIZE_PACKED_TARGET, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed))
+  return _call(targets.QUANTIZE_PACKED, [x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)],
+               block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
 
 
 def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):
   """Packed data and swizzled scales (uint8 or float8_e4m3fn) -> (rows, K) in `dtype`."""
-  register()
-  data = jnp.asarray(data)
-  call = jax.ffi.ffi_call(DEQUANTIZE_PACKED_TARGET, jax.ShapeDtypeStruct((data.shape[0], 2 * data.shape[1]), dtype))
-  return call(data, _u8_scales(scales), _scalar(s_dec, jnp.float32))
+  return _call(targets.DEQUANTIZE_PACKED, [jnp.asarray(data), _u8_scales(scales), _scalar(s_dec, jnp.float32)],
+               dtype=dtype)
 
 
 def gemm_packed(a_data, a_scales, b_data, b_scales, alpha, *, dtype=jnp.float32):
   """C (M, N) = alpha * A·Bᵀ of two packed K-major operands, float32 accumulation (the CPU reference FP4 GEMM)."""
-  register()
-  a_data, b_data = jnp.asarray(a_data), jnp.asarray(b_data)
-  call = jax.ffi.ffi_call(GEMM_PACKED_TARGET, jax.ShapeDtypeStruct((a_data.shape[0], b_data.shape[0]), dtype))
-  return call(a_data, _u8_scales(a_scales), b_data, _u8_scales(b_scales), _scalar(alpha, jnp.float32))
+  return _call(targets.GEMM_PACKED, [jnp.asarray(a_data), _u8_scales(a_scales), jnp.asarray(b_data),
+                                     _u8_scales(b_scales), _scalar(alpha, jnp.float32)], dtype=dtype)

@@ -13,6 +13,10 @@ import math
 import types
 from typing import Callable, Optional
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics.formats import BLOCK
 from xla_fp4.numerics.packing import padded_scale_shape
@@ -31,61 +35,69 @@ class BlockLocal:
   k_may_follow_dot: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # one record per target: compared and hashed by identity
 class Target:
   name: str
   attributes: types.MappingProxyType  # {name: bool | int}, in the order of ffi_targets.h
-  # (operand MLIR types, attributes) -> result MLIR types, or None where the caller chooses (an output dtype)
-  result_types: Callable
+  # (operands with .shape and .dtype, attributes, dtype) -> [jax.ShapeDtypeStruct] of the results; `dtype` is the
+  # output dtype where the caller chooses it (dequantize_packed, gemm_packed), else unused
+  results: Callable
   twin: Optional[Callable] = None  # numerics.kernel_twins function computing the same numbers from whole tensors
   twin_operands: tuple = ()  # attributes the twin takes as uint32 scalar operands, after the call's own operands
   twin_fixed: tuple = ()  # (attribute, value) pairs: the only values of those attributes the twin implements
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
 
-
-def _ir():
-  from jax._src.lib.mlir import ir
-  return ir
-
-
-def _same_as_x(types_, attrs):
-  return [types_[0]]
-
-
-def _with_scale(types_, attrs):
-  ir = _ir()
-  return [types_[0], ir.RankedTensorType.get([], ir.F32Type.get())]
+  def result_types(self, operand_types, attrs, dtype=None):
+    """The results as MLIR tensor types, from the operands' (needs an MLIR context)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    operands = [jax.ShapeDtypeStruct(tuple(ir.RankedTensorType(t).shape),
+                                     _MLIR_DTYPES[str(ir.RankedTensorType(t).element_type)]) for t in operand_types]
+    return [ir.RankedTensorType.get(list(r.shape), mlir.dtype_to_ir_type(np.dtype(r.dtype)))
+            for r in self.results(operands, attrs, dtype)]
 
 
-def _f32_like_x(types_, attrs):
-  ir = _ir()
-  return [ir.RankedTensorType.get(list(ir.RankedTensorType(types_[0]).shape), ir.F32Type.get())]
+_MLIR_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": np.float16, "ui8": np.uint8, "ui32": np.uint32}
 
 
-def _block_maxima(types_, attrs):
-  ir = _ir()
-  shape = list(ir.RankedTensorType(types_[0]).shape)
+def _like_x(operands, attrs, dtype):
+  return [jax.ShapeDtypeStruct(operands[0].shape, operands[0].dtype)]
+
+
+def _with_scale(operands, attrs, dtype):
+  return _like_x(operands, attrs, dtype) + [jax.ShapeDtypeStruct((), np.float32)]
+
+
+def _f32_like_x(operands, attrs, dtype):
+  return [jax.ShapeDtypeStruct(operands[0].shape, np.float32)]
+
+
+def _block_maxima(operands, attrs, dtype):
+  shape = list(operands[0].shape)
   shape[attrs["axis"]] //= BLOCK
-  return [ir.RankedTensorType.get(shape, ir.F32Type.get())]
+  return [jax.ShapeDtypeStruct(tuple(shape), np.float32)]
 
 
-def _packed(types_, attrs):
-  ir = _ir()
-  rows, k = ir.RankedTensorType(types_[0]).shape
-  u8 = ir.IntegerType.get_unsigned(8)
-  return [ir.RankedTensorType.get([rows, k // 2], u8),
-          ir.RankedTensorType.get([math.prod(padded_scale_shape(rows, k))], u8)]
+def _packed(operands, attrs, dtype):
+  rows, k = operands[0].shape
+  return [jax.ShapeDtypeStruct((rows, k // 2), np.uint8),
+          jax.ShapeDtypeStruct((math.prod(padded_scale_shape(rows, k)),), np.uint8)]
 
 
-def _caller_chooses(types_, attrs):
-  return None
+def _unpacked(operands, attrs, dtype):
+  rows, half = operands[0].shape
+  return [jax.ShapeDtypeStruct((rows, 2 * half), dtype)]
 
 
-def _target(name, attributes, result_types, **kw):
-  return Target(name, types.MappingProxyType(attributes), result_types, **kw)
+def _product(operands, attrs, dtype):
+  return [jax.ShapeDtypeStruct((operands[0].shape[0], operands[2].shape[0]), dtype)]
 
 
-QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool}, _same_as_x,
+def _target(name, attributes, results, **kw):
+  return Target(name, types.MappingProxyType(attributes), results, **kw)
+
+
+QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool}, _like_x,
               twin=kernel_twins.qdq, twin_fixed=(("apply_global_scale", False),),
               block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True))
 QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
@@ -94,8 +106,8 @@ RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
 QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", dict(_QUANTIZE), _packed)
-DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _caller_chooses)
-GEMM_PACKED = _target("xla_fp4_gemm_packed", {}, _caller_chooses)
+DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
+GEMM_PACKED = _target("xla_fp4_gemm_packed", {}, _product)
 
 ALL = (QDQ, QDQ_WITH_SCALE, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

@@ -1,7 +1,8 @@
 """Pure-JAX twins of the FFI kernels the pass emits, with the kernels' operands and attributes
-(python/xla_fp4/kernels.py states the contract): the same numbers, bit for bit (tests/kernels). The pass lowers them
-into the program where no kernel is registered (passes/rewrite.py `ReferenceKernels`), and the scale and key of the
-partitioned pattern everywhere (`Emitter`)."""
+(python/xla_fp4/kernels/__init__.py states the contract, kernels/targets.py names each target's twin): the same
+numbers, bit for bit (tests/kernels). The pass lowers them into the program where no kernel is registered
+(passes/rewrite/kernel_sets.py `ReferenceKernels`), and the scale and key of the partitioned pattern everywhere
+(passes/rewrite/emitter.py)."""
 
 import jax
 import jax.numpy as jnp

@@ -4,6 +4,7 @@
 import dataclasses
 
 from xla_fp4.config import Config
+from xla_fp4.kernels import registry
 from xla_fp4.passes.rewrite import FfiKernels, ReferenceKernels
 
 
@@ -20,15 +21,18 @@ class Backend:
 
 
 def is_cuda(platform):
-  return (platform or "").lower() in ("cuda", "gpu")
+  return registry.xla_platform(platform) == "CUDA"
+
+
+def is_cpu(platform):
+  return registry.xla_platform(platform) == "cpu"
 
 
 def choose_backend(config: Config, platform, module, kernels=None, *, partitioned=False) -> Backend:
   """The kernel set and GEMM for `platform`: the platform's FFI kernels where they are registered, else the plain
   StableHLO form lowered from `xla_fp4.numerics`; the FP4 GEMM where config.backend asks for it (native) or where one
   runs in hardware (auto: CUDA with compute capability 10.x and cuBLASLt >= 12.8). `kernels(module)` overrides."""
-  from xla_fp4 import kernels as kernels_mod
-  registered, why = kernels_mod.status(platform)
+  registered, why = registry.status(platform)
   if kernels is not None:
     kernel_set = kernels(module)
     described = type(kernel_set).__name__
@@ -40,7 +44,7 @@ def choose_backend(config: Config, platform, module, kernels=None, *, partitione
   if config.backend == "emulate":
     return Backend(kernel_set, described, "emulate", "XLA_FP4_BACKEND=emulate")
   if is_cuda(platform):
-    fp4_gemm, fp4_why = kernels_mod.fp4_gemm_supported()
+    fp4_gemm, fp4_why = registry.fp4_gemm_supported()
   else:
     fp4_gemm, fp4_why = False, f"no FP4 tensor cores on {platform} (XLA_FP4_BACKEND=native runs the C++ reference GEMM)"
   if config.backend == "native":

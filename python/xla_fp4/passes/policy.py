@@ -34,7 +34,7 @@ class Verdict(enum.StrEnum):
 
 
 class Form(enum.StrEnum):
-  """The pattern an NVFP4 dot is rewritten into (rewrite.py's docstring shows the IR)."""
+  """The pattern an NVFP4 dot is rewritten into (rewrite/emitter.py's docstring shows the IR)."""
   WHOLE_TENSOR = "whole_tensor"  # one kernel per operand measures it (amax, key) and returns q·scale; one device
   PARTITIONED = "partitioned"  # per-block maxima, a plain max reduction (XLA's all-reduce), then the qdq kernel
   PACKED = "packed"  # packed FP4 operands and the FP4 GEMM (the native backend)

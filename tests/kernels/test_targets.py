@@ -1,0 +1,79 @@
+"""One record per FFI target (python/xla_fp4/kernels/targets.py): the results a call returns, its twin, how shards
+run it. Every user of a target (the kernels' Python calls, the pass's kernel sets, the partitioner) reads these."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+
+from xla_fp4 import kernels
+from xla_fp4.kernels import targets
+from xla_fp4.sharding import partition
+
+X = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+SCALAR_F32, SCALAR_U32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.uint32)
+QUANTIZE = dict(block_2d=False, stochastic=True, rht=True, rht_seed=3)
+
+
+def _twin_results(target, operands, attrs):
+  """jax.eval_shape of the twin, called as the pass's ReferenceKernels call it."""
+  fixed = dict(target.twin_fixed)
+  extra = [SCALAR_U32 for _ in target.twin_operands]
+  params = {k: v for k, v in attrs.items() if k not in target.twin_operands and k not in fixed}
+  out = jax.eval_shape(lambda *a: target.twin(*a, **params), *operands, *extra)
+  return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_twins_return_what_the_records_say(axis):
+  cases = [(targets.QDQ, [X, SCALAR_F32, SCALAR_U32], dict(axis=axis, **QUANTIZE, apply_global_scale=False)),
+           (targets.QDQ_WITH_SCALE, [X], dict(axis=axis, **QUANTIZE, salt=5)),
+           (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=False, rht_seed=0))]
+  assert {t for t, _, _ in cases} == {t for t in targets.ALL if t.twin is not None}
+  for target, operands, attrs in cases:
+    assert _twin_results(target, operands, attrs) == target.results(operands, attrs, None), target.name
+
+
+def test_kernels_return_what_the_records_say():
+  """The compiled kernels, through their Python calls (which shape their results from the records): x of 32x64."""
+  x = jnp.ones((32, 64), jnp.float32)
+  data, scales = kernels.quantize_packed(x, 1.0)
+  got = {
+      targets.BLOCK_AMAX: [kernels.block_amax(x, axis=0)],
+      targets.QUANTIZE_PACKED: [data, scales],
+      targets.DEQUANTIZE_PACKED: [kernels.dequantize_packed(data, scales, 1.0, dtype=jnp.bfloat16)],
+      targets.GEMM_PACKED: [kernels.gemm_packed(data, scales, data, scales, 1.0)],
+  }
+  assert [(a.shape, a.dtype) for a in got[targets.BLOCK_AMAX]] == [((2, 64), jnp.float32)]
+  assert [(a.shape, a.dtype) for a in got[targets.QUANTIZE_PACKED]][0] == ((32, 32), jnp.uint8)
+  (unpacked,) = got[targets.DEQUANTIZE_PACKED]
+  assert unpacked.shape == (32, 64) and unpacked.dtype == jnp.bfloat16
+  assert got[targets.GEMM_PACKED][0].shape == (32, 32)
+
+
+def test_result_types_are_the_results_as_mlir_types():
+  with mlir.make_ir_context(), ir.Location.unknown():
+    x = ir.RankedTensorType.get([32, 64], ir.BF16Type.get())
+    (maxima,) = targets.BLOCK_AMAX.result_types([x], dict(axis=0, rht=False, rht_seed=0))
+    assert str(maxima) == "tensor<2x64xf32>"
+    q, s = targets.QDQ_WITH_SCALE.result_types([x], dict(axis=1, **QUANTIZE, salt=0))
+    assert str(q) == "tensor<32x64xbf16>" and str(s) == "tensor<f32>"
+    scalar = ir.RankedTensorType.get([], ir.F32Type.get())
+    data, scales = targets.QUANTIZE_PACKED.result_types([x, scalar, scalar], dict(QUANTIZE))
+    assert str(data) == "tensor<32x32xui8>" and str(scales).endswith("xui8>")
+
+
+def test_the_partitioner_covers_exactly_the_block_local_targets():
+  """The Shardy rule and the custom-call partitioner are installed for the records that say how shards run them."""
+  assert set(partition.PARTITIONED) == {t.name for t in targets.ALL if t.block_local is not None} == {
+      "xla_fp4_qdq", "xla_fp4_rht", "xla_fp4_block_amax"}
+  assert partition.PARTITIONED["xla_fp4_qdq"].key_operand == 2  # shards mix their index into the key
+
+
+def test_records_and_the_extension_list_the_same_targets():
+  exported = kernels.extension().attributes()
+  assert set(exported) == set(targets.BY_NAME)
+  assert all(list(exported[t.name]) == list(t.attributes) for t in targets.ALL)
+  assert np.all([t.name.startswith("xla_fp4_") for t in targets.ALL])
