@@ -135,10 +135,10 @@ def _parse_rules(value):
   return rules
 
 
-# The policy's own rules, in order (python/xla_fp4/passes/policy.py); user rules run after the first three, which
-# say what the kernels cannot take.
-BUILTIN_RULES = ("not_linear", "dtype", "contraction_not_16", "higher_order", "exclude_scope", "exclude_regex", "tiny",
-                 "head", "high_precision_block", "nvfp4")
+# The policy's own rules, in order (python/xla_fp4/passes/policy.py); user rules run after the first five, which
+# say what the pass cannot take and which programs it leaves alone.
+BUILTIN_RULES = ("not_linear", "ragged", "dtype", "contraction_not_16", "forward_only", "higher_order", "exclude_scope",
+                 "exclude_regex", "tiny", "head", "high_precision_block", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +175,10 @@ OPTIONS = (
            'Your own rules, first match wins, before the built-in policy (after the checks of what the kernels take): '
            'a JSON list such as `[{"layer": "attn", "role": "wgrad", "decision": "keep"}]`; keys `decision` (keep or '
            'nvfp4), `layer` (regex on the layer path), `role`, `block` (a value or a list), `name`, `reason`.'),
+    Option("forward_only", "XLA_FP4_FORWARD_ONLY", False, _parse_bool,
+           "Also rewrite programs without a backward pass (eval, sampling, init, eager ops), which are otherwise left "
+           "exactly as they are; their head is the linear layer whose output reaches the program's result with no "
+           "other linear layer in between."),
     Option("min_dim", "XLA_FP4_MIN_DIM", 16, _parse_int,
            "GEMMs with M, N or K below this stay in high precision."),
     Option("seed", "XLA_FP4_SEED", 0, _parse_int,
@@ -199,6 +203,7 @@ class Config:
   keep_head: bool
   exclude: str
   rules: tuple
+  forward_only: bool
   min_dim: int
   seed: int
   dump_dir: str

@@ -489,3 +489,40 @@ def equinox_attention_mlp():
 
   step, opt_init = _sgd_step(loss)
   return step, (params, opt_init(params), _x((S * 2, D)))
+
+
+# ----------------------------------------------------------------------------- programs that are not training steps
+
+
+def linen_mlp_eval(dtype=jnp.float32):
+  """The MLP's eval step: a forward pass to the logits, no gradient."""
+  model = LinenMLP(dtype=dtype)
+  x = _x((B, D), dtype)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  return (lambda p, x: model.apply(p, x)), (params, x)
+
+
+def matmul():
+  """What an eager `a @ b` (or jax.jit(jnp.matmul)) compiles: one dot of two arguments."""
+  return jnp.matmul, (_x((D, H)), _x((H, D)))
+
+
+# ------------------------------------------------------------------------------------------------------------ MoE
+
+
+def ragged_moe(group_sizes=(16, 8, 24, 16)):
+  """A top-1 MoE layer written with jax.lax.ragged_dot (tokens sorted by expert, one group per expert), trained: on
+  CPU JAX expands each ragged dot into masked dot_generals (analysis/ragged.py)."""
+  experts, tokens = len(group_sizes), sum(group_sizes)
+  sizes = jnp.asarray(group_sizes, jnp.int32)
+  params = {"router": jax.ShapeDtypeStruct((D, experts), jnp.float32),
+            "w_in": jax.ShapeDtypeStruct((experts, D, H), jnp.float32),
+            "w_out": jax.ShapeDtypeStruct((experts, H, D), jnp.float32)}
+
+  def loss(p, x):
+    gate = jax.nn.sigmoid(jnp.max(x @ p["router"], axis=-1, keepdims=True))
+    h = jax.nn.gelu(jax.lax.ragged_dot(x, p["w_in"], sizes))
+    return jnp.mean((gate * jax.lax.ragged_dot(h, p["w_out"], sizes)) ** 2)
+
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), _x((tokens, D)))

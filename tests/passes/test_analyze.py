@@ -406,3 +406,44 @@ def test_parallel_lists_of_layers_are_one_stack_of_blocks():
   fprops = [r for r in rows if r["role"] == "fprop"]
   assert [r["block"] for r in fprops] == [0, 0, 1, 1, 2, 2, 3, 3]
   assert [r["rule"] for r in fprops] == ["nvfp4"] * 6 + ["high_precision_block", "head"]  # w2[3] feeds the loss
+
+
+# ------------------------------------------------------------------------------ programs that are not training steps
+
+
+def _decided_with(builder, **options):
+  from xla_fp4 import config
+  from xla_fp4.passes import pipeline
+  fn, args = getattr(models, builder)()
+  module = jax.jit(fn).lower(*args).compiler_ir("stablehlo")
+  rows, _ = pipeline.decisions(module, config.load(environ={}, enabled=True, **options))
+  return {(r["layer"].split("/")[-1], r["role"]): (r["decision"], r["rule"]) for r in rows}
+
+
+@pytest.mark.parametrize("builder", ["linen_mlp_eval", "matmul"])
+def test_programs_that_do_not_train_are_left_alone(builder):
+  """An eval step and an eager matmul: no backward pass, so every dot keeps its precision, and the rule says why."""
+  decided = _decided_with(builder)
+  assert decided and set(decided.values()) == {("keep", "forward_only")}, decided
+
+
+def test_an_eval_step_in_nvfp4_keeps_the_head_found_from_its_forward_dataflow():
+  """XLA_FP4_FORWARD_ONLY=1: the head is the layer whose output reaches the program's result (the logits) with no
+  other linear layer in between, whatever its name."""
+  decided = _decided_with("linen_mlp_eval", forward_only=True, min_dim=1)  # a batch of 4 rows
+  assert decided == {("fc1", "fprop"): ("nvfp4", "nvfp4"), ("fc2", "fprop"): ("nvfp4", "nvfp4"),
+                     ("head", "fprop"): ("keep", "head")}
+
+
+def test_ragged_dots_stay_in_high_precision_on_every_platform():
+  """jax.lax.ragged_dot on CPU is masked dot_generals: its forward, dgrad and wgrad are kept, as on GPU (where XLA
+  keeps chlo.ragged_dot, which the pass does not rewrite), so that CPU emulation predicts the GPU run. The router, a
+  plain linear layer, follows the policy."""
+  module, a = _analysis("ragged_moe")
+  ragged = [s for s in a.sites if s.ragged]
+  assert len(ragged) >= 5 and not any(s.ragged for s in a.sites if "router" in (s.weight_arg or "")), \
+      [(s.role, s.weight_arg, s.ragged) for s in a.sites]
+  decided = _decided_with("ragged_moe")
+  rules = {k: v for k, v in decided.items() if v[1] == "ragged"}
+  assert rules and all(v == ("keep", "ragged") for v in rules.values())
+  assert not any(v[1] == "ragged" for k, v in decided.items() if k[0] == "router"), decided

@@ -134,7 +134,7 @@ def test_unselected_dots_are_bit_identical():
   args = (jnp.ones((64, 64)) * 0.3, jax.random.normal(jax.random.key(3), (64, 64)),
           jax.random.normal(jax.random.key(4), (64, 64)))
   base = jax.jit(two_layers)(*args)
-  xla_fp4.enable()
+  xla_fp4.enable(forward_only=True, keep_head=False)  # a forward program: both layers reach its result
   try:
     got = jax.jit(two_layers)(*args)
   finally:
@@ -264,7 +264,7 @@ def test_nan_and_inf_in_an_operand_reach_the_output(bad):
   x = np.array(jax.random.normal(jax.random.key(0), (16, 16, 64)))
   x[14, 5, 3] = bad  # a layout in which XLA CPU's plain max reduction drops NaN
   w = jax.random.normal(jax.random.key(1), (64, 64))
-  xla_fp4.enable(strict=True)
+  xla_fp4.enable(strict=True, forward_only=True, keep_head=False)
   try:
     y = jax.jit(lambda x, w: x @ w)(x, w)
   finally:
@@ -280,7 +280,11 @@ def test_exclude_decorator_keeps_the_function_in_high_precision():
   def f(x, w1, w2):
     return router(x, w1) + x @ w2
   args = [jax.random.normal(jax.random.key(i), (32, 64) if i == 0 else (64, 64)) for i in range(3)]
-  rows = xla_fp4.explain(f, *args)
+  xla_fp4.enable(forward_only=True, keep_head=False)
+  try:
+    rows = xla_fp4.explain(f, *args)
+  finally:
+    xla_fp4.disable()
   assert sorted((r["decision"], r["rule"]) for r in rows) == [("keep", "exclude_scope"), ("nvfp4", "nvfp4")]
   with pytest.raises(TypeError, match="decorates a function"):
     xla_fp4.exclude(3)
@@ -357,3 +361,24 @@ def test_bf16_training_of_every_dot_shape_class(builder, kwargs):
   else:
     assert all(r["block"] == "scan" for r in rows if r["decision"] == "nvfp4"), rows
   assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_xla_fp4_changes_nothing_but_training_steps():
+  """With the pass on, an eager matmul, a jitted one, model init, an eval step and a label computation outside
+  training give the bits they give without it (no backward pass: the forward_only rule); the train step changes."""
+  params, x, t = _data()
+  a, b = jax.random.normal(jax.random.key(5), (64, 64)), jax.random.normal(jax.random.key(6), (64, 64))
+
+  def everything_but_training():
+    return {"eager": a @ b, "jit": jax.jit(jnp.matmul)(a, b),
+            "init": MLP().init(jax.random.key(0), x), "eval": jax.jit(MLP().apply)(params, x),
+            "labels": jnp.argmax(jax.jit(lambda w, x: x @ w)(b, a), axis=-1)}
+  base = everything_but_training()
+  xla_fp4.enable()
+  try:
+    got = everything_but_training()
+  finally:
+    xla_fp4.disable()
+  for name in base:
+    assert all(jnp.array_equal(u, v) for u, v in zip(jax.tree.leaves(got[name]), jax.tree.leaves(base[name]))), name
+  assert not jnp.array_equal(_grads()["params"]["fc1"]["kernel"], _grads(fp4=False)["params"]["fc1"]["kernel"])

@@ -38,7 +38,8 @@ def test_goldens_hold_no_absolute_paths():
 def test_there_is_a_golden_file_per_decision_kind():
   names = {os.path.basename(p)[:-5] for p in GOLDEN}
   assert {"fprop_nvfp4", "fprop_partitioned", "backward_dgrad_wgrad", "keep_not_linear", "keep_odd_contraction",
-          "keep_excluded_scope", "keep_excluded_regex", "keep_head", "scan_per_iteration_select"} <= names
+          "keep_excluded_scope", "keep_excluded_regex", "keep_head", "scan_per_iteration_select",
+          "keep_forward_only"} <= names
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=[os.path.basename(p) for p in GOLDEN])

@@ -35,15 +35,20 @@ def _analysis(sites, num_blocks=0, block_index=None):
 
 
 def _decide(sites, num_blocks=0, block_index=None, **options):
+  """Synthetic sites are mostly fprops alone, a program that does not train: forward_only=True has them decided
+  (test_programs_that_do_not_train_are_left_alone tests the default)."""
+  options.setdefault("forward_only", True)
   return policy.decide(_analysis(sites, num_blocks, block_index), config.load(environ={}, enabled=True, **options))
 
 
 # Each rule with a site that matches it *and every later rule*: the first match must win.
 EVERY_LATER = dict(is_head=True, head_reason="its output reaches the loss", block=9)  # 10 blocks: 8, 9 kept
 CASES = [
-    ("not_linear", dict(role="other")),
+    ("not_linear", dict(role="other", ragged=True)),
+    ("ragged", dict(ragged=True, operand_dtypes=("f64", "f64"))),
     ("dtype", dict(operand_dtypes=("f64", "f64"))),
     ("contraction_not_16", dict(k=24, m=8, higher_order=True, excluded_scope=True)),
+    ("forward_only", dict(higher_order=True, excluded_scope=True)),
     ("higher_order", dict(higher_order=True, excluded_scope=True)),
     ("exclude_scope", dict(excluded_scope=True)),
     ("exclude_regex", dict(layer="m/router")),
@@ -62,7 +67,9 @@ def test_first_matching_rule_wins_with_its_reason(rule, overrides):
   # the earlier rules' triggers are absent.
   layer = "m/router" if names.index(rule) <= names.index("exclude_regex") else "m/fc"
   site = _site(**{**EVERY_LATER, "layer": layer, **overrides})
-  (d,), _ = _decide([site], num_blocks=10, exclude="router")
+  # The program trains nowhere (one fprop): forward_only's trigger is the option left off.
+  forward_only = names.index(rule) > names.index("forward_only")
+  (d,), _ = _decide([site], num_blocks=10, exclude="router", forward_only=forward_only)
   assert d.rule == rule, d
   reason = rules[rule].reason + (": its output reaches the loss" if rule == "head" else "")
   assert d.reason == reason
@@ -71,6 +78,18 @@ def test_first_matching_rule_wins_with_its_reason(rule, overrides):
 
 def test_rule_order_is_the_documented_one():
   assert [r.name for r in policy.default_rules(CFG)] == [c[0] for c in CASES] == list(config.BUILTIN_RULES)
+
+
+def test_programs_that_do_not_train_are_left_alone():
+  """By default only a program with a backward pass through a linear layer (a dgrad or a wgrad) is rewritten: an eval
+  step, init or an eager matmul keeps every dot, with the reason; XLA_FP4_FORWARD_ONLY=1 rewrites them too."""
+  fprops = [_site(0), _site(1, layer="m/fc2")]
+  decided, _ = _decide(fprops, forward_only=False)
+  assert {(d.rule, d.decision) for d in decided} == {("forward_only", "keep")}
+  assert "no backward pass" in decided[0].reason and "XLA_FP4_FORWARD_ONLY=1" in decided[0].reason
+  assert {d.decision for d in _decide(fprops, forward_only=True)[0]} == {"nvfp4"}
+  training = fprops + [_site(2, role="wgrad", weight_operand=None)]
+  assert {d.decision for d in _decide(training, forward_only=False)[0]} == {"nvfp4"}
 
 
 def test_the_roles_a_user_rule_names_are_the_analysis_roles():
@@ -84,10 +103,10 @@ USER_RULES = [{"layer": "attn", "role": ["wgrad", "dgrad"], "decision": "keep", 
               {"layer": "^m/head$", "decision": "nvfp4"}]
 
 
-def test_user_rules_run_first_after_what_the_kernels_need():
+def test_user_rules_run_first_after_what_the_pass_cannot_take_and_leaves_alone():
   rules = [r.name for r in policy.default_rules(config.load(environ={}, enabled=True, rules=USER_RULES))]
-  assert rules[:3] == ["not_linear", "dtype", "contraction_not_16"]
-  assert rules[3:6] == ["attn_grads", "user_rule_1", "user_rule_2"] and rules[6:] == list(config.BUILTIN_RULES[3:])
+  assert rules[:5] == ["not_linear", "ragged", "dtype", "contraction_not_16", "forward_only"]
+  assert rules[5:8] == ["attn_grads", "user_rule_1", "user_rule_2"] and rules[8:] == list(config.BUILTIN_RULES[5:])
   sites = [_site(0, layer="m/attn/q", role="wgrad", weight_operand=None),  # attn_grads
            _site(1, layer="m/attn/q"),                                     # an fprop: not attn_grads; policy
            _site(2, layer="m/fc", block=0),                                # a kept first block, forced to NVFP4
@@ -213,7 +232,8 @@ def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
   sites = [_site(0), _site(1, batch=((0,), (0,))), _site(2, num_stacked=4, block_offset=0, k=48),
            _site(3, num_stacked=4, block_offset=0), _site(4, role="other")]
   analysis = _analysis(sites, 4, {2: BlockIndex.PASSED_IN, 3: BlockIndex.UNAVAILABLE})
-  decided, _ = policy.decide(analysis, config.load(environ={}, enabled=True, keep_first=0, keep_last=1))
+  decided, _ = policy.decide(analysis, config.load(environ={}, enabled=True, keep_first=0, keep_last=1,
+                                                   forward_only=True))
   assert [d.decision for d in decided] == [policy.Verdict.NVFP4] * 4 + [policy.Verdict.KEEP]
 
   def forms(**kw):

@@ -83,7 +83,8 @@ BITWISE = textwrap.dedent("""
              ("column", (w4, x4), (put(w4, None, "d"), put(x4, None, None, "d"))),
              # K = 48 split 8 ways would cut blocks (6 per shard): the partitioner replicates K instead.
              ("column", (w3, x3), (put(w3, "d", None), x3))]
-    xla_fp4.enable(strict=True, stochastic_rounding=False, keep_head=False)  # every layer in NVFP4
+    # every layer in NVFP4, forward programs included
+    xla_fp4.enable(strict=True, stochastic_rounding=False, keep_head=False, forward_only=True)
     bf16 = lambda args: jax.tree.map(lambda a: a.astype(jnp.bfloat16), args)
     for name, one, sharded in cases + [(n, bf16(o), bf16(s)) for n, o, s in cases]:
       a, b = progs[name](*one), progs[name](*sharded)
@@ -119,7 +120,7 @@ SHARD_MAP = textwrap.dedent("""
     x = jax.random.normal(jax.random.key(1), (16, 32, 64))
     layer = lambda w, x: jnp.tanh(x @ w)
     mapped = jax.shard_map(layer, mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d"))
-    xla_fp4.enable(strict=True, stochastic_rounding=False)
+    xla_fp4.enable(strict=True, stochastic_rounding=False, forward_only=True, keep_head=False)
     y = jax.jit(mapped)(w, x)
     # A shard_map body is a per-device program: amax is the local shard's.
     per_shard = jnp.concatenate([jax.jit(layer)(w, x[2 * i:2 * i + 2]) for i in range(8)])

@@ -1,11 +1,12 @@
 """Policy: decide per dot whether it runs in NVFP4, with which recipe per operand, and why.
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
-are reported. The user's rules (the `rules` option: data, not code) come after the three that say what the kernels
-cannot take and before the paper's policy. Defaults follow docs/design.md §2 / arXiv 2509.25149 §4: only
-linear-layer GEMMs; the output head kept; about 16% of the blocks kept in high precision, weighted to the end (the
-paper kept the first 2 and last 8 of 62 blocks); GEMMs whose contraction is not a multiple of 16, or that are tiny,
-kept.
+are reported. The user's rules (the `rules` option: data, not code) come after the five that say what the pass cannot
+take (not a linear layer, a ragged dot, the dtypes and contraction sizes the kernels take) and which programs it
+leaves alone (those that do not train, unless XLA_FP4_FORWARD_ONLY=1), and before the paper's policy. Defaults
+follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept; about 16% of the blocks
+kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62 blocks); GEMMs whose
+contraction is not a multiple of 16, or that are tiny, kept.
 
 In a scanned layer stack one dot serves every layer: the decision there is `nvfp4` with `keep_blocks`, and the rewrite
 gives the GEMM per iteration either the operands themselves or their q·scale (a `stablehlo.select` per operand, on
@@ -60,6 +61,7 @@ class Context:
   config: Config
   num_blocks: int
   kept_blocks: frozenset
+  trains: bool  # the program has a backward pass through a linear layer (Analysis.trains)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,11 +136,19 @@ def default_rules(config: Config):
   return (
       Rule(name="not_linear", decision=Verdict.KEEP, reason="not a linear-layer GEMM (no operand is a parameter)",
            when=lambda s, c: s.role is Role.OTHER),
+      Rule(name="ragged", decision=Verdict.KEEP,
+           reason="a ragged dot's expansion (jax.lax.ragged_dot: MoE experts): its NVFP4 form is not built, so it "
+                  "stays in high precision on every platform, as on GPU, where it stays a chlo.ragged_dot",
+           when=lambda s, c: s.ragged),
       Rule(name="dtype", decision=Verdict.KEEP,
            reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
            when=lambda s, c: not set(s.gemm.operand_dtypes) <= QUANTIZABLE_DTYPES),
       Rule(name="contraction_not_16", decision=Verdict.KEEP, reason="contraction size is not a multiple of 16",
            when=lambda s, c: s.gemm.k % 16 != 0),
+      Rule(name="forward_only", decision=Verdict.KEEP,
+           reason="the program has no backward pass through a linear layer (an eval, sampling or init step, an eager "
+                  "op): left as it is (XLA_FP4_FORWARD_ONLY=1 rewrites it)",
+           when=lambda s, c: not c.trains and not c.config.forward_only),
       *(_user_rule(u) for u in config.rules),
       Rule(name="higher_order", decision=Verdict.KEEP,
            reason="inside a derivative of a derivative (a gradient in the loss): the recipe is for first-order "
@@ -185,8 +195,8 @@ def recipe_for(site: DotSite, config: Config):
 def decide(analysis: Analysis, config: Config, rules=None):
   """Returns ([Decision] in site order, [names of rules that matched nothing])."""
   rules = default_rules(config) if rules is None else rules
-  ctx = Context(config=config, num_blocks=analysis.num_blocks,
-                kept_blocks=kept_blocks(config, analysis.num_blocks))
+  ctx = Context(config=config, num_blocks=analysis.num_blocks, kept_blocks=kept_blocks(config, analysis.num_blocks),
+                trains=analysis.trains)
   used, decisions = set(), []
   for record in analysis.records:
     site = record.site

@@ -57,7 +57,7 @@ def scanned(ws, x):
 
 X, W = jax.ShapeDtypeStruct((32, 64), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
 CASES = {
-    "fprop_nvfp4": (fprop, (X, W), "", """
+    "fprop_nvfp4": (fprop, (X, W), "forward_only=1 keep_head=0", """
 // One device: each operand is one kernel call that measures it (amax, s_dec) and returns q·scale and s_dec.
 // DECISIONS: fprop:nvfp4
 // CHECK-LABEL: func.func public @main(%arg0: tensor<32x64xf32>, %arg1: tensor<64x64xbf16>)
@@ -79,7 +79,7 @@ CASES = {
 // CHECK-NOT: stablehlo.dot_general
 // CHECK-NOT: stablehlo.reduce
 // CHECK: return %[[Y]]"""),
-    "fprop_partitioned": (fprop, (X, W), "", """
+    "fprop_partitioned": (fprop, (X, W), "forward_only=1 keep_head=0", """
 // A partitioned program: per-block maxima, then amax as a plain reduce (XLA makes it a cross-device all-reduce) fed
 // to xla_fp4_qdq. Each call carries its Shardy rule: K = 64 is the compound (4 blocks, 16) whose 16 is never split.
 // The reduce and the decode scale are the twin kernel_twins.decode_scale, lowered into a private function.
@@ -133,13 +133,20 @@ CASES = {
 // CHECK-NOT: xla_fp4
 // CHECK: stablehlo.dot_general {{.*}} contracting_dims = [1] x [0]
 // CHECK-NOT: xla_fp4"""),
-    "keep_excluded_scope": (excluded, (X, W), "", """
+    "keep_forward_only": (fprop, (X, W), "", """
+// A program without a backward pass (eval, init, an eager matmul) is left exactly as it is by default.
+// DECISIONS: fprop:forward_only
+// CHECK-NOT: xla_fp4
+// CHECK: stablehlo.dot_general %{{.*}}, %{{.*}}, contracting_dims = [1] x [0]
+// CHECK-NOT: xla_fp4
+"""),
+    "keep_excluded_scope": (excluded, (X, W), "forward_only=1", """
 // DECISIONS: fprop:exclude_scope
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
 // CHECK: stablehlo.dot_general
 // CHECK-NOT: xla_fp4_qdq"""),
-    "keep_excluded_regex": (fprop, (X, W), "exclude=fc\\d", """
+    "keep_excluded_regex": (fprop, (X, W), "exclude=fc\\d forward_only=1", """
 // DECISIONS: fprop:exclude_regex
 // CHECK-LABEL: func.func public @main
 // CHECK-NOT: xla_fp4_qdq
@@ -158,7 +165,7 @@ CASES = {
 // CHECK-LABEL: func.func public @main
 // CHECK: stablehlo.custom_call @xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
-    "scan_per_iteration_select": (scanned, (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), X), "keep_last=2", """
+    "scan_per_iteration_select": (scanned, (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), X), "keep_last=2 forward_only=1 keep_head=0", """
 // The scan body gets the block index as an extra argument; a select on it per operand gives the GEMM the operand
 // itself (s_dec = 1) for blocks 6, 7 and its q·scale for the others: one GEMM per iteration, after the selects.
 // DECISIONS: fprop:nvfp4

@@ -19,6 +19,7 @@ One module per concern (docs/design.md §4):
   roles.py      fprop / dgrad / wgrad / other
   heads.py      the output head, from the dataflow of its gradient
   blocks.py     the repeated blocks and, in scanned stacks, where the iteration's block index is
+  ragged.py     the CPU expansion of a ragged dot (MoE experts)
 Also here: `excluded_scope` (the dot, or an op or call site around it, carries the `xla_fp4_exclude` frontend
 attribute that `xla_fp4.exclude()` sets; JAX copies it onto the transposed dots) and `higher_order` (names.py).
 """
@@ -34,6 +35,7 @@ from xla_fp4.passes.analysis import roles
 from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_sites, visible
 from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Phase,
                                              Role)
+from xla_fp4.passes.analysis.ragged import is_group_masked
 from xla_fp4.passes.analysis.trace import Tracer, dot_dims, replicated_arguments
 
 __all__ = ["Analysis", "BlockIndex", "BlockSource", "DotRecord", "DotSite", "EXCLUDE_ATTRIBUTE", "Gemm", "Phase",
@@ -71,7 +73,9 @@ def analyze(module) -> Analysis:
         weight_arg=arg_name, weight_replicated=src is not None and src.arg in replicated,
         block=block, num_stacked=stacked, block_offset=offset,
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
-        excluded_scope=_excluded(graph, d.op), higher_order=names.higher_order(d.stack), gemm=_gemm(d.op))
+        excluded_scope=_excluded(graph, d.op), higher_order=names.higher_order(d.stack),
+        ragged=any(is_group_masked(v) for v in d.op.operands),
+        in_shard_map=any(o.name == "sdy.manual_computation" for o in graph.around(d.op)), gemm=_gemm(d.op))
     source = blocks_mod.block_source(d.op, src) if stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))
   return Analysis(records=records, num_blocks=num_blocks)

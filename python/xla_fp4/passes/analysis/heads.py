@@ -3,8 +3,9 @@
 
 In a gradient step a head's backward dots take a gradient that no other backward dot has touched: the slice upstream
 of their gradient operand holds forward dots only (the activations the loss is computed from), where any layer
-between this one and the loss would have put its dgrad. In a program without backward dots (an eval step) a head's
-output reaches a scalar result of @main (a loss) through no dot. Where the dataflow cannot be followed to its end the
+between this one and the loss would have put its dgrad. In a program without backward dots (an eval or sampling
+step) a head's output reaches a scalar result of @main (a loss) through no dot, or, where no layer's does, any
+result (logits, sampled tokens). Where the dataflow cannot be followed to its end the
 layer name (`head`, `logits`, ...) breaks the tie, and the reason says so.
 """
 
@@ -71,9 +72,9 @@ class Dataflow:
         todo.extend((o, calls) for o in op.operands)
     return True
 
-  def reaches_loss(self, value):
-    """True when `value` reaches a scalar result of @main (a loss) through no dot; False when it does not; None when
-    the walk could not finish."""
+  def reaches_result(self, value, scalar):
+    """True when `value` reaches a result of @main (with `scalar`, a scalar one: a loss) through no dot; False when it
+    does not; None when the walk could not finish."""
     todo, seen = [value], set()
     while todo:
       v = todo.pop()
@@ -88,7 +89,7 @@ class Dataflow:
         if user.name == "func.return":
           fname = self.graph.enclosing_func(user)
           if fname == "main":
-            if not shape(v):
+            if not scalar or not shape(v):
               return True
             continue
           todo.extend(call.results[i] for call in self.graph.calls.get(fname, []))
@@ -121,6 +122,7 @@ def heads(graph: CallGraph, dots):
   is_backward = lambda op: backward.get(op, True)  # noqa: E731
   any_backward = any(d.phase is Phase.BACKWARD for d in dots)
   heads, recomputed = {}, []
+  forward_only = []  # fprops of a program without backward dots: judged from the forward dataflow, below
   for j, f in enumerate(dots):
     if f.role is not Role.FPROP:
       continue
@@ -140,18 +142,31 @@ def heads(graph: CallGraph, dots):
         grad = d.op.operands[others[0]]
       verdicts.append(flow.no_dot_upstream(grad, is_backward))
     if not verdicts:
-      if any_backward:  # a layer without gradient in a gradient step (frozen): nothing says it feeds the loss
-        continue
-      verdicts = [flow.reaches_loss(f.op.results[0])]
-    if False in verdicts:
-      continue
-    if None not in verdicts:
-      heads[j] = "its output reaches the loss with no other linear layer in between"
-    elif names.HEAD_RE.search(f.path.split("/")[-1] if f.path else ""):
-      heads[j] = "by its name (the dataflow to the loss could not be followed)"
+      if not any_backward:
+        forward_only.append(j)
+      continue  # in a gradient step, a layer without gradient (frozen): nothing says it feeds the loss
+    _judge(heads, j, f, verdicts)
+  # Without backward dots (an eval or sampling step): the layers whose output reaches a loss (a scalar result), else
+  # those whose output reaches any result, with no other dot in between.
+  for scalar in (True, False):
+    for j in forward_only:
+      _judge(heads, j, dots[j], [flow.reaches_result(dots[j].op.results[0], scalar)],
+             "the loss" if scalar else "the program's result")
+    if any(j in heads for j in forward_only):
+      break
   layer = lambda f: (f.src.arg, shape(f.op.operands[0]), shape(f.op.operands[1]), dot_dims(f.op))  # noqa: E731
   for j in recomputed:
     reason = next((heads[h] for h in heads if layer(dots[h]) == layer(dots[j])), None)
     if reason is not None:
       heads[j] = reason
   return heads
+
+
+def _judge(heads, j, f, verdicts, reached="the loss"):
+  """Record fprop `j` as a head when every dataflow verdict says so, or by its name where a walk was inconclusive."""
+  if False in verdicts:
+    return
+  if None not in verdicts:
+    heads[j] = f"its output reaches {reached} with no other linear layer in between"
+  elif names.HEAD_RE.search(f.path.split("/")[-1] if f.path else ""):
+    heads[j] = "by its name (the dataflow to the loss could not be followed)"

@@ -60,6 +60,10 @@ class DotSite:
   head_reason: Optional[str] = None  # the layer is the output head: how that was found (dataflow, or the name)
   excluded_scope: bool = False  # inside xla_fp4.exclude()
   higher_order: bool = False  # differentiates a derivative: a transpose inside a jvp, or two transposes
+  ragged: bool = False  # a ragged dot's CPU expansion: an operand is masked per group (ragged.py)
+  # inside a shard_map body (sdy.manual_computation), where JAX records no transforms in the name stack: the phase
+  # and role there come from the dataflow alone
+  in_shard_map: bool = False
   gemm: Gemm
 
   @property
@@ -91,3 +95,9 @@ class Analysis:
   @property
   def sites(self):
     return [r.site for r in self.records]
+
+  @property
+  def trains(self):
+    """Whether the program has a backward pass through a linear layer. A shard_map body's names carry no transforms,
+    so a program with one is taken to train (its backward cannot be told from its forward by name)."""
+    return any(s.phase is Phase.BACKWARD or s.role in (Role.DGRAD, Role.WGRAD) or s.in_shard_map for s in self.sites)
