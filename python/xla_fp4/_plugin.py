@@ -11,10 +11,11 @@ def initialize():
   try:
     cfg = config.load()
   except ValueError as e:
-    # JAX logs and swallows plugin errors; fail the first compilation instead, so a typo is never silently ignored.
+    # JAX logs and swallows what initialize() raises, with a traceback. A bad XLA_FP4_* value is a launch error, like a
+    # bad command-line flag: the first compilation ends the program with one line saying what to fix, no traceback.
     from xla_fp4 import hook
-    hook.install_error(e)
-    raise
+    hook.install_error(SystemExit(f"xla_fp4: {e} Set it to an accepted value or unset it."))
+    return
   if cfg.enabled:
     from xla_fp4 import api
     api.enable_config(cfg)

@@ -139,6 +139,7 @@ def _parse_rules(value):
 # say what the pass cannot take and which programs it leaves alone.
 BUILTIN_RULES = ("not_linear", "ragged", "dtype", "contraction_not_16", "forward_only", "higher_order", "exclude_scope",
                  "exclude_regex", "tiny", "head", "high_precision_block", "nvfp4")
+BEFORE_USER_RULES = BUILTIN_RULES[:5]
 
 
 @dataclasses.dataclass(frozen=True)

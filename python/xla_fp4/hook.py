@@ -18,8 +18,8 @@ import warnings
 import jax
 from jax._src import compiler
 
-from xla_fp4 import state
-from xla_fp4.config import Config
+from xla_fp4 import report, state
+from xla_fp4.config import BEFORE_USER_RULES, Config
 from xla_fp4.passes import pipeline
 
 logger = logging.getLogger("xla_fp4")
@@ -34,10 +34,17 @@ def _check_jax():
                        f"it can wrap; jax {jax.__version__} has {params}. Upgrade xla_fp4 or pin jax 0.10.2-0.12.")
 
 
+def _first_time(key):
+  """Whether the hook has not said `key` yet in this process (and from now on, it has)."""
+  said = state.current().said
+  if key in said:
+    return False
+  said.add(key)
+  return True
+
+
 def _warn_once(what, computation, e):
-  current = state.current()
-  if not current.hook_warned:
-    current.hook_warned = True
+  if _first_time("pass failed"):
     warnings.warn(f"xla_fp4: {what} on module {pipeline.module_name(computation)!r} ({type(e).__name__}: {e}); "
                   "compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. (Warned once per process.)",
                   RuntimeWarning, stacklevel=3)
@@ -51,6 +58,7 @@ def _compile_or_get_cached(backend, computation, *args, **kwargs):
     result = pipeline.transform(computation, config, platform=backend.platform)
     if config.dump_dir and result.rows:
       pipeline.dump(config.dump_dir, computation, result)
+    _tell(config, pipeline.module_name(computation), result)
   except Exception as e:  # the user's program must keep working: compile the original module
     if config.strict:
       raise
@@ -67,6 +75,29 @@ def _compile_or_get_cached(backend, computation, *args, **kwargs):
     return original(backend, computation, *args, **kwargs)
 
 
+def _tell(config, module, result):
+  """What a user should hear about one compilation, once: that the pass is active and where its report is; that an
+  exclude pattern or a rule of theirs matched no dot of a module that trains (a typo, or another layer naming)."""
+  if result.changed and _first_time("active"):
+    total = sum(r["flops"] for r in result.rows)
+    share = sum(map(report.nvfp4_flops, result.rows)) / total if total else 0.0
+    where = (f"the decisions are in {config.dump_dir} (python -m xla_fp4 report {config.dump_dir})" if config.dump_dir
+             else "set XLA_FP4_DUMP_DIR=DIR to write the decisions, or call xla_fp4.explain(step, *args)")
+    logger.warning(f"xla_fp4: NVFP4 is on: module {module!r} runs {share:.1%} of its dot FLOPs in NVFP4; {where}.")
+  if all(r["rule"] in BEFORE_USER_RULES for r in result.rows):
+    return  # no dot reached the user's choices: nothing they wrote could have matched
+  user = {u.name: f"rule {u.name!r} ({u.reason})" for u in config.rules}
+  if config.exclude:
+    user["exclude_regex"] = f"XLA_FP4_EXCLUDE={config.exclude!r}"
+  layers = sorted({r["layer"] for r in result.rows if r["role"] != "other" and r["layer"]})
+  named = (f"whose linear layers are {', '.join(layers[:8])}{', ...' if len(layers) > 8 else ''}" if layers
+           else "whose linear layers carry no names")
+  for name in (n for n in result.unmatched_rules if n in user):
+    if _first_time(("unmatched", name, module)):
+      logger.warning(f"xla_fp4: {user[name]} matched no dot of module {module!r}, {named}; check the pattern "
+                     "against the layer paths of `python -m xla_fp4 report` or xla_fp4.explain.")
+
+
 def install(config: Config):
   """Route every compilation through the pass with `config` (idempotent; a second call swaps the config)."""
   _check_jax()
@@ -78,7 +109,7 @@ def install(config: Config):
   jax.clear_caches()  # executables compiled before would otherwise be reused unchanged
 
 
-def install_error(error: Exception):
+def install_error(error: BaseException):
   """Make every compilation raise `error` (a configuration error found where raising is not possible)."""
   def refuse(*args, **kwargs):
     raise error

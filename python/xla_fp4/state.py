@@ -5,8 +5,8 @@
 - the lowered twins: a twin's StableHLO text per signature (lowering one costs 11-16 ms, parsing it back well under
   one, so each signature is lowered once per process: passes/rewrite/kernel_sets.py `Twins`);
 - the dump counter (passes/pipeline.py `dump`);
-- whether the compile hook has warned that the pass failed (hook.py; the hook's installation itself, a patch of JAX,
-  stays with the hook).
+- what the compile hook has told the user, each thing once per process: that the pass failed, that it is active, that
+  a user's pattern matched nothing (hook.py; the hook's installation itself, a patch of JAX, stays with the hook).
 
 Code reads `current()`; a test makes its own (`with state.use(State()) as s:`, or a copy with some fields
 replaced) instead of patching modules.
@@ -26,7 +26,7 @@ class State:
   warned: set = dataclasses.field(default_factory=set)  # reasons kernels.register_all() has warned about
   lowered_twins: dict = dataclasses.field(default_factory=dict)  # twin signature -> its StableHLO text
   dumps: Any = dataclasses.field(default_factory=itertools.count)  # numbers the dump files of a process
-  hook_warned: bool = False  # the hook has warned that the pass failed (once per process)
+  said: set = dataclasses.field(default_factory=set)  # what the compile hook has told the user (each thing once)
   lock: Any = dataclasses.field(default_factory=threading.RLock, repr=False)
 
 

@@ -194,7 +194,7 @@ def test_user_rules_decide_first_and_the_program_runs():
 
 def _not_warned_yet():
   """A process state in which the compile hook has not warned yet (it warns once per process)."""
-  return state.use(dataclasses.replace(state.current(), hook_warned=False))
+  return state.use(dataclasses.replace(state.current(), said=set()))
 
 
 def test_internal_failure_compiles_the_original_and_warns(monkeypatch):

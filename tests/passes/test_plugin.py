@@ -36,8 +36,11 @@ def test_env_var_alone_activates_the_pass_and_dumps(tmp_path):
 
 
 def test_bad_env_value_is_a_clear_error(tmp_path):
+  """One line: what (the variable and its value), what is accepted, what to do; no traceback."""
   r = _run({"XLA_FP4": "maybe"}, tmp_path)
   assert r.returncode != 0 and "XLA_FP4 = 'maybe'" in r.stderr and "accepted values are 1, 0, true, false" in r.stderr
+  assert "Traceback" not in r.stderr and "unset it" in r.stderr, r.stderr
+  assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1, r.stderr
 
 
 def test_deterministic_across_processes(tmp_path):
@@ -49,3 +52,23 @@ def test_deterministic_across_processes(tmp_path):
     after = sorted(p for p in os.listdir(d) if p.endswith(".after.mlir"))
     outs.append([open(d / p).read() for p in after])
   assert outs[0] == outs[1]
+
+
+def test_the_pass_says_once_that_it_is_on_and_where_the_report_goes(tmp_path):
+  dump = tmp_path / "dump"
+  r = _run({"XLA_FP4": "1", "XLA_FP4_DUMP_DIR": str(dump)}, tmp_path)
+  lines = [line for line in r.stderr.splitlines() if "NVFP4 is on" in line]
+  assert r.returncode == 0 and len(lines) == 1, r.stderr
+  assert "% of its dot FLOPs in NVFP4" in lines[0] and f"python -m xla_fp4 report {dump}" in lines[0]
+  assert "NVFP4 is on" not in _run({}, tmp_path).stderr
+
+
+def test_an_exclude_or_rule_that_matches_nothing_is_a_warning(tmp_path):
+  """A typo in XLA_FP4_EXCLUDE or a rule's layer pattern would otherwise silently keep the layer in NVFP4."""
+  r = _run({"XLA_FP4": "1", "XLA_FP4_EXCLUDE": "atention", "XLA_FP4_RULES": '[{"layer": "mlp", "decision": "keep"}]'},
+           tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert "XLA_FP4_EXCLUDE='atention' matched no dot" in r.stderr, r.stderr
+  assert "rule 'user_rule_0'" in r.stderr and "matched no dot" in r.stderr
+  matched = _run({"XLA_FP4": "1", "XLA_FP4_EXCLUDE": "dot_general|.*"}, tmp_path)
+  assert "matched no dot" not in matched.stderr, matched.stderr

@@ -105,7 +105,8 @@ USER_RULES = [{"layer": "attn", "role": ["wgrad", "dgrad"], "decision": "keep", 
 
 def test_user_rules_run_first_after_what_the_pass_cannot_take_and_leaves_alone():
   rules = [r.name for r in policy.default_rules(config.load(environ={}, enabled=True, rules=USER_RULES))]
-  assert rules[:5] == ["not_linear", "ragged", "dtype", "contraction_not_16", "forward_only"]
+  assert rules[:5] == ["not_linear", "ragged", "dtype", "contraction_not_16", "forward_only"] == \
+      list(config.BEFORE_USER_RULES)
   assert rules[5:8] == ["attn_grads", "user_rule_1", "user_rule_2"] and rules[8:] == list(config.BUILTIN_RULES[5:])
   sites = [_site(0, layer="m/attn/q", role="wgrad", weight_operand=None),  # attn_grads
            _site(1, layer="m/attn/q"),                                     # an fprop: not attn_grads; policy
