@@ -526,3 +526,61 @@ def ragged_moe(group_sizes=(16, 8, 24, 16)):
 
   step, opt_init = _sgd_step(loss)
   return step, (params, opt_init(params), _x((tokens, D)))
+
+
+# ------------------------------------------------------------------ parameters without names, name scopes of Haiku
+
+
+def nnx_transformer_nnx_jit(num_blocks=3):
+  """The NNX transformer trained as Flax's documentation teaches: nnx.jit over the model and an nnx.Optimizer. nnx.jit
+  passes the graph state as flat lists of leaves (`model.states[0][23]`): the parameter paths name no modules."""
+  model = NnxTransformer(num_blocks, "plain", nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    def loss(m):
+      return optax.softmax_cross_entropy_with_integer_labels(m(tokens), tokens).mean()
+    grads = nnx.grad(loss)(model)
+    optimizer.update(model, grads)
+
+  return step, (model, optimizer, _tokens())
+
+
+def flat_jax_transformer(num_blocks=3):
+  """A plain-JAX transformer whose parameters reach the jit as one flat tuple (jax.tree.leaves): no names at all."""
+  def block_params(k):
+    keys = jax.random.split(k, 6)
+    shapes = [(D, D), (D, D), (D, D), (D, D), (D, F), (F, D)]
+    return [jax.random.normal(kk, s) * 0.1 for kk, s in zip(keys, shapes)]
+  blocks = [block_params(k) for k in jax.random.split(jax.random.key(0), num_blocks)]
+  leaves = tuple(w for b in blocks for w in b) + (jax.random.normal(jax.random.key(1), (D, V)) * 0.1,)
+
+  def loss(leaves, x):
+    for b in range(num_blocks):
+      q, k, v, o, fc1, fc2 = leaves[6 * b:6 * b + 6]
+      s = jax.nn.softmax((x @ q) @ (x @ k).T / np.sqrt(D), axis=-1)
+      x = x + (s @ (x @ v)) @ o
+      x = x + jax.nn.gelu(x @ fc1) @ fc2
+    return jnp.mean((x @ leaves[-1]) ** 2)
+
+  return jax.grad(loss), (leaves, _x((S * 2, D)))
+
+
+def haiku_name_scopes(num_blocks=3):
+  """Haiku modules under hk.experimental.name_scope: the scope is in the parameter path (`block_1/query`), not in
+  the name stack."""
+  import haiku as hk
+
+  def net(x):
+    for i in range(num_blocks):
+      with hk.experimental.name_scope(f"block_{i}"):
+        h = jax.nn.relu(hk.Linear(H, name="fc1")(x))
+        x = x + hk.Linear(D, name="fc2")(h)
+    return hk.Linear(V, name="head")(x)
+
+  f = hk.without_apply_rng(hk.transform(net))
+  x = _x((S * 2, D))
+  params = jax.eval_shape(f.init, jax.random.key(0), x)
+  step, opt_init = _sgd_step(lambda p, x: jnp.mean(f.apply(p, x) ** 2))
+  return step, (params, opt_init(params), x)

@@ -447,3 +447,36 @@ def test_ragged_dots_stay_in_high_precision_on_every_platform():
   rules = {k: v for k, v in decided.items() if v[1] == "ragged"}
   assert rules and all(v == ("keep", "ragged") for v in rules.values())
   assert not any(v[1] == "ragged" for k, v in decided.items() if k[0] == "router"), decided
+
+
+# ---------------------------------------------------------------------- parameters without names, Haiku's scopes
+
+
+def _lowered_analysis(builder, **kwargs):
+  fn, args = getattr(models, builder)(**kwargs)
+  module = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args).compiler_ir("stablehlo")
+  with module.context:
+    return analysis.analyze(module)
+
+
+@pytest.mark.parametrize("builder", ["nnx_transformer_nnx_jit", "flat_jax_transformer"])
+def test_blocks_of_a_flat_parameter_list_come_from_the_dataflow(builder):
+  """nnx.jit and jax.tree.leaves give parameters as positions in a flat list (leaf numbers, not modules): the blocks
+  are the repeated units of layers the forward runs (six per block here), the head and what follows none."""
+  a = _lowered_analysis(builder)
+  fprops = [s for s in a.sites if s.role == "fprop"]
+  assert a.num_blocks == 3, [(s.layer, s.block) for s in fprops]
+  blocks = [s.block for s in fprops if not s.is_head]
+  assert blocks == [b for b in range(3) for _ in range(6)], [(s.layer, s.block) for s in fprops]
+  assert [s.block for s in fprops if s.is_head] == [None]
+  for s in a.sites:  # backward dots take their fprop's block
+    if s.role in ("dgrad", "wgrad") and not s.is_head:
+      assert s.block in (0, 1, 2), s
+
+
+def test_haiku_name_scopes_are_in_the_layer_path():
+  """hk.experimental.name_scope("block_1") names the parameters `block_1/fc1` while the name stack says `fc1`: the
+  layer is the parameter's fuller path, so XLA_FP4_EXCLUDE='block_1/' matches it."""
+  a = _lowered_analysis("haiku_name_scopes")
+  layers = {(s.layer, s.block) for s in a.sites if s.role == "fprop"}
+  assert layers == {(f"block_{b}/{n}", b) for b in range(3) for n in ("fc1", "fc2")} | {("head", None)}, layers

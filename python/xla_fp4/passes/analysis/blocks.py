@@ -5,7 +5,9 @@ which at least two hold the same layers (sub-paths and weight shapes: fc1/fc2 or
 blocks), and the layers of a scanned stack (a stacked weight sliced per iteration: trace.Source.stacked). Parallel
 lists whose layers interleave (w1[i], w2[i]) share their block numbers. Stacks are numbered in the order their first
 fprop runs (an encoder's blocks before a decoder's), into one global block index; a scanned stack records its first
-block as `block_offset`. A layer's backward dots take its fprop's block.
+block as `block_offset`. A layer's backward dots take its fprop's block. Where parameters reach the program as a flat
+list (nnx.jit's graph state, jax.tree.leaves), their paths number leaves, not modules: the blocks are then the
+longest run of the forward made of repeats of one unit of layers of the same shapes (`_repeated_in_dataflow`).
 
 In a scanned stack the weight is a dynamic_slice of the stacked parameter, whose start index is the block index of
 the current iteration within the stack: `block_source` says where the rewrite finds that value (records.BlockSource).
@@ -44,8 +46,16 @@ def blocks(graph: CallGraph, names_of_args, dots):
       stack["size"] = max(stack["size"], f.src.stacked)
       stack["fprops"][j] = None
       continue
-    arg_name = names_of_args[f.src.arg] if f.src.arg < len(names_of_args) else ""
-    static[j] = names.indexed_subtrees(names.path_from_arg(arg_name)) or names.indexed_subtrees(f.path)
+    arg_path = names.path_from_arg(names_of_args[f.src.arg] if f.src.arg < len(names_of_args) else "")
+    if arg_path.split("/")[-1].isdigit():  # a position in a flat list of parameters: the name stack may name it
+      static[j] = names.indexed_subtrees(f.path) or names.indexed_subtrees(arg_path)
+    else:
+      static[j] = names.indexed_subtrees(arg_path) or names.indexed_subtrees(f.path)
+  positions = _leaf_positions(static, names_of_args, dots)
+  if positions:  # parameters passed as a flat list: their numbers are no modules; the dataflow finds the blocks
+    for j in positions:
+      del static[j]
+    _repeated_in_dataflow(stacks, positions, dots, first_use)
   layouts = {}  # candidate stack -> {index: {(sub-path, weight shape)}}: what each numbered subtree holds
   for j, found in static.items():
     for stack, index, rest in found:
@@ -87,3 +97,43 @@ def blocks(graph: CallGraph, names_of_args, dots):
     if d.role is not Role.OTHER and owner in by_fprop:
       out[i] = by_fprop[owner]
   return out, offset
+
+
+def _leaf_positions(static, names_of_args, dots):
+  """The fprops whose weights are positions in a flat list of parameters (`model.states[0][23]` under nnx.jit,
+  `leaves[5]` from jax.tree.leaves): every numbered parameter path ends in a bare number with nothing below it.
+  Their numbers count leaves, not modules."""
+  def bare(j):
+    arg = dots[j].src.arg
+    path = names.path_from_arg(names_of_args[arg] if arg < len(names_of_args) else "")
+    return bool(path) and path.split("/")[-1].isdigit() and static[j][-1] == names.indexed_subtrees(path)[-1]
+  numbered = [j for j in static if static[j]]
+  return numbered if len(numbered) >= 2 and all(bare(j) for j in numbered) else []
+
+
+def _repeated_in_dataflow(stacks, fprops, dots, first_use):
+  """One stack of blocks from the order the layers run in: the longest stretch of the forward made of at least two
+  repeats of one unit of layers (the same weight and activation shapes, in the same order), the shortest such unit.
+  Layers before and after it (an embedding projection, the head) belong to no block."""
+  weights = sorted({first_use[dots[j].src.arg] for j in fprops})  # one per weight, in the order the forward runs
+  signature = [tuple(shape(v) for v in dots[j].op.operands) for j in weights]
+  best = None  # (covered, start, period, count)
+  n = len(signature)
+  for period in range(1, n // 2 + 1):
+    i = 0
+    while i < n - period:
+      if signature[i] != signature[i + period]:
+        i += 1
+        continue
+      start = i
+      while i < n - period and signature[i] == signature[i + period]:
+        i += 1
+      count = (i - start + period) // period
+      if count >= 2 and (best is None or count * period > best[0]):
+        best = (count * period, start, period, count)
+  if best is None:
+    return
+  _, start, period, count = best
+  local = {w: (k - start) // period for k, w in enumerate(weights) if start <= k < start + count * period}
+  members = {j: local[first_use[dots[j].src.arg]] for j in fprops if first_use[dots[j].src.arg] in local}
+  stacks[("dataflow", None)] = {"first": weights[start], "size": count, "fprops": members}

@@ -100,8 +100,11 @@ def layer_of(stack_path, arg_name):
     return stack_path
   if not stack_path:
     return arg_path
-  last = arg_path.split("/")[-1]
-  if any(c == last or c.startswith(last + ".") for c in stack_path.split("/")):
+  arg_parts, stack_parts = arg_path.split("/"), stack_path.split("/")
+  if len(arg_parts) > len(stack_parts) and arg_parts[-len(stack_parts):] == stack_parts:
+    return arg_path  # the parameter path names the same module more fully (Haiku's name_scope: block_1/attn/query)
+  last = arg_parts[-1]
+  if any(c == last or c.startswith(last + ".") for c in stack_parts):
     return stack_path
   return f"{stack_path}/{arg_path}"
 
