@@ -480,3 +480,16 @@ def test_haiku_name_scopes_are_in_the_layer_path():
   a = _lowered_analysis("haiku_name_scopes")
   layers = {(s.layer, s.block) for s in a.sites if s.role == "fprop"}
   assert layers == {(f"block_{b}/{n}", b) for b in range(3) for n in ("fc1", "fc2")} | {("head", None)}, layers
+
+
+@pytest.mark.parametrize("stack,arg,layer", [
+    ("", "state['blocks'][2]['attn']['value']['kernel'].value", "blocks/2/attn/value"),  # NNX: a module `value`
+    ("", "state['layers'][3]['q']['kernel'].value", "layers/3/q"),                       # NNX's Variable.value
+    ("LM/block_0/moe", "params['params']['block_0']['moe']['w_in']", "LM/block_0/moe/w_in"),  # linen: overlap once
+    ("fc1", "params['block_1/fc1']['w']", "block_1/fc1"),                                 # Haiku's name_scope
+    ("MLP/fc1", "p['params']['fc1']['kernel']", "MLP/fc1"),                               # linen: the stack names it
+    ("dense", "ws[3]", "dense/3"),                                                        # a shared helper
+])
+def test_layer_paths_name_the_module_once(stack, arg, layer):
+  from xla_fp4.passes.analysis.names import layer_of
+  assert layer_of(stack, arg) == layer

@@ -84,17 +84,23 @@ def layer_path(name_stack: str) -> str:
 
 
 def path_from_arg(arg_name: str) -> str:
-  """p['params']['block_0']['fc1']['kernel'] -> block_0/fc1 (the layer of a weight, for NNX and plain pytrees)."""
+  """p['params']['block_0']['fc1']['kernel'] -> block_0/fc1 (the layer of a weight, for NNX and plain pytrees). The
+  weight's own leaf names are dropped (kernel, w, ...), and NNX's `.value` attribute, not a module named `value`
+  (state['attn']['value']['kernel'].value -> attn/value)."""
   keys = re.findall(r"\[\s*'?([^'\]]+)'?\s*\]|\.(\w+)", arg_name)
-  parts = [a or b for a, b in keys]
-  parts = [p for p in parts
-           if p not in ("params", "kernel", "value", "w", "weight", "weights", "embedding", "raw_value")]
+  parts = [key or attr for key, attr in keys
+           if (key and key not in _LEAF_NAMES) or (attr and attr not in _LEAF_NAMES | _ATTRS)]
   return "/".join(parts)
+
+
+_LEAF_NAMES = {"params", "kernel", "w", "weight", "weights", "embedding"}
+_ATTRS = {"value", "raw_value"}  # NNX's Variable.value: no module
 
 
 def layer_of(stack_path, arg_name):
   """The layer of a linear dot: the name-stack path (linen module names, named scopes), completed with the weight's
-  argument path where the name stack does not name the weight's module (NNX, plain pytrees)."""
+  argument path where the name stack does not name the weight's module (NNX, plain pytrees); where both name it, the
+  fuller of the two, and where they overlap (linen's `LM/block_0/moe` and `block_0/moe/w_in`) the overlap once."""
   arg_path = path_from_arg(arg_name) if arg_name else ""
   if not arg_path:
     return stack_path
@@ -106,7 +112,9 @@ def layer_of(stack_path, arg_name):
   last = arg_parts[-1]
   if any(c == last or c.startswith(last + ".") for c in stack_parts):
     return stack_path
-  return f"{stack_path}/{arg_path}"
+  overlap = next((k for k in range(min(len(arg_parts), len(stack_parts)), 0, -1)
+                  if stack_parts[-k:] == arg_parts[:k]), 0)
+  return "/".join(stack_parts + arg_parts[overlap:])
 
 
 def indexed_subtrees(path):
