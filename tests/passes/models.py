@@ -584,3 +584,22 @@ def haiku_name_scopes(num_blocks=3):
   params = jax.eval_shape(f.init, jax.random.key(0), x)
   step, opt_init = _sgd_step(lambda p, x: jnp.mean(f.apply(p, x) ** 2))
   return step, (params, opt_init(params), x)
+
+
+def penzai_llamalike(num_blocks=5):
+  """penzai's llama-like transformer with its parameters unbound to one flat tuple (pz.unbind_params), as penzai's
+  training recipes pass them: leaf positions for names, and name stacks that number leaves too."""
+  from penzai import pz
+  from penzai.models.transformer.variants import llamalike_common
+  cfg = llamalike_common.LlamalikeTransformerConfig(
+      num_kv_heads=2, query_head_multiplier=1, embedding_dim=D, projection_dim=HEAD_DIM, mlp_hidden_dim=F,
+      num_decoder_blocks=num_blocks, vocab_size=V, mlp_variant="swiglu", tie_embedder_and_logits=False)
+  model = llamalike_common.build_llamalike_transformer(cfg, init_base_rng=jax.random.key(0))
+  unbound, params = pz.unbind_params(model)
+  values = tuple(p.value for p in params)
+
+  def loss(values, tokens):
+    bound = pz.bind_variables(unbound, tuple(pz.Parameter(value=v, label=p.label) for p, v in zip(params, values)))
+    return jnp.mean(bound(tokens).unwrap("batch", "seq", "vocabulary") ** 2)
+
+  return jax.grad(loss), (values, pz.nx.wrap(_tokens()).tag("batch", "seq"))

@@ -493,3 +493,14 @@ def test_haiku_name_scopes_are_in_the_layer_path():
 def test_layer_paths_name_the_module_once(stack, arg, layer):
   from xla_fp4.passes.analysis.names import layer_of
   assert layer_of(stack, arg) == layer
+
+
+def test_penzai_blocks_come_from_the_dataflow():
+  """penzai's unbound parameters are a flat tuple and its name stacks number leaves: each decoder block's seven
+  linear layers (q, k, v, o; gate, up, down) are one block, found from the forward's repeats; the head none."""
+  a = _lowered_analysis("penzai_llamalike")
+  linear = [s for s in a.sites if s.role == "fprop" and len(s.gemm.rhs_shape) > 1]  # not the RMSNorm scales
+  assert a.num_blocks == 5
+  assert [s.block for s in linear if not s.is_head] == [b for b in range(5) for _ in range(7)], \
+      [(s.layer, s.block) for s in linear]
+  assert [s.block for s in linear if s.is_head] == [None]

@@ -47,10 +47,7 @@ def blocks(graph: CallGraph, names_of_args, dots):
       stack["fprops"][j] = None
       continue
     arg_path = names.path_from_arg(names_of_args[f.src.arg] if f.src.arg < len(names_of_args) else "")
-    if arg_path.split("/")[-1].isdigit():  # a position in a flat list of parameters: the name stack may name it
-      static[j] = names.indexed_subtrees(f.path) or names.indexed_subtrees(arg_path)
-    else:
-      static[j] = names.indexed_subtrees(arg_path) or names.indexed_subtrees(f.path)
+    static[j] = names.indexed_subtrees(arg_path) or names.indexed_subtrees(f.path)
   positions = _leaf_positions(static, names_of_args, dots)
   if positions:  # parameters passed as a flat list: their numbers are no modules; the dataflow finds the blocks
     for j in positions:
@@ -101,14 +98,15 @@ def blocks(graph: CallGraph, names_of_args, dots):
 
 def _leaf_positions(static, names_of_args, dots):
   """The fprops whose weights are positions in a flat list of parameters (`model.states[0][23]` under nnx.jit,
-  `leaves[5]` from jax.tree.leaves): every numbered parameter path ends in a bare number with nothing below it.
-  Their numbers count leaves, not modules."""
-  def bare(j):
+  `leaves[5]` from jax.tree.leaves, penzai's unbind_params): every weight's parameter path ends in a bare number.
+  Their numbers count leaves, not modules, and name stacks there carry leaf numbers too (penzai), so neither names
+  the blocks."""
+  def path(j):
     arg = dots[j].src.arg
-    path = names.path_from_arg(names_of_args[arg] if arg < len(names_of_args) else "")
-    return bool(path) and path.split("/")[-1].isdigit() and static[j][-1] == names.indexed_subtrees(path)[-1]
-  numbered = [j for j in static if static[j]]
-  return numbered if len(numbered) >= 2 and all(bare(j) for j in numbered) else []
+    return names.path_from_arg(names_of_args[arg] if arg < len(names_of_args) else "")
+  fprops = list(static)
+  flat = len(fprops) >= 2 and all(path(j).split("/")[-1].isdigit() for j in fprops)
+  return fprops if flat else []
 
 
 def _repeated_in_dataflow(stacks, fprops, dots, first_use):

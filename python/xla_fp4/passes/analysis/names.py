@@ -94,7 +94,7 @@ def path_from_arg(arg_name: str) -> str:
 
 
 _LEAF_NAMES = {"params", "kernel", "w", "weight", "weights", "embedding"}
-_ATTRS = {"value", "raw_value"}  # NNX's Variable.value: no module
+_ATTRS = {"value", "raw_value", "data_array"}  # NNX's Variable.value, penzai's NamedArray.data_array: no module
 
 
 def layer_of(stack_path, arg_name):
