@@ -93,8 +93,10 @@ elseif(TARGET CUDA::cublasLt)
   add_library(xla_fp4_cublaslt ALIAS CUDA::cublasLt)
   message(STATUS "cuBLASLt: the CUDA toolkit's")
 else()
-  xla_fp4_without_cuda("cuBLASLt was not found: install NVIDIA's wheel into the environment (CUDA 13: pip install "
-                       "'nvidia-cublas==${_cuda_version}.*'; CUDA 12: nvidia-cublas-cu12), or set XLA_FP4_CUBLAS_ROOT")
+  # One argument: the macro takes one reason (a second string would be dropped, as it once was, mid-sentence).
+  set(_reason "cuBLASLt was not found: install NVIDIA's wheel into the environment (CUDA 13: pip install ")
+  string(APPEND _reason "'nvidia-cublas==${_cuda_version}.*'; CUDA 12: nvidia-cublas-cu12), or set XLA_FP4_CUBLAS_ROOT")
+  xla_fp4_without_cuda("${_reason}")
 endif()
 message(STATUS "CUDA ${CUDAToolkit_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
 

@@ -119,6 +119,8 @@ def test_cuda_not_built_says_why(fresh_registry, monkeypatch):
 def test_the_build_says_whether_it_has_cuda():
   ext = kernels.extension()
   assert ext.cuda_build.startswith(("built for sm_", "not built: ")), ext.cuda_build
+  # Whole sentences: `python -m xla_fp4 info` and every CUDA test's skip reason print it.
+  assert ext.cuda_build.count("(") == ext.cuda_build.count(")") and not ext.cuda_build.endswith(" "), ext.cuda_build
   module, why = registry._load_cuda()
   assert (module is not None) == ext.cuda_build.startswith("built") or "do not load" in why
 
