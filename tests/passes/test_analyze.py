@@ -170,10 +170,14 @@ def _check_transformer(a, layers, head, remat=False):
 
 
 @pytest.mark.parametrize("mode", ["plain", "remat"])
-def test_linen_transformer(mode):
-  _, a = _analysis("linen_transformer", mode=mode, num_blocks=N)
-  layers = {f"LinenTransformer/block_{b}/{n}": b for b in range(N) for n in LINEAR}
-  _check_transformer(a, layers, "LinenTransformer/head", remat=mode == "remat")
+@pytest.mark.parametrize("builder,prefix,head", [
+    ("linen_transformer", "LinenTransformer/block_{b}/", "LinenTransformer/head"),
+    # NNX locations name no modules: the layer comes from the parameter's argument name (state['layers'][b]['q']...)
+    ("nnx_transformer", "layers/{b}/", "head")])
+def test_transformer(builder, prefix, head, mode):
+  _, a = _analysis(builder, mode=mode, num_blocks=N)
+  layers = {prefix.format(b=b) + n: b for b in range(N) for n in LINEAR}
+  _check_transformer(a, layers, head, remat=mode == "remat")
   assert a.num_blocks == N and not any(r.block_source for r in a.records)
 
 
@@ -193,15 +197,6 @@ def test_linen_transformer_scan():
   layers = {f"LinenTransformer/blocks/{n}": None for n in LINEAR}
   _check_transformer(a, layers, "LinenTransformer/head", remat=True)  # nn.scan(nn.remat(block))
   _check_block_values(a, module, N)
-
-
-@pytest.mark.parametrize("mode", ["plain", "remat"])
-def test_nnx_transformer(mode):
-  """NNX locations name no modules: the layer comes from the parameter's argument name (state['layers'][b]['q']...)."""
-  _, a = _analysis("nnx_transformer", mode=mode, num_blocks=N)
-  layers = {f"layers/{b}/{n}": b for b in range(N) for n in LINEAR}
-  _check_transformer(a, layers, "head", remat=mode == "remat")
-  assert a.num_blocks == N and not any(r.block_source for r in a.records)
 
 
 def test_nnx_transformer_scan():

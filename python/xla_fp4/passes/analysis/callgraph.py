@@ -66,6 +66,17 @@ def forwarded(op, result_number):
   return None
 
 
+def unforwarded(value):
+  """The value a chain of `forwarded` ops starts from, within one function."""
+  op = defining_op(value)
+  while op is not None:
+    through = forwarded(op, ir.OpResult(value).result_number)
+    if through is None:
+      break
+    value, op = through, defining_op(through)
+  return value
+
+
 class Binding(enum.Enum):
   """What a block argument is an argument of."""
   MAIN = "main"  # @main: a parameter or input of the program

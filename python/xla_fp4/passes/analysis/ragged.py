@@ -14,24 +14,15 @@ until the recipe's grouped form exists, so that CPU emulation predicts the GPU r
 
 from jax._src.lib.mlir import ir
 
-from xla_fp4.passes.analysis.callgraph import defining_op, forwarded
+from xla_fp4.passes.analysis.callgraph import defining_op, unforwarded
 
 _MASK_OPS = {"stablehlo.and", "stablehlo.or", "stablehlo.compare", "stablehlo.broadcast_in_dim", "stablehlo.reshape"}
 
 
 def is_group_masked(value) -> bool:
   """Whether `value` is, through pass-through ops, select(mask from an iota, x, zero): a ragged dot's operand."""
-  for _ in range(16):
-    op = defining_op(value)
-    if op is None:
-      return False
-    if op.name == "stablehlo.select":
-      return _is_zero(op.operands[2]) and _from_iota(op.operands[0])
-    through = forwarded(op, ir.OpResult(value).result_number)
-    if through is None:
-      return False
-    value = through
-  return False
+  op = defining_op(unforwarded(value))
+  return op is not None and op.name == "stablehlo.select" and _is_zero(op.operands[2]) and _from_iota(op.operands[0])
 
 
 def _is_zero(value):
