@@ -137,7 +137,7 @@ def _parse_rules(value):
 
 # The policy's own rules, in order (python/xla_fp4/passes/policy.py); user rules run after the first five, which
 # say what the pass cannot take and which programs it leaves alone.
-BUILTIN_RULES = ("not_linear", "ragged", "dtype", "contraction_not_16", "forward_only", "higher_order", "exclude_scope",
+BUILTIN_RULES = ("ragged", "not_linear", "dtype", "contraction_not_16", "forward_only", "higher_order", "exclude_scope",
                  "exclude_regex", "tiny", "head", "high_precision_block", "nvfp4")
 BEFORE_USER_RULES = BUILTIN_RULES[:5]
 

@@ -499,3 +499,24 @@ def test_penzai_blocks_come_from_the_dataflow():
   assert [s.block for s in linear if not s.is_head] == [b for b in range(5) for _ in range(7)], \
       [(s.layer, s.block) for s in linear]
   assert [s.block for s in linear if s.is_head] == [None]
+
+
+def test_ragged_dots_lowered_for_gpu_are_in_the_report_with_the_same_decision():
+  """Lowered for CUDA (on this CPU machine), a ragged dot stays a chlo.ragged_dot: the report lists each one, kept by
+  the same rule as its CPU expansion, and the router is decided as on CPU."""
+  from xla_fp4 import config
+  from xla_fp4.passes import pipeline
+  fn, args = models.ragged_moe()
+  rows = {}
+  for platform in ("cpu", "cuda"):
+    module = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).compiler_ir("stablehlo")
+    rows[platform], _ = pipeline.decisions(module, config.load(environ={}, enabled=True))
+  gpu_ragged = [r for r in rows["cuda"] if r["rule"] == "ragged"]
+  # both expert layers' forward and wgrad, w_out's dgrad (the tokens take no gradient)
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert len(gpu_ragged) == lowered.count('"chlo.ragged_dot"(') == 5, gpu_ragged
+  assert {r["layer"] for r in gpu_ragged} == {"w_in", "w_out", ""}  # a wgrad reads no weight
+  assert all(r["decision"] == "keep" for r in gpu_ragged)
+  assert {r["decision"] for r in rows["cpu"] if r["rule"] == "ragged"} == {"keep"}
+  router = {p: [(r["role"], r["decision"], r["rule"]) for r in rows[p] if "router" in r["layer"]] for p in rows}
+  assert router["cpu"] == router["cuda"] and router["cpu"], router

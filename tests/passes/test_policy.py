@@ -44,8 +44,8 @@ def _decide(sites, num_blocks=0, block_index=None, **options):
 # Each rule with a site that matches it *and every later rule*: the first match must win.
 EVERY_LATER = dict(is_head=True, head_reason="its output reaches the loss", block=9)  # 10 blocks: 8, 9 kept
 CASES = [
-    ("not_linear", dict(role="other", ragged=True)),
-    ("ragged", dict(ragged=True, operand_dtypes=("f64", "f64"))),
+    ("ragged", dict(ragged=True, role="other", operand_dtypes=("f64", "f64"))),
+    ("not_linear", dict(role="other", operand_dtypes=("f64", "f64"))),
     ("dtype", dict(operand_dtypes=("f64", "f64"))),
     ("contraction_not_16", dict(k=24, m=8, higher_order=True, excluded_scope=True)),
     ("forward_only", dict(higher_order=True, excluded_scope=True)),
@@ -105,7 +105,7 @@ USER_RULES = [{"layer": "attn", "role": ["wgrad", "dgrad"], "decision": "keep", 
 
 def test_user_rules_run_first_after_what_the_pass_cannot_take_and_leaves_alone():
   rules = [r.name for r in policy.default_rules(config.load(environ={}, enabled=True, rules=USER_RULES))]
-  assert rules[:5] == ["not_linear", "ragged", "dtype", "contraction_not_16", "forward_only"] == \
+  assert rules[:5] == ["ragged", "not_linear", "dtype", "contraction_not_16", "forward_only"] == \
       list(config.BEFORE_USER_RULES)
   assert rules[5:8] == ["attn_grads", "user_rule_1", "user_rule_2"] and rules[8:] == list(config.BUILTIN_RULES[5:])
   sites = [_site(0, layer="m/attn/q", role="wgrad", weight_operand=None),  # attn_grads

@@ -2,7 +2,7 @@
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
 are reported. The user's rules (the `rules` option: data, not code) come after the five that say what the pass cannot
-take (not a linear layer, a ragged dot, the dtypes and contraction sizes the kernels take) and which programs it
+take (a ragged dot, not a linear layer, the dtypes and contraction sizes the kernels take) and which programs it
 leaves alone (those that do not train, unless XLA_FP4_FORWARD_ONLY=1), and before the paper's policy. Defaults
 follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept; about 16% of the blocks
 kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62 blocks); GEMMs whose
@@ -131,15 +131,16 @@ def _user_rule(u: UserRule) -> Rule:
 
 
 def default_rules(config: Config):
-  """The rules in order: what the kernels cannot take, the user's rules (config.rules), the paper's policy."""
+  """The rules in order: what the pass cannot take and the programs it leaves alone, the user's rules (config.rules),
+  the paper's policy."""
   exclude = re.compile(config.exclude) if config.exclude else None
   return (
+      Rule(name="ragged", decision=Verdict.KEEP,
+           reason="a ragged dot (jax.lax.ragged_dot: MoE experts): its NVFP4 form is not built, so it stays in high "
+                  "precision on every platform (a chlo.ragged_dot on GPU, masked dot_generals on CPU)",
+           when=lambda s, c: s.ragged),
       Rule(name="not_linear", decision=Verdict.KEEP, reason="not a linear-layer GEMM (no operand is a parameter)",
            when=lambda s, c: s.role is Role.OTHER),
-      Rule(name="ragged", decision=Verdict.KEEP,
-           reason="a ragged dot's expansion (jax.lax.ragged_dot: MoE experts): its NVFP4 form is not built, so it "
-                  "stays in high precision on every platform, as on GPU, where it stays a chlo.ragged_dot",
-           when=lambda s, c: s.ragged),
       Rule(name="dtype", decision=Verdict.KEEP,
            reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
            when=lambda s, c: not set(s.gemm.operand_dtypes) <= QUANTIZABLE_DTYPES),

@@ -19,7 +19,8 @@ One module per concern (docs/design.md §4):
   roles.py      fprop / dgrad / wgrad / other
   heads.py      the output head, from the dataflow of its gradient
   blocks.py     the repeated blocks and, in scanned stacks, where the iteration's block index is
-  ragged.py     the CPU expansion of a ragged dot (MoE experts)
+  ragged.py     ragged dots (MoE experts): their CPU expansion; lowered for GPU they are chlo.ragged_dot ops, listed
+                after the dots (role other, ragged)
 Also here: `excluded_scope` (the dot, or an op or call site around it, carries the `xla_fp4_exclude` frontend
 attribute that `xla_fp4.exclude()` sets; JAX copies it onto the transposed dots) and `higher_order` (names.py).
 """
@@ -36,7 +37,7 @@ from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_
 from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Phase,
                                              Role)
 from xla_fp4.passes.analysis.ragged import is_group_masked
-from xla_fp4.passes.analysis.trace import Tracer, dot_dims, replicated_arguments
+from xla_fp4.passes.analysis.trace import Tracer, dot_dims, ragged_dot_dims, replicated_arguments
 
 __all__ = ["Analysis", "BlockIndex", "BlockSource", "DotRecord", "DotSite", "EXCLUDE_ATTRIBUTE", "Gemm", "Phase",
            "Role", "analyze", "specialize_call_sites", "visible"]
@@ -51,9 +52,8 @@ def analyze(module) -> Analysis:
   replicated = replicated_arguments(graph.main)
   dots = []
   for fname, op in graph.dots():
-    prefix = graph.call_prefix(fname)
-    loc_text = str(op.location)
-    own = names.name_of(loc_text)
+    loc_text = str(op.location)  # printing a location is the costly part: once per dot
+    prefix, own = graph.call_prefix(fname), names.name_of(loc_text)
     stack = f"{prefix}/{own}" if prefix and own else (prefix or own)
     dots.append(roles.Dot(graph, fname, op, loc_text, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
   roles.classify_forward(dots)
@@ -75,19 +75,36 @@ def analyze(module) -> Analysis:
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
         excluded_scope=_excluded(graph, d.op), higher_order=names.higher_order(d.stack),
         ragged=any(is_group_masked(v) for v in d.op.operands),
-        in_shard_map=any(o.name == "sdy.manual_computation" for o in graph.around(d.op)), gemm=_gemm(d.op))
+        in_shard_map=any(o.name == "sdy.manual_computation" for o in graph.around(d.op)),
+        gemm=_gemm(d.op, dot_dims(d.op)))
     source = blocks_mod.block_source(d.op, src) if stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))
+  for fname, op in graph.ragged_dots:  # after the dots: what the pass sees of a ragged dot lowered for GPU
+    stack = _name_stack(graph, fname, op)
+    source = tracer.trace(op.operands[1])  # the expert weights, in the forward and the dgrad
+    arg_name = arg_names[source.arg] if source is not None and source.arg < len(arg_names) else None
+    records.append(DotRecord(op=op, site=DotSite(
+        index=len(records), func=fname, name_stack=stack, layer=names.layer_of(names.layer_path(stack), arg_name),
+        phase=names.phase_of(stack), role=Role.OTHER, weight_arg=arg_name, ragged=True,
+        gemm=_gemm(op, *ragged_dot_dims(op)))))
   return Analysis(records=records, num_blocks=num_blocks)
 
 
-def _gemm(op) -> Gemm:
-  (lc, rc), (lb, rb) = dot_dims(op)
+def _name_stack(graph, fname, op):
+  """The op's name stack, prefixed with its function's first call site's."""
+  prefix, own = graph.call_prefix(fname), names.name_of(op.location)
+  return f"{prefix}/{own}" if prefix and own else (prefix or own)
+
+
+def _gemm(op, dims, rhs_groups=()) -> Gemm:
+  """The geometry of a dot_general or a ragged dot (`dims`: its contracting and batch dims; `rhs_groups`: a ragged
+  dot's group dim, which selects the rhs matrix of each group of lhs rows and is no free dim)."""
+  (lc, rc), (lb, rb) = dims
   ls, rs, out = shape(op.operands[0]), shape(op.operands[1]), shape(op.results[0])
   k = int(math.prod([ls[x] for x in lc]))
   batch = int(math.prod([ls[x] for x in lb]))
   m = batch * int(math.prod([ls[x] for x in range(len(ls)) if x not in lc and x not in lb]))
-  n = int(math.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb]))
+  n = int(math.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb and x not in rhs_groups]))
   return Gemm(lhs_shape=ls, rhs_shape=rs, out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
               operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]),
               contracting=(lc, rc), batch=(lb, rb), m=m, n=n, k=k, flops=2 * int(math.prod(out)) * k)

@@ -111,6 +111,7 @@ class CallGraph:
     self._prefixes = {}  # function name -> call_prefix
     self.calls = {}  # callee -> [call ops], program order
     self.order = []  # (func name, op) for every dot_general and func.call, program order
+    self.ragged_dots = []  # (func name, op) for every chlo.ragged_dot (JAX's ragged_dot lowered for GPU)
     for op in module.body.operations:
       if op.operation.name == "func.func":
         self.funcs[func_name(op)] = op
@@ -122,6 +123,8 @@ class CallGraph:
   def _collect(self, fname, func_op):
     """Dots and calls of one function; the walk itself runs in C++ (a Python walk was a third of the pass time)."""
     def visit(op):
+      if op.name == "chlo.ragged_dot":
+        self.ragged_dots.append((fname, op.operation))
       if op.name in ("stablehlo.dot_general", "func.call"):
         op = op.operation
         self.order.append((fname, op))

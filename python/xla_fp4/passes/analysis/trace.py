@@ -109,6 +109,14 @@ def dot_dims(op):
           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)))
 
 
+def ragged_dot_dims(op):
+  """(dot_dims, rhs group dims) of a chlo.ragged_dot: the group dim selects the rhs matrix of each group of rows."""
+  from jax._src.lib.mlir.dialects import chlo
+  d = chlo.RaggedDotDimensionNumbers(op.attributes["ragged_dot_dimension_numbers"])
+  return (((tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
+           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions))), tuple(d.rhs_group_dimensions))
+
+
 def replicated_arguments(main):
   """Indices of @main's arguments whose sharding annotation shards them over no mesh axis: Shardy's `sdy.sharding`
   with no axis on any dim, or GSPMD's `mhlo.sharding = "{replicated}"`. No annotation (JAX's unspecified sharding,
