@@ -531,10 +531,10 @@ def ragged_moe(group_sizes=(16, 8, 24, 16)):
 # ------------------------------------------------------------------ parameters without names, name scopes of Haiku
 
 
-def nnx_transformer_nnx_jit(num_blocks=3):
+def nnx_transformer_nnx_jit(num_blocks=3, mode="plain"):
   """The NNX transformer trained as Flax's documentation teaches: nnx.jit over the model and an nnx.Optimizer. nnx.jit
   passes the graph state as flat lists of leaves (`model.states[0][23]`): the parameter paths name no modules."""
-  model = NnxTransformer(num_blocks, "plain", nnx.Rngs(0))
+  model = NnxTransformer(num_blocks, mode, nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
 
   @nnx.jit

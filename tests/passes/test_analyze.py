@@ -469,6 +469,19 @@ def test_blocks_of_a_flat_parameter_list_come_from_the_dataflow(builder):
       assert s.block in (0, 1, 2), s
 
 
+def test_nnx_scan_under_nnx_jit_selects_its_kept_block_per_iteration():
+  """nnx.scan over nnx.vmap-created blocks, under nnx.jit: one stacked weight per layer, sliced per iteration; the
+  stack's blocks come from the scan whatever the names, and the last block is kept per iteration."""
+  from xla_fp4 import config
+  from xla_fp4.passes import pipeline
+  fn, args = models.nnx_transformer_nnx_jit(mode="scan")
+  module = fn.lower(*args).compiler_ir("stablehlo")
+  rows, _ = pipeline.decisions(module, config.load(environ={}, enabled=True, min_dim=1, keep_last=1))
+  linear = [r for r in rows if r["role"] != "other" and r["rule"] != "head"]
+  assert len(linear) >= 18 and all(r["block"] == "scan" and r["num_stacked"] == 3 for r in linear), linear
+  assert {tuple(r["keep_blocks"]) for r in linear if r["decision"] == "nvfp4"} == {(2,)}
+
+
 def test_haiku_name_scopes_are_in_the_layer_path():
   """hk.experimental.name_scope("block_1") names the parameters `block_1/fc1` while the name stack says `fc1`: the
   layer is the parameter's fuller path, so XLA_FP4_EXCLUDE='block_1/' matches it."""

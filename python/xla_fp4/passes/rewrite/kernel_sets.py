@@ -37,11 +37,18 @@ class FfiKernels:
     from xla_fp4.sharding import partition
     self._kernels, self._partition = kernels, partition
     self.partitioned = partitioned  # block-local calls carry their Shardy rule
-    self._configs = {}
+    self._configs = {}  # (target, attributes) -> backend_config, built once per pass run
+    self._types = {}  # (target, operand types, attributes) -> result types
 
   def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
-    types = result_types or target.result_types([o.type for o in operands], attrs)
     key = (target.name, tuple(sorted(attrs.items())))
+    if result_types is None:
+      signature = key + tuple(o.type for o in operands)
+      types = self._types.get(signature)
+      if types is None:
+        types = self._types[signature] = target.result_types([o.type for o in operands], attrs)
+    else:
+      types = result_types
     config = self._configs.get(key)
     if config is None:
       config = self._configs[key] = self._kernels.backend_config_attributes(target.name, attrs)
