@@ -113,7 +113,7 @@ def main(argv=None):
   reference = _run(step, params, batch, cpu, 0)  # the CPU emulation: C++ kernels, the numbers of xla_fp4.numerics
   loss_diff, grad_diff = _compare(emulated, reference)
   checks["device runs the xla_fp4 targets"] = dict(
-      ok="xla_fp4_qdq_with_scale" in emulated[2] and kernels.registered(args.platform), targets=emulated[2],
+      ok="xla_fp4_qdq_with_scale" in emulated[2] and kernels.status(args.platform)[0], targets=emulated[2],
       registered=kernels.status(args.platform)[1])
   checks["device == CPU emulation"] = dict(ok=loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL,
                                            loss=[emulated[0], reference[0]], loss_rel_diff=loss_diff,

@@ -48,7 +48,7 @@ def gpu():
     devices = jax.devices("cuda")
   except (RuntimeError, ValueError) as e:
     pytest.skip(f"no CUDA device: {e}")
-  kernels.register_cuda()
+  kernels.register("cuda")
   return devices[0]
 
 

@@ -82,7 +82,7 @@ def test_cuda_registers_at_plugin_time_and_waits_for_the_cuda_backend(fresh_regi
   if "CUDA" not in xla_client._custom_callback_handler:  # no CUDA backend in this jaxlib: queued
     queued = {name for name, *_ in xla_client._custom_callback["CUDA"]}
     assert queued == set(kernels.TARGETS)
-  assert kernels.registered("cuda") and kernels.registered("gpu")
+  assert kernels.status("cuda")[0] and kernels.status("gpu")[0]
 
 
 @pytest.mark.parametrize("fp4_gemm, gemm, reason", [

@@ -59,8 +59,7 @@ ATTRIBUTES = {t.name: dict(t.attributes) for t in targets.ALL}
 TARGETS = tuple(ATTRIBUTES)
 
 from xla_fp4.kernels.registry import (  # noqa: F401  (the package's API)
-    available, extension, fp4_gemm_supported, info, register, register_all, register_cuda, registered,
-    runtime_ffi_api, status, xla_platform)
+    available, extension, fp4_gemm_supported, info, register, register_all, runtime_ffi_api, status, xla_platform)
 
 
 def backend_config_attributes(target, attrs):

@@ -1,10 +1,10 @@
 """Loading the compiled extension and registering its FFI targets with XLA, per platform.
 
 Entry points: `register_all()` (what `xla_fp4.enable()` calls: every platform built, never raises, warns once per
-platform that cannot register), `register()` / `register_cuda()` (one platform, for direct kernel calls),
-`status(platform)` (which kernels the pass can call there, or why it emits their StableHLO form), `info()` (what
-`python -m xla_fp4 info` prints), `fp4_gemm_supported()`, and `extension()` / `available()` (the loaded
-extension). What is registered, refused and warned about is in the process state (xla_fp4/state.py). Nothing here
+platform that cannot register), `register(platform)` (one platform, raising the reason: direct kernel calls),
+`status(platform)` (whether the pass can call the kernels there, or why it emits their StableHLO form), `info()` (what
+`python -m xla_fp4 info` prints), `fp4_gemm_supported()`, and `extension()` / `available()` (the loaded extension,
+or why not). What is registered, refused and warned about is in the process state (xla_fp4/state.py). Nothing here
 touches JAX backends, so registering is safe in a plugin's `initialize()`.
 """
 
@@ -105,18 +105,19 @@ def _register(platform_name, module):
     current.registered.add(platform_name)
 
 
-def register():
-  """Register the CPU targets with XLA (idempotent). Raises RuntimeError with the reason when that is not possible."""
-  _register("cpu", extension())
-
-
-def register_cuda():
-  """Register the CUDA targets if the CUDA kernels were built and load (idempotent); returns whether they were."""
-  module, why = _load_cuda()
+def register(platform="cpu"):
+  """Register the targets of one platform (a JAX platform name: cpu, cuda, gpu) with XLA (idempotent). Raises
+  RuntimeError with the reason when that is not possible (kernels not built, not loadable, or refused)."""
+  name = xla_platform(platform)
+  if name == "cpu":
+    module, why = _ext, _reason
+  elif name == "CUDA":
+    module, why = _load_cuda()
+  else:
+    module, why = None, f"xla_fp4 has no kernels for platform {platform!r}"
   if module is None:
-    return False
-  _register("CUDA", module)
-  return True
+    raise RuntimeError(why)
+  _register(name, module)
 
 
 def register_all():
@@ -140,11 +141,6 @@ def register_all():
                     "slower).", RuntimeWarning, stacklevel=2)
     out[platform] = (ok, why)
   return out
-
-
-def registered(platform):
-  """Whether the FFI targets are registered for `platform` (a backend's platform name: cpu, cuda, gpu)."""
-  return platform is not None and xla_platform(platform) in state.current().registered
 
 
 def status(platform):
@@ -174,7 +170,7 @@ def info():
   out["CUDA kernels"] = _ext.cuda_build
   for platform, (ok, why) in register_all().items():
     out[f"{platform} registration"] = why
-  if registered("CUDA"):
+  if status("CUDA")[0]:
     out["FP4 GEMM"] = fp4_gemm_supported()[1] or "runs (compute capability 10.x, cuBLASLt >= 12.8)"
   return out
 
