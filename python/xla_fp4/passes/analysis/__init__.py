@@ -67,15 +67,16 @@ def analyze(module) -> Analysis:
     arg_name = arg_names[src.arg] if src is not None and src.arg < len(arg_names) else None
     block, stacked, offset = blocks.get(i, (None, None, None))
     linear = d.role is not Role.OTHER
+    enclosing = list(graph.around(d.op))
     site = DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=names.layer_of(d.path, arg_name) if linear else d.path,
         phase=d.phase, role=d.role, weight_operand=d.w if d.role in (Role.FPROP, Role.DGRAD) else None,
         weight_arg=arg_name, weight_replicated=src is not None and src.arg in replicated,
         block=block, num_stacked=stacked, block_offset=offset,
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
-        excluded_scope=_excluded(graph, d.op), higher_order=names.higher_order(d.stack),
+        excluded_scope=_excluded(d.op, enclosing), higher_order=names.higher_order(d.stack),
         ragged=any(is_group_masked(v) for v in d.op.operands),
-        in_shard_map=any(o.name == "sdy.manual_computation" for o in graph.around(d.op)),
+        in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing),
         gemm=_gemm(d.op, dot_dims(d.op)))
     source = blocks_mod.block_source(d.op, src) if stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))
@@ -110,8 +111,9 @@ def _gemm(op, dims, rhs_groups=()) -> Gemm:
               contracting=(lc, rc), batch=(lb, rb), m=m, n=n, k=k, flops=2 * int(math.prod(out)) * k)
 
 
-def _excluded(graph, op):
-  """Whether xla_fp4.exclude() marked `op`, or an op or call site around it: JAX writes set_xla_metadata's key into
-  the `mhlo.frontend_attributes` of every op traced in its scope, the transposed dots of the backward pass included."""
+def _excluded(op, enclosing):
+  """Whether xla_fp4.exclude() marked `op`, or an op or call site around it (`enclosing`): JAX writes
+  set_xla_metadata's key into the `mhlo.frontend_attributes` of every op traced in its scope, the transposed dots of
+  the backward pass included."""
   return any("mhlo.frontend_attributes" in o.attributes and
-             EXCLUDE_ATTRIBUTE in ir.DictAttr(o.attributes["mhlo.frontend_attributes"]) for o in (op, *graph.around(op)))
+             EXCLUDE_ATTRIBUTE in ir.DictAttr(o.attributes["mhlo.frontend_attributes"]) for o in (op, *enclosing))

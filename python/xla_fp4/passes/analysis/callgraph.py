@@ -32,7 +32,8 @@ def op_of(value_or_owner):
 
 def defining_op(value):
   """The operation whose result `value` is (None for a block argument)."""
-  return None if isinstance(value.owner, ir.Block) else op_of(value.owner)
+  owner = value.owner  # each read builds a binding object: once
+  return None if isinstance(owner, ir.Block) else op_of(owner)
 
 
 def shape(value):
