@@ -81,7 +81,7 @@ def _in_scan_body(a, s):
   return s.func != "main"
 
 
-def _check_block_values(a, module, num_stacked):
+def _check_block_sources(a, module, num_stacked):
   """In a scanned stack every linear dot of a scan body has its per-iteration layer index, visible at its entry."""
   with module.context:
     for s in a.sites:
@@ -196,7 +196,7 @@ def test_linen_transformer_scan():
   module, a = _analysis("linen_transformer", mode="scan", num_blocks=N)
   layers = {f"LinenTransformer/blocks/{n}": None for n in LINEAR}
   _check_transformer(a, layers, "LinenTransformer/head", remat=True)  # nn.scan(nn.remat(block))
-  _check_block_values(a, module, N)
+  _check_block_sources(a, module, N)
 
 
 def test_nnx_transformer_scan():
@@ -204,7 +204,7 @@ def test_nnx_transformer_scan():
   module, a = _analysis("nnx_transformer", mode="scan", num_blocks=N)
   layers = {f"layers/{n}": None for n in LINEAR}
   _check_transformer(a, layers, "head", remat=True)
-  _check_block_values(a, module, N)
+  _check_block_sources(a, module, N)
 
 
 # ------------------------------------------------------------------------------------------------------- plain JAX
@@ -218,7 +218,7 @@ def test_lax_scan(checkpoint):
   assert _by_layer(a) == {"layers/w1": sorted(["dgrad", "fprop", "wgrad"] + (["fprop"] if checkpoint else [])),
                           "layers/w2": ["dgrad", "fprop", "wgrad"]}
   _check_consistent(a)
-  _check_block_values(a, module, 4)
+  _check_block_sources(a, module, 4)
 
 
 def test_nested_scan():
