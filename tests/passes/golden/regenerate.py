@@ -165,7 +165,8 @@ CASES = {
 // CHECK-LABEL: func.func public @main
 // CHECK: stablehlo.custom_call @xla_fp4_qdq
 // CHECK: stablehlo.dot_general"""),
-    "scan_per_iteration_select": (scanned, (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), X), "keep_last=2 forward_only=1 keep_head=0", """
+    "scan_per_iteration_select": (scanned, (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), X),
+                                  "keep_last=2 forward_only=1 keep_head=0", """
 // The scan body gets the block index as an extra argument; a select on it per operand gives the GEMM the operand
 // itself (s_dec = 1) for blocks 6, 7 and its q·scale for the others: one GEMM per iteration, after the selects.
 // DECISIONS: fprop:nvfp4

@@ -53,8 +53,7 @@ def analyze(module) -> Analysis:
   dots = []
   for fname, op in graph.dots():
     loc_text = str(op.location)  # printing a location is the costly part: once per dot
-    prefix, own = graph.call_prefix(fname), names.name_of(loc_text)
-    stack = f"{prefix}/{own}" if prefix and own else (prefix or own)
+    stack = _name_stack(graph, fname, loc_text)
     dots.append(roles.Dot(graph, fname, op, loc_text, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
   roles.classify_forward(dots)
   roles.pair_backward(dots)
@@ -81,7 +80,7 @@ def analyze(module) -> Analysis:
     source = blocks_mod.block_source(d.op, src) if stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))
   for fname, op in graph.ragged_dots:  # after the dots: what the pass sees of a ragged dot lowered for GPU
-    stack = _name_stack(graph, fname, op)
+    stack = _name_stack(graph, fname, str(op.location))
     source = tracer.trace(op.operands[1])  # the expert weights, in the forward and the dgrad
     arg_name = arg_names[source.arg] if source is not None and source.arg < len(arg_names) else None
     records.append(DotRecord(op=op, site=DotSite(
@@ -91,9 +90,9 @@ def analyze(module) -> Analysis:
   return Analysis(records=records, num_blocks=num_blocks)
 
 
-def _name_stack(graph, fname, op):
-  """The op's name stack, prefixed with its function's first call site's."""
-  prefix, own = graph.call_prefix(fname), names.name_of(op.location)
+def _name_stack(graph, fname, loc_text):
+  """An op's name stack (from its printed location), prefixed with its function's first call site's."""
+  prefix, own = graph.call_prefix(fname), names.name_of(loc_text)
   return f"{prefix}/{own}" if prefix and own else (prefix or own)
 
 
@@ -106,7 +105,8 @@ def _gemm(op, dims, rhs_groups=()) -> Gemm:
   batch = int(math.prod([ls[x] for x in lb]))
   m = batch * int(math.prod([ls[x] for x in range(len(ls)) if x not in lc and x not in lb]))
   n = int(math.prod([rs[x] for x in range(len(rs)) if x not in rc and x not in rb and x not in rhs_groups]))
-  return Gemm(lhs_shape=ls, rhs_shape=rs, out_shape=out, dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
+  return Gemm(lhs_shape=ls, rhs_shape=rs, out_shape=out,
+              dtype=str(ir.RankedTensorType(op.results[0].type).element_type),
               operand_dtypes=tuple(str(ir.RankedTensorType(v.type).element_type) for v in op.operands[:2]),
               contracting=(lc, rc), batch=(lb, rb), m=m, n=n, k=k, flops=2 * int(math.prod(out)) * k)
 
