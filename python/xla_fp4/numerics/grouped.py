@@ -53,31 +53,32 @@ def _quantized(x32, axis, recipe, key, rht_seed):
   return qz.unscaled_values(x32, axis, recipe.block_2d, recipe.rounding, key, s_dec), s_dec
 
 
-def _check(lhs, contraction, group_sizes, num_groups, recipes):
+def _prepared(lhs, rhs, group_sizes, recipes, key, preferred_element_type, contracting_rows):
+  """Checked inputs: (lhs, rhs, group_sizes, the uint32 key or None, the output dtype, the group masks [G, M], lhs and
+  rhs in float32 without gradient)."""
+  lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+  contraction = lhs.shape[0] if contracting_rows else lhs.shape[1]
   if contraction % formats.BLOCK:
     raise ValueError(f"NVFP4 GEMMs need a contraction size that is a multiple of {formats.BLOCK}; got {contraction} "
                      f"(lhs shape {lhs.shape}). Keep this GEMM in high precision.")
+  num_groups = group_sizes.shape[0] if contracting_rows else rhs.shape[0]
   if group_sizes.shape != (num_groups,):
     raise ValueError(f"group_sizes must have one entry per group ({num_groups}), got shape {group_sizes.shape}")
   for r in recipes:
     qz._check_rounding(r.rounding)
-
-
-def _key_for(recipes, key):
-  return formats.key_to_u32(key) if any(r.stochastic for r in recipes) else None
+  key = formats.key_to_u32(key) if any(r.stochastic for r in recipes) else None
+  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+  as_f32 = lambda v: jax.lax.stop_gradient(v).astype(jnp.float32)  # noqa: E731
+  return (lhs, rhs, group_sizes, key, out_dtype, _group_masks(group_sizes, lhs.shape[0]), as_f32(lhs),
+          as_f32(rhs))
 
 
 def ragged_dot(lhs, rhs, group_sizes, *, lhs_recipe=OperandRecipe(), rhs_recipe=OperandRecipe(block_2d=True),
                key=None, rht_seed=0, preferred_element_type=None):
   """jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N] with both operands in NVFP4: lhs per
   group of rows (scale per group, 1x16 along K), rhs per expert (scale per expert, 16x16 tiles by default)."""
-  lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
-  (m, k), (g, _, _) = lhs.shape, rhs.shape
-  _check(lhs, k, group_sizes, g, (lhs_recipe, rhs_recipe))
-  key = _key_for((lhs_recipe, rhs_recipe), key)
-  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-  masks = _group_masks(group_sizes, m)
-  x32, w32 = jax.lax.stop_gradient(lhs).astype(jnp.float32), jax.lax.stop_gradient(rhs).astype(jnp.float32)
+  lhs, rhs, group_sizes, key, out_dtype, masks, x32, w32 = _prepared(
+      lhs, rhs, group_sizes, (lhs_recipe, rhs_recipe), key, preferred_element_type, contracting_rows=False)
 
   def group(i):
     qx, sx = _quantized(jnp.where(masks[i][:, None], x32, 0.0), 1, lhs_recipe, _key(key, 1, i), rht_seed)
@@ -85,7 +86,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, lhs_recipe=OperandRecipe(), rhs_recipe=
     acc = jnp.matmul(qx, qw, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return acc * (sx * sw)  # rows of other groups are zero here
 
-  out = jnp.sum(jax.vmap(group)(jnp.arange(g)), axis=0).astype(out_dtype)
+  out = jnp.sum(jax.vmap(group)(jnp.arange(rhs.shape[0])), axis=0).astype(out_dtype)
   return qz.straight_through(jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype), out)
 
 
@@ -94,14 +95,8 @@ def ragged_contracting_dot(lhs, rhs, group_sizes, *, lhs_recipe=OperandRecipe(),
   """The wgrad of an expert layer: out[g] = lhs[rows of g].T @ rhs[rows of g], lhs [M, K], rhs [M, N] -> [G, K, N],
   both operands in NVFP4 along the rows (scale per group, 1x16 blocks along M; the RHT along M where the recipe has
   it). For the paper's wgrad recipe pass rhs_recipe (the gradient) stochastic and both with rht."""
-  lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
-  m = lhs.shape[0]
-  g = group_sizes.shape[0]
-  _check(lhs, m, group_sizes, g, (lhs_recipe, rhs_recipe))
-  key = _key_for((lhs_recipe, rhs_recipe), key)
-  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-  masks = _group_masks(group_sizes, m)
-  x32, y32 = jax.lax.stop_gradient(lhs).astype(jnp.float32), jax.lax.stop_gradient(rhs).astype(jnp.float32)
+  lhs, rhs, group_sizes, key, out_dtype, masks, x32, y32 = _prepared(
+      lhs, rhs, group_sizes, (lhs_recipe, rhs_recipe), key, preferred_element_type, contracting_rows=True)
 
   def group(i):
     qx, sx = _quantized(jnp.where(masks[i][:, None], x32, 0.0), 0, lhs_recipe, _key(key, 1, i), rht_seed)
@@ -109,7 +104,7 @@ def ragged_contracting_dot(lhs, rhs, group_sizes, *, lhs_recipe=OperandRecipe(),
     acc = jnp.matmul(qx.T, qy, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return acc * (sx * sy)
 
-  out = jax.vmap(group)(jnp.arange(g)).astype(out_dtype)
+  out = jax.vmap(group)(jnp.arange(group_sizes.shape[0])).astype(out_dtype)
   dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
   plain = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=out_dtype)
