@@ -56,8 +56,8 @@ def num_partitions(module) -> int:
 
 
 def _analyze_and_decide(module, config):
-  analysis_mod.specialize_call_sites(module)
-  analysis = analysis_mod.analyze(module)
+  graph = analysis_mod.specialize_call_sites(module)
+  analysis = analysis_mod.analyze(module, graph)
   decided, unmatched = policy.decide(analysis, config)
   return analysis, decided, unmatched
 

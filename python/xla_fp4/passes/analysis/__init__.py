@@ -45,8 +45,9 @@ __all__ = ["Analysis", "BlockIndex", "BlockSource", "DotRecord", "DotSite", "EXC
 EXCLUDE_ATTRIBUTE = "xla_fp4_exclude"  # the frontend attribute xla_fp4.exclude() sets (jax's set_xla_metadata)
 
 
-def analyze(module) -> Analysis:
-  graph = CallGraph(module)
+def analyze(module, graph=None) -> Analysis:
+  """One DotRecord per dot of `module` (`graph`: its CallGraph, when the caller has it)."""
+  graph = graph or CallGraph(module)
   tracer = Tracer(graph)
   arg_names = names.argument_names(graph.main)
   replicated = replicated_arguments(graph.main)
