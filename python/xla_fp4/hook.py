@@ -34,17 +34,8 @@ def _check_jax():
                        f"it can wrap; jax {jax.__version__} has {params}. Upgrade xla_fp4 or pin jax 0.10.2-0.12.")
 
 
-def _first_time(key):
-  """Whether the hook has not said `key` yet in this process (and from now on, it has)."""
-  said = state.current().said
-  if key in said:
-    return False
-  said.add(key)
-  return True
-
-
 def _warn_once(what, computation, e):
-  if _first_time("pass failed"):
+  if state.current().first_time("pass failed"):
     warnings.warn(f"xla_fp4: {what} on module {pipeline.module_name(computation)!r} ({type(e).__name__}: {e}); "
                   "compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. (Warned once per process.)",
                   RuntimeWarning, stacklevel=3)
@@ -78,9 +69,8 @@ def _compile_or_get_cached(backend, computation, *args, **kwargs):
 def _tell(config, module, result):
   """What a user should hear about one compilation, once: that the pass is active and where its report is; that an
   exclude pattern or a rule of theirs matched no dot of a module that trains (a typo, or another layer naming)."""
-  if result.changed and _first_time("active"):
-    total = sum(r["flops"] for r in result.rows)
-    share = sum(map(report.nvfp4_flops, result.rows)) / total if total else 0.0
+  if result.changed and state.current().first_time("active"):
+    share = report.flop_share(result.rows)
     where = (f"the decisions are in {config.dump_dir} (python -m xla_fp4 report {config.dump_dir})" if config.dump_dir
              else "set XLA_FP4_DUMP_DIR=DIR to write the decisions, or call xla_fp4.explain(step, *args)")
     logger.warning(f"xla_fp4: NVFP4 is on: module {module!r} runs {share:.1%} of its dot FLOPs in NVFP4; {where}.")
@@ -93,7 +83,7 @@ def _tell(config, module, result):
   named = (f"whose linear layers are {', '.join(layers[:8])}{', ...' if len(layers) > 8 else ''}" if layers
            else "whose linear layers carry no names")
   for name in (n for n in result.unmatched_rules if n in user):
-    if _first_time(("unmatched", name, module)):
+    if state.current().first_time(("unmatched", name, module)):
       logger.warning(f"xla_fp4: {user[name]} matched no dot of module {module!r}, {named}; check the pattern "
                      "against the layer paths of `python -m xla_fp4 report` or xla_fp4.explain.")
 

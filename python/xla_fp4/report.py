@@ -45,10 +45,8 @@ def table(rows, unmatched_rules=(), title="", backend=None):
   widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
   fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
   lines = [f"== {title}" if title else "", fmt(header), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
-  total = sum(r["flops"] for r in rows)
-  fp4 = sum(map(nvfp4_flops, rows))
   lines.append(f"{sum(r['decision'] == 'nvfp4' for r in rows)}/{len(rows)} dots in NVFP4, "
-               f"{100 * fp4 / total if total else 0:.1f}% of dot FLOPs")
+               f"{100 * flop_share(rows):.1f}% of dot FLOPs")
   if backend:
     lines.append(f"kernels: {backend['kernels']}; GEMM: {backend['gemm']} ({backend['gemm_reason']})")
   if unmatched_rules:
@@ -80,12 +78,16 @@ def nvfp4_flops(row):
   return row["flops"] * (1 - len(row.get("keep_blocks") or ()) / (row.get("num_stacked") or 1))
 
 
+def flop_share(rows):
+  """Share of the rows' dot FLOPs that run in NVFP4 (0 without FLOPs)."""
+  total = sum(r["flops"] for r in rows)
+  return sum(map(nvfp4_flops, rows)) / total if total else 0.0
+
+
 def nvfp4_flop_share(dump_dir, module_filter=None):
   """Share of dot FLOPs that run in NVFP4 over the dumped modules (optionally only those whose name contains
   `module_filter`)."""
-  rows = [r for r in load_decisions(dump_dir) if module_filter is None or module_filter in r["module"]]
-  total = sum(r["flops"] for r in rows)
-  return sum(map(nvfp4_flops, rows)) / total if total else 0.0
+  return flop_share([r for r in load_decisions(dump_dir) if module_filter is None or module_filter in r["module"]])
 
 
 def print_report(dump_dir):

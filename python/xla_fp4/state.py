@@ -1,12 +1,13 @@
 """The process state of xla_fp4, in one object: what lives as long as the process (or until a test replaces it).
 
-- kernel registration: the XLA platforms whose FFI targets are registered, those refused and why, the reasons
-  already warned about (kernels/__init__.py);
+- kernel registration: the XLA platforms whose FFI targets are registered, those refused and why
+  (kernels/registry.py);
 - the lowered twins: a twin's StableHLO text per signature (lowering one costs 11-16 ms, parsing it back well under
   one, so each signature is lowered once per process: passes/rewrite/kernel_sets.py `Twins`);
 - the dump counter (passes/pipeline.py `dump`);
-- what the compile hook has told the user, each thing once per process: that the pass failed, that it is active, that
-  a user's pattern matched nothing (hook.py; the hook's installation itself, a patch of JAX, stays with the hook).
+- what has been told the user, each thing once per process (`first_time`): a platform whose kernels cannot register
+  (kernels/registry.py); that the pass failed, that it is active, that a user's pattern matched nothing (hook.py; the
+  hook's installation itself, a patch of JAX, stays with the hook).
 
 Code reads `current()`; a test makes its own (`with state.use(State()) as s:`, or a copy with some fields
 replaced) instead of patching modules.
@@ -23,11 +24,18 @@ from typing import Any
 class State:
   registered: set = dataclasses.field(default_factory=set)  # XLA platform names: "cpu", "CUDA"
   refused: dict = dataclasses.field(default_factory=dict)  # XLA platform name -> why its targets were not registered
-  warned: set = dataclasses.field(default_factory=set)  # reasons kernels.register_all() has warned about
   lowered_twins: dict = dataclasses.field(default_factory=dict)  # twin signature -> its StableHLO text
   dumps: Any = dataclasses.field(default_factory=itertools.count)  # numbers the dump files of a process
-  said: set = dataclasses.field(default_factory=set)  # what the compile hook has told the user (each thing once)
+  said: set = dataclasses.field(default_factory=set)  # what has been told the user (first_time's keys)
   lock: Any = dataclasses.field(default_factory=threading.RLock, repr=False)
+
+  def first_time(self, key):
+    """Whether `key` has not been said yet in this process (and from now on, it has)."""
+    with self.lock:
+      if key in self.said:
+        return False
+      self.said.add(key)
+      return True
 
 
 _current = State()

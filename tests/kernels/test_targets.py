@@ -19,10 +19,8 @@ QUANTIZE = dict(block_2d=False, stochastic=True, rht=True, rht_seed=3)
 
 def _twin_results(target, operands, attrs):
   """jax.eval_shape of the twin, called as the pass's ReferenceKernels call it."""
-  fixed = dict(target.twin_fixed)
-  extra = [SCALAR_U32 for _ in target.twin_operands]
-  params = {k: v for k, v in attrs.items() if k not in target.twin_operands and k not in fixed}
-  out = jax.eval_shape(lambda *a: target.twin(*a, **params), *operands, *extra)
+  as_operands, params = target.twin_arguments(attrs)
+  out = jax.eval_shape(lambda *a: target.twin(*a, **params), *operands, *[SCALAR_U32 for _ in as_operands])
   return list(out) if isinstance(out, (tuple, list)) else [out]
 
 

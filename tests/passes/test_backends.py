@@ -28,7 +28,7 @@ from xla_fp4.passes import pipeline, policy, rewrite
 @pytest.fixture
 def fresh_registry():
   """A process state with empty registration bookkeeping, for the test only."""
-  with state.use(dataclasses.replace(state.current(), registered=set(), refused={}, warned=set())) as s:
+  with state.use(dataclasses.replace(state.current(), registered=set(), refused={}, said=set())) as s:
     yield s
 
 

@@ -135,8 +135,7 @@ def register_all():
       except RuntimeError as e:
         why = str(e)
     ok = platform in current.registered
-    if not ok and (built or platform == "cpu") and why not in current.warned:
-      current.warned.add(why)
+    if not ok and (built or platform == "cpu") and current.first_time(("registration", why)):
       warnings.warn(f"xla_fp4: {why}. NVFP4 on {platform} uses the plain StableHLO form of the kernels (same numbers, "
                     "slower).", RuntimeWarning, stacklevel=2)
     out[platform] = (ok, why)

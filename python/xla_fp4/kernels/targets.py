@@ -47,17 +47,32 @@ class Target:
   twin_fixed: tuple = ()  # (attribute, value) pairs: the only values of those attributes the twin implements
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
 
+  def twin_arguments(self, attrs):
+    """(the values of the attributes the twin takes as uint32 operands, the twin's keyword parameters) of a call with
+    `attrs`; raises ValueError for an attribute value the twin does not implement."""
+    fixed = dict(self.twin_fixed)
+    for name, value in fixed.items():
+      if attrs[name] != value:
+        raise ValueError(f"the twin of {self.name} implements {name}={value} only, got {attrs[name]}")
+    params = {k: v for k, v in attrs.items() if k not in self.twin_operands and k not in fixed}
+    return [attrs[name] for name in self.twin_operands], params
+
   def result_types(self, operand_types, attrs, dtype=None):
     """The results as MLIR tensor types, from the operands' (needs an MLIR context)."""
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
-    operands = [jax.ShapeDtypeStruct(tuple(ir.RankedTensorType(t).shape),
-                                     _MLIR_DTYPES[str(ir.RankedTensorType(t).element_type)]) for t in operand_types]
     return [ir.RankedTensorType.get(list(r.shape), mlir.dtype_to_ir_type(np.dtype(r.dtype)))
-            for r in self.results(operands, attrs, dtype)]
+            for r in self.results([shape_dtype(t) for t in operand_types], attrs, dtype)]
 
 
 _MLIR_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": np.float16, "ui8": np.uint8, "ui32": np.uint32}
+
+
+def shape_dtype(mlir_type):
+  """The jax.ShapeDtypeStruct of an MLIR tensor type of the kernels' element types."""
+  from jax._src.lib.mlir import ir
+  t = ir.RankedTensorType(mlir_type)
+  return jax.ShapeDtypeStruct(tuple(t.shape), _MLIR_DTYPES[str(t.element_type)])
 
 
 def _like_x(operands, attrs, dtype):

@@ -77,8 +77,7 @@ class Decision:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OperandPlan:
-  """How one operand of an NVFP4 dot is quantized."""
-  position: int  # 0: lhs, 1: rhs
+  """How one operand of an NVFP4 dot is quantized (Plan.operands[0] is the lhs's, [1] the rhs's)."""
   kind: Operand
   recipe: OperandRecipe
   salt_id: int  # 2 * dot index + position: mixed with the seed into the stochastic-rounding key's salt
@@ -242,7 +241,7 @@ def _operand_plans(site: DotSite, decision: Decision, form: Form):
   kinds = operand_kinds(site)
   backward = site.role is not Role.FPROP
   plans = tuple(OperandPlan(
-      position=i, kind=kind, recipe=(decision.lhs, decision.rhs)[i], salt_id=2 * site.index + i,
+      kind=kind, recipe=(decision.lhs, decision.rhs)[i], salt_id=2 * site.index + i,
       k_follows_dot=site.role is not Role.WGRAD and kind is not Operand.WEIGHT,
       fresh=(site.role is Role.DGRAD and kind is Operand.WEIGHT and site.weight_replicated
              and form is not Form.WHOLE_TENSOR),

@@ -37,6 +37,7 @@ def blocks(graph: CallGraph, names_of_args, dots):
   stacks = {}  # key -> {"first": fprop index, "size": int, "fprops": {fprop index: local index or None}, "layout"}
   first_use = {}  # weight argument -> its first fprop (a remat copy in the backward loop joins the forward's stack)
   static = {}  # fprop index -> its numbered components, outermost first
+  arg_paths = {}  # fprop index -> its weight's parameter path
   for j, f in enumerate(dots):
     if f.role is not Role.FPROP:
       continue
@@ -46,9 +47,9 @@ def blocks(graph: CallGraph, names_of_args, dots):
       stack["size"] = max(stack["size"], f.src.stacked)
       stack["fprops"][j] = None
       continue
-    arg_path = names.path_from_arg(names_of_args[f.src.arg] if f.src.arg < len(names_of_args) else "")
-    static[j] = names.indexed_subtrees(arg_path) or names.indexed_subtrees(f.path)
-  positions = _leaf_positions(static, names_of_args, dots)
+    arg_paths[j] = names.path_from_arg(names_of_args[f.src.arg] if f.src.arg < len(names_of_args) else "")
+    static[j] = names.indexed_subtrees(arg_paths[j]) or names.indexed_subtrees(f.path)
+  positions = _leaf_positions(arg_paths)
   if positions:  # parameters passed as a flat list: their numbers are no modules; the dataflow finds the blocks
     for j in positions:
       del static[j]
@@ -96,17 +97,13 @@ def blocks(graph: CallGraph, names_of_args, dots):
   return out, offset
 
 
-def _leaf_positions(static, names_of_args, dots):
-  """The fprops whose weights are positions in a flat list of parameters (`model.states[0][23]` under nnx.jit,
-  `leaves[5]` from jax.tree.leaves, penzai's unbind_params): every weight's parameter path ends in a bare number.
-  Their numbers count leaves, not modules, and name stacks there carry leaf numbers too (penzai), so neither names
-  the blocks."""
-  def path(j):
-    arg = dots[j].src.arg
-    return names.path_from_arg(names_of_args[arg] if arg < len(names_of_args) else "")
-  fprops = list(static)
-  flat = len(fprops) >= 2 and all(path(j).split("/")[-1].isdigit() for j in fprops)
-  return fprops if flat else []
+def _leaf_positions(arg_paths):
+  """The fprops (of {fprop: its weight's parameter path}) when their weights are positions in a flat list of
+  parameters (`model.states[0][23]` under nnx.jit, `leaves[5]` from jax.tree.leaves, penzai's unbind_params): every
+  path ends in a bare number. Their numbers count leaves, not modules, and name stacks there carry leaf numbers too
+  (penzai), so neither names the blocks."""
+  flat = len(arg_paths) >= 2 and all(p.split("/")[-1].isdigit() for p in arg_paths.values())
+  return list(arg_paths) if flat else []
 
 
 def _repeated_in_dataflow(stacks, fprops, dots, first_use):

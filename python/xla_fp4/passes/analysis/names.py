@@ -83,6 +83,10 @@ def layer_path(name_stack: str) -> str:
   return "/".join(parts)
 
 
+_LEAF_NAMES = {"params", "kernel", "w", "weight", "weights", "embedding"}
+_ATTRS = {"value", "raw_value", "data_array"}  # NNX's Variable.value, penzai's NamedArray.data_array: no module
+
+
 def path_from_arg(arg_name: str) -> str:
   """p['params']['block_0']['fc1']['kernel'] -> block_0/fc1 (the layer of a weight, for NNX and plain pytrees). The
   weight's own leaf names are dropped (kernel, w, ...), and NNX's `.value` attribute, not a module named `value`
@@ -91,10 +95,6 @@ def path_from_arg(arg_name: str) -> str:
   parts = [key or attr for key, attr in keys
            if (key and key not in _LEAF_NAMES) or (attr and attr not in _LEAF_NAMES | _ATTRS)]
   return "/".join(parts)
-
-
-_LEAF_NAMES = {"params", "kernel", "w", "weight", "weights", "embedding"}
-_ATTRS = {"value", "raw_value", "data_array"}  # NNX's Variable.value, penzai's NamedArray.data_array: no module
 
 
 def layer_of(stack_path, arg_name):

@@ -12,15 +12,12 @@ import hashlib
 import typing
 
 import jax
-import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 
 from xla_fp4 import state
+from xla_fp4.kernels.targets import shape_dtype
 from xla_fp4.passes.rewrite.values import const, u32
-
-_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
-
 
 class KernelSet(typing.Protocol):
   has_packed: bool  # whether the packed targets (quantize_packed, gemm_packed) run, i.e. the native backend can
@@ -69,13 +66,9 @@ class ReferenceKernels:
   def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
     if target.twin is None:
       raise ValueError(f"{target.name} has no twin the pass can lower (ReferenceKernels runs no packed target)")
-    fixed = dict(target.twin_fixed)
-    for name, value in fixed.items():
-      if attrs[name] != value:
-        raise ValueError(f"the twin of {target.name} implements {name}={value} only, got {attrs[name]}")
+    as_operands, params = target.twin_arguments(attrs)
     # Operands, not parameters, so that all sites share one function per shape and recipe.
-    extra = [const(attrs[name], u32()) for name in target.twin_operands]
-    params = {k: v for k, v in attrs.items() if k not in target.twin_operands and k not in fixed}
+    extra = [const(value, u32()) for value in as_operands]
     types = result_types or target.result_types([o.type for o in operands], attrs)
     return list(self.twins.call(target.twin, list(operands) + extra, types, **params))
 
@@ -102,9 +95,7 @@ class Twins:
     lowered_twins = state.current().lowered_twins  # one lowering per signature and process
     text = lowered_twins.get(sig)
     if text is None:
-      avals = [jax.ShapeDtypeStruct(tuple(ir.RankedTensorType(t).shape),
-                                    _DTYPES.get(str(ir.RankedTensorType(t).element_type), jnp.uint32))
-               for t in arg_types]
+      avals = [shape_dtype(t) for t in arg_types]
       # Outside the user's mesh (the pass runs inside their jit): a twin takes whole tensors, and its functions must
       # not name a mesh that the module lacks.
       with jax.set_mesh(None):
