@@ -430,18 +430,17 @@ def test_an_eval_step_in_nvfp4_keeps_the_head_found_from_its_forward_dataflow():
                      ("head", "fprop"): ("keep", "head")}
 
 
-def test_ragged_dots_stay_in_high_precision_on_every_platform():
-  """jax.lax.ragged_dot on CPU is masked dot_generals: its forward, dgrad and wgrad are kept, as on GPU (where XLA
-  keeps chlo.ragged_dot, which the pass does not rewrite), so that CPU emulation predicts the GPU run. The router, a
-  plain linear layer, follows the policy."""
+def test_ragged_dots_are_expert_layers_with_groups():
+  """jax.lax.ragged_dot on CPU is masked dot_generals: the analysis finds each expert layer's forward, dgrad and wgrad
+  (the wgrad's gradient is its rhs, as JAX's ragged transpose puts it), and their groups (one slice per expert); the
+  router is a plain linear layer."""
   module, a = _analysis("ragged_moe")
   ragged = [s for s in a.sites if s.ragged]
-  assert len(ragged) >= 5 and not any(s.ragged for s in a.sites if "router" in (s.weight_arg or "")), \
-      [(s.role, s.weight_arg, s.ragged) for s in a.sites]
-  decided = _decided_with("ragged_moe")
-  rules = {k: v for k, v in decided.items() if v[1] == "ragged"}
-  assert rules and all(v == ("keep", "ragged") for v in rules.values())
-  assert not any(v[1] == "ragged" for k, v in decided.items() if k[0] == "router"), decided
+  assert sorted((s.layer, s.role) for s in ragged) == [("w_in", "fprop"), ("w_in", "wgrad"), ("w_out", "dgrad"),
+                                                       ("w_out", "fprop"), ("w_out", "wgrad")]
+  assert all(s.groups is not None and s.groups.kind == "slices" for s in ragged)
+  assert all(s.gradient_operand == 1 for s in ragged if s.role == "wgrad")
+  assert not any(s.ragged or s.groups for s in a.sites if s.layer == "router")
 
 
 # ---------------------------------------------------------------------- parameters without names, Haiku's scopes
@@ -514,9 +513,9 @@ def test_penzai_blocks_come_from_the_dataflow():
   assert [s.block for s in linear if s.is_head] == [None]
 
 
-def test_ragged_dots_lowered_for_gpu_are_in_the_report_with_the_same_decision():
-  """Lowered for CUDA (on this CPU machine), a ragged dot stays a chlo.ragged_dot: the report lists each one, kept by
-  the same rule as its CPU expansion, and the router is decided as on CPU."""
+def test_ragged_dots_are_decided_alike_on_every_platform():
+  """Lowered for CUDA (on this CPU machine), a ragged dot stays a chlo.ragged_dot: every one is in the report, with the
+  decision and rule of its CPU expansion, so that CPU emulation predicts the GPU run."""
   from xla_fp4 import config
   from xla_fp4.passes import pipeline
   fn, args = models.ragged_moe()
@@ -524,12 +523,10 @@ def test_ragged_dots_lowered_for_gpu_are_in_the_report_with_the_same_decision():
   for platform in ("cpu", "cuda"):
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).compiler_ir("stablehlo")
     rows[platform], _ = pipeline.decisions(module, config.load(environ={}, enabled=True))
-  gpu_ragged = [r for r in rows["cuda"] if r["rule"] == "ragged"]
-  # both expert layers' forward and wgrad, w_out's dgrad (the tokens take no gradient)
+  decided = {p: sorted((r["layer"], r["role"], r["decision"], r["rule"]) for r in rows[p]) for p in rows}
+  assert decided["cpu"] == decided["cuda"], decided
+  # both expert layers' forward and wgrad, w_out's dgrad (the tokens take no gradient); w_out feeds the loss (head)
   lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert len(gpu_ragged) == lowered.count('"chlo.ragged_dot"(') == 5, gpu_ragged
-  assert {r["layer"] for r in gpu_ragged} == {"w_in", "w_out", ""}  # a wgrad reads no weight
-  assert all(r["decision"] == "keep" for r in gpu_ragged)
-  assert {r["decision"] for r in rows["cpu"] if r["rule"] == "ragged"} == {"keep"}
-  router = {p: [(r["role"], r["decision"], r["rule"]) for r in rows[p] if "router" in r["layer"]] for p in rows}
-  assert router["cpu"] == router["cuda"] and router["cpu"], router
+  experts = [r for r in decided["cuda"] if r[0] in ("w_in", "w_out")]
+  assert len(experts) == lowered.count('"chlo.ragged_dot"(') == 5, experts
+  assert {r[2:] for r in experts if r[0] == "w_in"} == {("nvfp4", "nvfp4")}

@@ -65,11 +65,12 @@ class Target:
             for r in self.results([shape_dtype(t) for t in operand_types], attrs, dtype)]
 
 
-_MLIR_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": np.float16, "ui8": np.uint8, "ui32": np.uint32}
+_MLIR_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": np.float16, "ui8": np.uint8, "ui32": np.uint32,
+                "i32": np.int32, "i64": np.int64}
 
 
 def shape_dtype(mlir_type):
-  """The jax.ShapeDtypeStruct of an MLIR tensor type of the kernels' element types."""
+  """The jax.ShapeDtypeStruct of an MLIR tensor type of the kernels' and twins' element types."""
   from jax._src.lib.mlir import ir
   t = ir.RankedTensorType(mlir_type)
   return jax.ShapeDtypeStruct(tuple(t.shape), _MLIR_DTYPES[str(t.element_type)])

@@ -86,7 +86,8 @@ def fold_in_int(key: int, data: int) -> int:
 
 
 def random_bits(key, shape):
-  """uint32 random bits for each element of `shape`: mix32(index ^ mix32(key)), index = row-major position."""
+  """uint32 random bits for each element of `shape`: mix32(index ^ mix32(key)), index = row-major position. `key` is
+  a scalar, or an array broadcastable to `shape` (one key per row: numerics/grouped.py)."""
   key = jnp.asarray(key, jnp.uint32)
   n = int(np.prod(shape, dtype=np.int64))
   if n > 2**32:

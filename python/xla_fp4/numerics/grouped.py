@@ -1,6 +1,7 @@
 """The grouped NVFP4 recipe: `jax.lax.ragged_dot` (the expert GEMMs of a mixture of experts) with its operands in
-NVFP4, emulated exactly. The reference that a grouped rewrite must match bit for bit; the pass does not emit it yet
-(it keeps ragged dots in high precision, docs/design.md §3).
+NVFP4, emulated exactly: the reference (`ragged_dot`, `ragged_contracting_dot`), and the forms the pass emits for
+expert GEMMs (`slice_qdq` + `scaled_output` around a dot_general, `ragged_rows`, `ragged_contracting`), which compute
+the same numbers (docs/design.md §3).
 
 The rows of `lhs` (tokens, sorted by expert) form consecutive groups, `group_sizes[g]` rows for expert g:
 - `ragged_dot(lhs, rhs, group_sizes)`: lhs [M, K], rhs [G, K, N] -> [M, N], the rows of group g times rhs[g]. The
@@ -21,11 +22,25 @@ scale, its rounding and its RHT (a zero row adds nothing after the orthogonal tr
 numbers. The price is a partial block at each group edge, whose scale covers fewer than 16 values.
 
 Stochastic rounding draws per group: the key of group g is fold_in(key, g), after the per-operand fold_in(key, 1|2)
-of `dot_general`. Gradients of both functions are those of the plain ragged dot (straight-through).
+of `dot_general`; element (r, c) of the group's masked operand draws its bits at its row-major position in the whole
+operand. Gradients of both functions are those of the plain ragged dot (straight-through).
+
+What the pass emits (its twins, lowered into the program; passes/rewrite/emitter.py):
+- a dot_general with a group dim on both operands (JAX's CPU expansion of a ragged dot, whose operand is masked per
+  group; an expert einsum `ecd,edf->ecf`): `slice_qdq` quantizes each slice along the group dims with its own scale and
+  key; the GEMM runs with the group dims as batch dims; `scaled_output` applies alpha per group and, where the program
+  contracted the group dim (the expansion's forward and dgrad), sums over it. This is the reference's own structure.
+- a `chlo.ragged_dot` (JAX's lowering for GPU): one ragged GEMM on quantized operands, as many FLOPs as the original.
+  `ragged_rows` (forward, dgrad): the rows of lhs quantized with their group's scale and key, one scale per expert
+  matrix. `ragged_contracting` (wgrad, blocks along the rows): each group's rows are copied into blocks of their own,
+  at their offset within a 16-row block (`_padded_rows`), so that a block holds one group's rows and zeros, exactly
+  the reference's masked block; the copy adds at most one block per group to the contraction.
+  Both quantize the same values as the reference; the GEMM sums the same products in another order.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xla_fp4.numerics import formats
 from xla_fp4.numerics import nvfp4 as qz
@@ -41,8 +56,12 @@ def _group_masks(group_sizes, num_rows):
   return (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
 
 
+def _group_key(key, group):
+  return None if key is None else formats.fold_in(key, group)
+
+
 def _key(key, operand, group):
-  return None if key is None else formats.fold_in(formats.fold_in(key, operand), group)
+  return None if key is None else _group_key(formats.fold_in(key, operand), group)
 
 
 def _quantized(x32, axis, recipe, key, rht_seed):
@@ -109,3 +128,140 @@ def ragged_contracting_dot(lhs, rhs, group_sizes, *, lhs_recipe=OperandRecipe(),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
   plain = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=out_dtype)
   return qz.straight_through(plain, out)
+
+
+# -- what the pass emits ------------------------------------------------------------------------------------------
+
+
+def _recipe(block_2d, stochastic, rht):
+  return OperandRecipe(block_2d=block_2d, rounding=qz.Rounding.STOCHASTIC if stochastic else qz.Rounding.NEAREST,
+                       rht=rht)
+
+
+def _operand_key(x, salt, stochastic):
+  """The pass's key of an operand: its salt xor its digest (kernel_twins.stochastic_key), or None when nearest."""
+  return salt ^ qz.tensor_digest(x) if stochastic else None
+
+
+def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed):
+  """(q·scale in x's dtype, s_dec shaped like x's `groups` dims): every slice of x along the group dims quantized
+  along `axis` with its own global decode scale and key fold_in(key, slice number), as the reference quantizes a
+  group. The slices of a masked operand [G, M, K] are the reference's masked groups; those of an expert weight
+  [G, K, N] its experts."""
+  key = _operand_key(x, salt, stochastic)
+  order = tuple(groups) + tuple(d for d in range(x.ndim) if d not in groups)
+  moved = jnp.transpose(x, order)
+  group_shape = moved.shape[:len(groups)]
+  slices = moved.reshape((-1,) + moved.shape[len(groups):]).astype(jnp.float32)
+  recipe, inner = _recipe(block_2d, stochastic, rht), order.index(axis) - len(groups)
+  q, s_dec = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed))(
+      slices, jnp.arange(slices.shape[0]))
+  q = jnp.transpose(q.reshape(moved.shape).astype(x.dtype), np.argsort(order))
+  return q, s_dec.reshape(group_shape)
+
+
+def scaled_output(acc, lhs_scale, rhs_scale, *, groups, summed, dtype):
+  """The GEMM's f32 accumulator `acc` times alpha = lhs_scale * rhs_scale of each group (the group dims of acc are
+  `groups`, in the scales' order), summed over the positions `summed` (the group dims the program contracted), in
+  `dtype`: the reference's `acc * (sx * sw)` and its sum over the groups."""
+  shape = [1] * acc.ndim
+  for d in groups:
+    shape[d] = acc.shape[d]
+  y = acc * (lhs_scale * rhs_scale).reshape(shape)
+  if summed:
+    y = jnp.sum(y, axis=tuple(summed))
+  return y.astype(dtype)
+
+
+def _group_of_rows(group_sizes, num_rows):
+  """int32 [num_rows]: the group of each row; len(group_sizes) for rows after the last group."""
+  return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(num_rows), side="right").astype(jnp.int32)
+
+
+def _expert_slices(w, group_dim, axis, recipe, key, rht_seed):
+  """slice_qdq of the expert matrices of `w` (group dim `group_dim`), in float32."""
+  moved = jnp.moveaxis(w, group_dim, 0).astype(jnp.float32)
+  inner = axis - (axis > group_dim)
+  q, s = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed))(
+      moved, jnp.arange(moved.shape[0]))
+  return jnp.moveaxis(q, 0, group_dim), s
+
+
+def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
+                lhs_recipe, rhs_recipe, rht_seed, dtype):
+  """chlo.ragged_dot with lhs [M, K] in groups of rows and rhs [G, ...] one matrix per group (a forward or dgrad of
+  an expert layer) in the grouped recipe, as one ragged GEMM. Recipes are (block_2d, stochastic, rht)."""
+  lhs_recipe, rhs_recipe = _recipe(*lhs_recipe), _recipe(*rhs_recipe)
+  num_groups = rhs.shape[rhs_group]
+  group = _group_of_rows(group_sizes, lhs.shape[0])
+  in_group = group < num_groups
+  x32 = jnp.where(in_group[:, None], lhs.astype(jnp.float32), 0.0)
+  if lhs_recipe.rht:
+    x32 = rht_f32(x32, lhs_contracting, rht_seed)
+  row_amax = qz._max(jnp.abs(x32), axis=1)
+  amax = jnp.maximum(jax.ops.segment_max(row_amax, group, num_segments=num_groups + 1)[:num_groups], 0.0)
+  s_x = qz.global_decode_scale(amax)
+  s_row = jnp.take(s_x, group, mode="fill", fill_value=0.0)
+  key = _operand_key(lhs, lhs_salt, lhs_recipe.stochastic)
+  row_key = None if key is None else _group_key(key, group)[:, None]
+  qx = qz.unscaled_values(x32, lhs_contracting, lhs_recipe.block_2d, lhs_recipe.rounding, row_key,
+                          s_row[:, None, None])
+  qw, s_w = _expert_slices(rhs, rhs_group, rhs_contracting, rhs_recipe,
+                           _operand_key(rhs, rhs_salt, rhs_recipe.stochastic), rht_seed)
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([lhs_contracting], [rhs_contracting]), ([], [])), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[rhs_group])
+  acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qw.astype(rhs.dtype), group_sizes, dims,
+                                   preferred_element_type=jnp.float32)
+  alpha = jnp.take(s_x * s_w, group, mode="fill", fill_value=0.0)
+  return (acc * alpha[:, None]).astype(dtype)
+
+
+def _padded_rows(group_sizes, num_rows):
+  """The copy of `ragged_contracting`: for each row p of a [P, ...] layout where group g's rows fill whole 16-row
+  blocks of their own, each row at its offset within its block as in the original: (the original row at p, whether p
+  holds one of its group's rows, the group of p (G past the last), the padded group sizes). P = num_rows + 16 G."""
+  num_groups = group_sizes.shape[0]
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  first = starts // formats.BLOCK
+  blocks = jnp.where(group_sizes > 0, -(-ends // formats.BLOCK) - first, 0)
+  padded_sizes = blocks * formats.BLOCK
+  padded_ends = jnp.cumsum(padded_sizes)
+  rows = num_rows + formats.BLOCK * num_groups
+  p = jnp.arange(rows)
+  group = jnp.searchsorted(padded_ends, p, side="right").astype(jnp.int32)
+  g = jnp.minimum(group, num_groups - 1)
+  original = first[g] * formats.BLOCK + p - (padded_ends[g] - padded_sizes[g])
+  holds = (group < num_groups) & (original >= starts[g]) & (original < ends[g])
+  return jnp.clip(original, 0, num_rows - 1), holds, group, padded_sizes
+
+
+def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype):
+  """chlo.ragged_dot with lhs [M, K] and rhs [M, N] contracted over the rows of each group -> [G, K, N] (an expert
+  layer's wgrad) in the grouped recipe: both operands along the rows, copied into `_padded_rows`' layout."""
+  num_rows, num_groups = lhs.shape[0], group_sizes.shape[0]
+  original, holds, group, padded_sizes = _padded_rows(group_sizes, num_rows)
+  block_group = group[::formats.BLOCK]
+
+  def quantized(x, salt, recipe):
+    recipe = _recipe(*recipe)
+    v = jnp.where(holds[:, None], x.astype(jnp.float32)[original], 0.0)
+    if recipe.rht:
+      v = rht_f32(v, 0, rht_seed)
+    block_amax = qz._max(jnp.abs(v).reshape(-1, formats.BLOCK, v.shape[1]), axis=(1, 2))
+    amax = jnp.maximum(jax.ops.segment_max(block_amax, block_group, num_segments=num_groups + 1)[:num_groups], 0.0)
+    s_dec = qz.global_decode_scale(amax)
+    s_block = jnp.take(s_dec, block_group, mode="fill", fill_value=0.0)
+    key, bits = _operand_key(x, salt, recipe.stochastic), None
+    if key is not None:  # element (r, c) draws at its position in the original operand, with its group's key
+      index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
+      bits = formats.mix32(index ^ formats.mix32(_group_key(key, group)[:, None]))
+    q = qz.unscaled_values(v, 0, recipe.block_2d, recipe.rounding, None, s_block[None, :, None], bits)
+    return q.astype(x.dtype), s_dec
+
+  (qx, s_x), (qy, s_y) = quantized(lhs, lhs_salt, lhs_recipe), quantized(rhs, rhs_salt, rhs_recipe)
+  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  acc = jax.lax.ragged_dot_general(qx, qy, padded_sizes, dims, preferred_element_type=jnp.float32)
+  return (acc * (s_x * s_y)[:, None, None]).astype(dtype)

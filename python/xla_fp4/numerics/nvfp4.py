@@ -115,9 +115,11 @@ def amax(x):
   return _max(jnp.abs(x.astype(jnp.float32)))
 
 
-def _encode(x32, axis, block_2d, rounding, key, s_dec):
+def _encode(x32, axis, block_2d, rounding, key, s_dec, bits=None):
   """Core of the recipe on a float32 tensor. Returns (q, scales) with q float32 on the E2M1 grid shaped (outer, K/16,
-  16, inner) and scales float8_e4m3fn shaped (outer, K/16, inner)."""
+  16, inner) and scales float8_e4m3fn shaped (outer, K/16, inner). `s_dec` is a scalar, or one per block
+  (broadcastable to (outer, K/16, inner): the grouped recipe's per-group scales); `bits` (x32's shape) replaces the
+  random bits drawn from `key` where the caller numbers elements otherwise (numerics/grouped.py)."""
   axis, outer, k, inner = canonical_axis(x32.shape, axis)
   xb = x32.reshape(outer, k // BLOCK, BLOCK, inner)
   block_amax = _max(jnp.abs(xb), axis=2)
@@ -129,7 +131,8 @@ def _encode(x32, axis, block_2d, rounding, key, s_dec):
   denom = scales.astype(jnp.float32) * s_dec
   v = xb * (jnp.float32(1) / denom)[:, :, None, :]
   if rounding == "stochastic":
-    u = formats.uniform_from_bits(formats.random_bits(key, x32.shape).reshape(xb.shape))
+    bits = formats.random_bits(key, x32.shape) if bits is None else bits
+    u = formats.uniform_from_bits(bits.reshape(xb.shape))
     q = formats.round_e2m1_stochastic(v, u)
   else:
     q = formats.round_e2m1_nearest(v)
@@ -147,10 +150,10 @@ def _decode(q, scales, s_dec):
   return _times_scale(q, scales) * jnp.asarray(s_dec, jnp.float32)
 
 
-def unscaled_values(x32, axis, block_2d, rounding, key, s_dec):
+def unscaled_values(x32, axis, block_2d, rounding, key, s_dec, bits=None):
   """q * scale of float32 `x32` in its own shape, without the global decode scale: the operand of an emulated GEMM
-  that folds both tensors' s_dec into its output (the kernels' apply_global_scale=false)."""
-  q, scales = _encode(x32, axis, block_2d, rounding, key, s_dec)
+  that folds both tensors' s_dec into its output (the kernels' apply_global_scale=false). `s_dec`, `bits`: _encode."""
+  q, scales = _encode(x32, axis, block_2d, rounding, key, s_dec, bits)
   return _times_scale(q, scales).reshape(x32.shape)
 
 

@@ -28,6 +28,11 @@ def is_cpu(platform):
   return registry.xla_platform(platform) == "cpu"
 
 
+def lowering_platform(platform):
+  """JAX's name of `platform` for lowering the twins (cpu, cuda), None for another (the default backend's)."""
+  return "cuda" if is_cuda(platform) else "cpu" if is_cpu(platform) else None
+
+
 def choose_backend(config: Config, platform, module, kernels=None, *, partitioned=False) -> Backend:
   """The kernel set and GEMM for `platform`: the platform's FFI kernels where they are registered, else the plain
   StableHLO form lowered from `xla_fp4.numerics`; the FP4 GEMM where config.backend asks for it (native) or where one
@@ -39,7 +44,7 @@ def choose_backend(config: Config, platform, module, kernels=None, *, partitione
   elif registered:
     kernel_set, described = FfiKernels(partitioned=partitioned), why
   else:
-    kernel_set, described = ReferenceKernels(module), f"plain StableHLO form ({why})"
+    kernel_set, described = ReferenceKernels(module, lowering_platform(platform)), f"plain StableHLO form ({why})"
   packed = kernel_set.has_packed
   if config.backend == "emulate":
     return Backend(kernel_set, described, "emulate", "XLA_FP4_BACKEND=emulate")

@@ -19,7 +19,7 @@ from xla_fp4.config import Config
 from xla_fp4.passes import analysis as analysis_mod
 from xla_fp4.passes import policy
 from xla_fp4.passes import rewrite
-from xla_fp4.passes.backend import choose_backend, is_cpu, is_cuda
+from xla_fp4.passes.backend import choose_backend, is_cpu, is_cuda, lowering_platform
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
       plans = policy.plan(analysis, decided, partitioned=partitioned, native=backend.gemm == "native",
                           cuda=is_cuda(platform))
       rewrite.apply(new, plans, backend.kernel_set, seed=config.seed,
-                    matrix_gemm=is_cpu(platform))
+                    matrix_gemm=is_cpu(platform), platform=lowering_platform(platform))
     notes = {p.site.index: "; ".join(p.notes) for p in plans if p.notes}
     rows = report.rows(analysis.sites, decided, notes)
   return Result(module=new if changed else module, rows=rows, unmatched_rules=unmatched, changed=changed,

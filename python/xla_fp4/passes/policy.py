@@ -2,7 +2,7 @@
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
 are reported. The user's rules (the `rules` option: data, not code) come after the five that say what the pass cannot
-take (a ragged dot, not a linear layer, the dtypes and contraction sizes the kernels take) and which programs it
+take (a ragged dot of a form the grouped recipe does not take, not a linear layer, the dtypes and contraction sizes the kernels take) and which programs it
 leaves alone (those that do not train, unless XLA_FP4_FORWARD_ONLY=1), and before the paper's policy. Defaults
 follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept; about 16% of the blocks
 kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62 blocks); GEMMs whose
@@ -39,6 +39,7 @@ class Form(enum.StrEnum):
   WHOLE_TENSOR = "whole_tensor"  # one kernel per operand measures it (amax, key) and returns q·scale; one device
   PARTITIONED = "partitioned"  # per-block maxima, a plain max reduction (XLA's all-reduce), then the qdq kernel
   PACKED = "packed"  # packed FP4 operands and the FP4 GEMM (the native backend)
+  GROUPED = "grouped"  # expert GEMMs: one global decode scale per expert or group of tokens (numerics/grouped.py)
 
 
 class Operand(enum.StrEnum):
@@ -135,16 +136,17 @@ def default_rules(config: Config):
   exclude = re.compile(config.exclude) if config.exclude else None
   return (
       Rule(name="ragged", decision=Verdict.KEEP,
-           reason="a ragged dot (jax.lax.ragged_dot: MoE experts): its NVFP4 form is not built, so it stays in high "
-                  "precision on every platform (a chlo.ragged_dot on GPU, masked dot_generals on CPU)",
-           when=lambda s, c: s.ragged),
+           reason="a ragged dot of a form the grouped recipe does not take (it takes jax.lax.ragged_dot's forward, "
+                  "dgrad and wgrad, as chlo.ragged_dot on GPU and masked dot_generals on CPU): high precision on "
+                  "every platform",
+           when=lambda s, c: s.ragged and s.groups is None),
       Rule(name="not_linear", decision=Verdict.KEEP, reason="not a linear-layer GEMM (no operand is a parameter)",
            when=lambda s, c: s.role is Role.OTHER),
       Rule(name="dtype", decision=Verdict.KEEP,
            reason="operands are not float32, bfloat16 or float16 (what the kernels take)",
            when=lambda s, c: not set(s.gemm.operand_dtypes) <= QUANTIZABLE_DTYPES),
       Rule(name="contraction_not_16", decision=Verdict.KEEP, reason="contraction size is not a multiple of 16",
-           when=lambda s, c: s.gemm.k % 16 != 0),
+           when=lambda s, c: (s.groups.k if s.groups else s.gemm.k) % 16 != 0),
       Rule(name="forward_only", decision=Verdict.KEEP,
            reason="the program has no backward pass through a linear layer (an eval, sampling or init step, an eager "
                   "op): left as it is (XLA_FP4_FORWARD_ONLY=1 rewrites it)",
@@ -170,10 +172,11 @@ def default_rules(config: Config):
 
 
 def operand_kinds(site: DotSite):
-  """(lhs, rhs) Operand kinds. JAX's transpose rule emits dot_general(g, other): the gradient is the non-weight
-  operand of a dgrad and the lhs of a wgrad."""
+  """(lhs, rhs) Operand kinds: the gradient is the non-weight operand of a dgrad, and the operand of a wgrad that the
+  analysis found to be the gradient (DotSite.gradient_operand)."""
   if site.role is Role.WGRAD:
-    return Operand.GRADIENT, Operand.ACTIVATION
+    return (Operand.ACTIVATION, Operand.GRADIENT) if site.gradient_operand == 1 else \
+        (Operand.GRADIENT, Operand.ACTIVATION)
   other = Operand.ACTIVATION if site.role is Role.FPROP else Operand.GRADIENT
   return (Operand.WEIGHT, other) if site.weight_operand == 0 else (other, Operand.WEIGHT)
 
@@ -251,9 +254,9 @@ def _operand_plans(site: DotSite, decision: Decision, form: Form):
 
 
 def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda: bool):
-  """One Plan per NVFP4 decision, in program order. `native`: the backend's GEMM is the FP4 one; a dot it cannot run,
-  and every dot of a partitioned program (the packed kernels have no partitioner), keeps the emulated GEMM, with a
-  note saying why."""
+  """One Plan per NVFP4 decision, in program order. Expert GEMMs (DotSite.groups) take the grouped form. `native`:
+  the backend's GEMM is the FP4 one; a dot it cannot run, and every dot of a partitioned program (the packed kernels
+  have no partitioner), keeps the emulated GEMM, with a note saying why."""
   plans = []
   for d in decisions:
     if d.decision is not Verdict.NVFP4:
@@ -263,7 +266,11 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
     if source is not None and source.kind is BlockIndex.UNAVAILABLE:
       notes.append("block index unavailable per iteration: every iteration runs in NVFP4")
     form = Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
-    if native:
+    if record.site.groups is not None:
+      form = Form.GROUPED
+      if native:
+        notes.append("an expert GEMM: the packed GEMM takes no groups: emulated")
+    elif native:
       why = ("partitioned program: the packed kernels have no partitioner" if partitioned else
              native_ineligible(record.site, cuda))
       if why:

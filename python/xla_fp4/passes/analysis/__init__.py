@@ -19,8 +19,8 @@ One module per concern (docs/design.md §4):
   roles.py      fprop / dgrad / wgrad / other
   heads.py      the output head, from the dataflow of its gradient
   blocks.py     the repeated blocks and, in scanned stacks, where the iteration's block index is
-  ragged.py     ragged dots (MoE experts): their CPU expansion; lowered for GPU they are chlo.ragged_dot ops, listed
-                after the dots (role other, ragged)
+  ragged.py     expert GEMMs: ragged dots (chlo.ragged_dot on GPU, masked dot_generals on CPU) and expert einsums,
+                and their groups (one global decode scale per expert or group of tokens)
 Also here: `excluded_scope` (the dot, or an op or call site around it, carries the `xla_fp4_exclude` frontend
 attribute that `xla_fp4.exclude()` sets; JAX copies it onto the transposed dots) and `higher_order` (names.py).
 """
@@ -36,6 +36,7 @@ from xla_fp4.passes.analysis import roles
 from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_sites, visible
 from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Phase,
                                              Role)
+from xla_fp4.passes.analysis import ragged
 from xla_fp4.passes.analysis.ragged import is_group_masked
 from xla_fp4.passes.analysis.trace import Tracer, dot_dims, ragged_dot_dims, replicated_arguments
 
@@ -68,26 +69,20 @@ def analyze(module, graph=None) -> Analysis:
     block, stacked, offset = blocks.get(i, (None, None, None))
     linear = d.role is not Role.OTHER
     enclosing = list(graph.around(d.op))
+    is_ragged = d.op.name == "chlo.ragged_dot" or any(is_group_masked(v) for v in d.op.operands)
     site = DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=names.layer_of(d.path, arg_name) if linear else d.path,
         phase=d.phase, role=d.role, weight_operand=d.w if d.role in (Role.FPROP, Role.DGRAD) else None,
+        gradient_operand=d.gradient if d.role is Role.WGRAD else None,
         weight_arg=arg_name, weight_replicated=src is not None and src.arg in replicated,
         block=block, num_stacked=stacked, block_offset=offset,
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
         excluded_scope=_excluded(d.op, enclosing), higher_order=names.higher_order(d.stack),
-        ragged=any(is_group_masked(v) for v in d.op.operands),
+        ragged=is_ragged, groups=ragged.groups(d.op, linear),
         in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing),
-        gemm=_gemm(d.op, dot_dims(d.op)))
+        gemm=_gemm(d.op))
     source = blocks_mod.block_source(d.op, src) if stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))
-  for fname, op in graph.ragged_dots:  # after the dots: what the pass sees of a ragged dot lowered for GPU
-    stack = _name_stack(graph, fname, str(op.location))
-    source = tracer.trace(op.operands[1])  # the expert weights, in the forward and the dgrad
-    arg_name = arg_names[source.arg] if source is not None and source.arg < len(arg_names) else None
-    records.append(DotRecord(op=op, site=DotSite(
-        index=len(records), func=fname, name_stack=stack, layer=names.layer_of(names.layer_path(stack), arg_name),
-        phase=names.phase_of(stack), role=Role.OTHER, weight_arg=arg_name, ragged=True,
-        gemm=_gemm(op, *ragged_dot_dims(op)))))
   return Analysis(records=records, num_blocks=num_blocks)
 
 
@@ -97,10 +92,11 @@ def _name_stack(graph, fname, loc_text):
   return f"{prefix}/{own}" if prefix and own else (prefix or own)
 
 
-def _gemm(op, dims, rhs_groups=()) -> Gemm:
-  """The geometry of a dot_general or a ragged dot (`dims`: its contracting and batch dims; `rhs_groups`: a ragged
-  dot's group dim, which selects the rhs matrix of each group of lhs rows and is no free dim)."""
-  (lc, rc), (lb, rb) = dims
+def _gemm(op) -> Gemm:
+  """The geometry of a dot_general or a ragged dot (a ragged dot's rhs group dim selects the rhs matrix of each group
+  of lhs rows and is no free dim)."""
+  (lc, rc), (lb, rb) = dot_dims(op)
+  rhs_groups = ragged_dot_dims(op)[1] if op.name == "chlo.ragged_dot" else ()
   ls, rs, out = shape(op.operands[0]), shape(op.operands[1]), shape(op.results[0])
   k = int(math.prod([ls[x] for x in lc]))
   batch = int(math.prod([ls[x] for x in lb]))

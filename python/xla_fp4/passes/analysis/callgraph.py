@@ -112,8 +112,9 @@ class CallGraph:
     self.funcs = {}
     self._prefixes = {}  # function name -> call_prefix
     self.calls = {}  # callee -> [call ops], program order
-    self.order = []  # (func name, op) for every dot_general and func.call, program order
-    self.ragged_dots = []  # (func name, op) for every chlo.ragged_dot (JAX's ragged_dot lowered for GPU)
+    # (func name, op) for every dot_general, chlo.ragged_dot (JAX's ragged_dot lowered for GPU) and func.call, in
+    # program order
+    self.order = []
     for op in module.body.operations:
       if op.operation.name == "func.func":
         self.funcs[func_name(op)] = op
@@ -128,18 +129,15 @@ class CallGraph:
       name = op.name  # one read per op: this runs for every op of the module
       if name in _COLLECTED:
         op = op.operation
-        if name == "chlo.ragged_dot":
-          self.ragged_dots.append((fname, op))
-        else:
-          self.order.append((fname, op))
-          if name == "func.call":
-            self.calls.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
+        self.order.append((fname, op))
+        if name == "func.call":
+          self.calls.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
       return ir.WalkResult.ADVANCE
     func_op.walk(visit, ir.WalkOrder.PRE_ORDER)
 
   def dots(self):
-    """(function name, dot_general) in program order."""
-    return [(f, op) for f, op in self.order if op.name == "stablehlo.dot_general"]
+    """(function name, dot_general or chlo.ragged_dot) in program order."""
+    return [(f, op) for f, op in self.order if op.name != "func.call"]
 
   def callee(self, call):
     """The func.func a func.call calls (None for an unknown symbol)."""

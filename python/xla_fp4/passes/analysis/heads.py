@@ -19,8 +19,11 @@ from xla_fp4.passes.analysis.records import Phase, Role
 from xla_fp4.passes.analysis.trace import dot_dims
 
 
+DOTS = ("stablehlo.dot_general", "chlo.ragged_dot")
+
+
 class Dataflow:
-  """Walks over values across functions, loops and branches, cut at dot_generals."""
+  """Walks over values across functions, loops and branches, cut at dots (dot_generals and ragged dots)."""
 
   LIMIT = 20000  # values visited per walk; beyond it the answer is "inconclusive"
 
@@ -55,7 +58,7 @@ class Dataflow:
           return None
         continue
       op, number = defining_op(v), ir.OpResult(v).result_number
-      if op.name == "stablehlo.dot_general":
+      if op.name in DOTS:
         if barrier(op):
           return False
         continue
@@ -84,7 +87,7 @@ class Dataflow:
       if len(seen) > self.LIMIT:
         return None
       for user, i in users(v):
-        if user.name == "stablehlo.dot_general":
+        if user.name in DOTS:
           continue
         if user.name == "func.return":
           fname = self.graph.enclosing_func(user)

@@ -25,6 +25,21 @@ class BlockIndex(enum.StrEnum):
   UNAVAILABLE = "unavailable"  # not found: every iteration runs in NVFP4
 
 
+class Grouping(enum.StrEnum):
+  """How an expert GEMM's operands fall into groups, each quantized with its own global decode scale (ragged.py)."""
+  SLICES = "slices"  # a dot_general: every slice along the group dims is a matrix of its own
+  RAGGED_ROWS = "ragged_rows"  # chlo.ragged_dot: lhs rows in groups, one rhs matrix per group (forward, dgrad)
+  RAGGED_CONTRACTING = "ragged_contracting"  # chlo.ragged_dot: both operands' rows in groups, contracted (wgrad)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Groups:
+  kind: Grouping
+  lhs: tuple  # the lhs's group dims (RAGGED_*: its ragged rows)
+  rhs: tuple  # the rhs's, paired with the lhs's in order (RAGGED_ROWS: the dim that selects the group's matrix)
+  k: int  # the contraction of one group's GEMM, along which its operands are quantized
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Gemm:
   """The dot's geometry: M, N, K merge every free / contracting dim (batch dims count into M)."""
@@ -51,6 +66,7 @@ class DotSite:
   phase: Phase
   role: Role
   weight_operand: Optional[int] = None  # 0 (lhs) or 1 (rhs) for fprop/dgrad
+  gradient_operand: Optional[int] = None  # 0 or 1 for wgrad: the output gradient (dataflow, else JAX's lhs)
   weight_arg: Optional[str] = None  # the @main argument the layer's weight comes from
   # that argument's sharding annotation (Shardy's or GSPMD's) replicates it over the mesh: every device holds it whole
   weight_replicated: bool = False
@@ -60,7 +76,8 @@ class DotSite:
   head_reason: Optional[str] = None  # the layer is the output head: how that was found (dataflow, or the name)
   excluded_scope: bool = False  # inside xla_fp4.exclude()
   higher_order: bool = False  # differentiates a derivative: a transpose inside a jvp, or two transposes
-  ragged: bool = False  # a ragged dot's CPU expansion: an operand is masked per group (ragged.py)
+  ragged: bool = False  # a ragged dot: a chlo.ragged_dot, or its CPU expansion (an operand masked per group; ragged.py)
+  groups: Optional[Groups] = None  # expert GEMMs: one global decode scale per slice or group (ragged.py)
   # inside a shard_map body (sdy.manual_computation), where JAX records no transforms in the name stack: the phase
   # and role there come from the dataflow alone
   in_shard_map: bool = False

@@ -16,6 +16,7 @@
 import dataclasses
 
 from xla_fp4.passes.analysis import names
+from xla_fp4.passes.analysis import ragged
 from xla_fp4.passes.analysis.callgraph import shape
 from xla_fp4.passes.analysis.records import Phase, Role
 from xla_fp4.passes.analysis.trace import root
@@ -29,9 +30,11 @@ class Dot:
     self.frames = names.frames_of(loc_text)
     self.path = names.layer_path(stack)
     self.phase = names.phase_of(stack)
-    self.roots = [root(graph, v) for v in op.operands]
+    # a ragged dot's CPU expansion masks the same tensors per group in every dot of the layer: compare what it masks
+    self.roots = [root(graph, ragged.unmasked(v)) for v in op.operands[:2]]
     self.out_shape = shape(op.results[0])
     self.role, self.w, self.src, self.partner = Role.OTHER, None, None, None
+    self.gradient = 0  # a wgrad's output-gradient operand
 
 
 def classify_forward(dots):
@@ -117,7 +120,21 @@ def pair_backward(dots):
       partner = (free or shaped)[-1]
     claimed.add(partner)
     d.role, d.partner = Role.WGRAD, partner
+    d.gradient = _gradient_operand(d, dots[partner], gradients.get(partner, ()))
     d.src = _local_source(dots, d, dots[partner].src)
+
+
+def _gradient_operand(wgrad, fprop, gradients):
+  """Which operand of a wgrad is the output gradient: the one its layer's dgrad reads, else the one that is not the
+  layer's activation, else JAX's convention for dot_general (the lhs; its ragged_dot puts it on the rhs)."""
+  for k in (0, 1):
+    if wgrad.roots[k] in gradients:
+      return k
+  activation = fprop.roots[1 - fprop.w]
+  for k in (0, 1):
+    if wgrad.roots[k] == activation:
+      return 1 - k
+  return 1 if wgrad.op.name == "chlo.ragged_dot" else 0
 
 
 def _local_source(dots, wgrad, src):

@@ -103,18 +103,22 @@ def root(graph: CallGraph, value):
 
 
 def dot_dims(op):
-  """((lhs contracting, rhs contracting), (lhs batch, rhs batch)) of a dot_general."""
+  """((lhs contracting, rhs contracting), (lhs batch, rhs batch)) of a dot_general or a chlo.ragged_dot."""
+  if op.name == "chlo.ragged_dot":
+    return ragged_dot_dims(op)[0]
   d = hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
   return ((tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)))
 
 
 def ragged_dot_dims(op):
-  """(dot_dims, rhs group dims) of a chlo.ragged_dot: the group dim selects the rhs matrix of each group of rows."""
+  """(dot_dims, rhs group dims, lhs ragged dims) of a chlo.ragged_dot: the group dim selects the rhs matrix of each
+  group of rows."""
   from jax._src.lib.mlir.dialects import chlo
   d = chlo.RaggedDotDimensionNumbers(op.attributes["ragged_dot_dimension_numbers"])
   return (((tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
-           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions))), tuple(d.rhs_group_dimensions))
+           (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions))), tuple(d.rhs_group_dimensions),
+          tuple(d.lhs_ragged_dimensions))
 
 
 def replicated_arguments(main):

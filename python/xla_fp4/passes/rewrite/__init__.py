@@ -26,10 +26,11 @@ from xla_fp4.passes.rewrite.kernel_sets import FfiKernels, KernelSet, ReferenceK
 __all__ = ["Emitter", "FfiKernels", "KernelSet", "ReferenceKernels", "Twins", "apply"]
 
 
-def apply(module, plans, kernel_set, *, seed, matrix_gemm=False):
+def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, platform=None):
   """Rewrite every planned dot of `module` (in place, in program order) with `kernel_set`; the module must verify
-  after. `matrix_gemm`: emit emulated GEMMs as plain matrices where XLA CPU needs them (Emitter)."""
-  emitter = Emitter(kernel_set, Twins(module), seed, matrix_gemm=matrix_gemm)
+  after. `matrix_gemm`: emit emulated GEMMs as plain matrices where XLA CPU needs them (Emitter). `platform`: JAX's
+  name of the platform the twins are lowered for (Twins)."""
+  emitter = Emitter(kernel_set, Twins(module, platform), seed, matrix_gemm=matrix_gemm)
   passed_in = {}  # (function, id of the entry call) -> the block index inside the function
   for plan in plans:
     dot = plan.record.op

@@ -8,6 +8,16 @@ output as cuBLASLt's alpha):
   then                %acc = dot_general(%qa, %qb) -> f32;  %y = convert(%acc * (%sa * %sb))
 Form.PACKED: operands made K-major matrices, xla_fp4_quantize_packed (codes + swizzled E4M3 scales) and
 xla_fp4_gemm_packed with alpha = s_dec_a * s_dec_b, which writes the dot's own output type.
+Form.GROUPED (expert GEMMs, numerics/grouped.py's twins lowered into the program):
+  a dot_general with group dims (Grouping.SLICES; on CPU a ragged dot's expansion, whose forward contracts the group
+  dim G of %xg [G, M, K] and %w [G, K, N]):
+                      %qx, %sx = slice_qdq(%xg, %salt) {groups = [0], axis = 2}   (%sx: f32[G], one per group)
+                      %qw, %sw = slice_qdq(%w, %salt') {groups = [0], axis = 1, block_2d}
+                      %acc = dot_general %qx, %qw, batching_dims = [0] x [0], contracting_dims = [2] x [1] -> f32
+                      %y = scaled_output(%acc, %sx, %sw) {groups = [0], summed = [0]}   (alpha per group, sum over G)
+  a chlo.ragged_dot:  %y = ragged_rows(%x, %w, %group_sizes, %salt, %salt')        (forward, dgrad)
+                      %y = ragged_contracting(%x, %dy, %group_sizes, %salt, %salt') (wgrad)
+  one ragged GEMM on the quantized operands inside, as many FLOPs as the original.
 
 Per-iteration select of a scanned stack with kept blocks (`block_value` is the iteration's block index): in the
 emulated forms a `stablehlo.select` per operand gives the GEMM the operand itself (and s_dec = 1) in kept iterations
@@ -28,7 +38,10 @@ from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
 from xla_fp4.numerics import formats
+from xla_fp4.numerics import grouped
 from xla_fp4.numerics import kernel_twins
+from xla_fp4.passes.analysis.records import Grouping
+from xla_fp4.passes.analysis.trace import ragged_dot_dims
 from xla_fp4.passes.policy import Form, Operand
 from xla_fp4.passes.rewrite import dims
 from xla_fp4.passes.rewrite.reuse import Reuse, blocking
@@ -53,17 +66,27 @@ class Emitter:
       select = None
       if keep_blocks and block_value is not None:
         select = self.reuse.selector(block_value, keep_blocks, dot, lambda: _kept(block_value, keep_blocks))
+      if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
+        return self._slices(plan, select)
+      if plan.form is Form.GROUPED:
+        return self._in_case(select, dot, lambda: self._ragged(plan))
       if plan.form is not Form.PACKED:
         return self._emulated(plan, select)
-      if select is None:
-        return self._native_gemm(plan)
-      i32 = ir.IntegerType.get_signless(32)
-      case = hlo.CaseOp([dot.results[0].type], hlo.SelectOp(select, const(0, i32), const(1, i32)).result, 2)
-      with ir.InsertionPoint(case.regions[0].blocks.append()):
-        hlo.ReturnOp([dot.operation.clone().results[0]])
-      with ir.InsertionPoint(case.regions[1].blocks.append()):
-        hlo.ReturnOp([self._native_gemm(plan)])
-      return case.results[0]
+      return self._in_case(select, dot, lambda: self._native_gemm(plan))
+
+  @staticmethod
+  def _in_case(select, dot, build):
+    """`build()`, or with `select` a stablehlo.case that runs the original op in kept iterations and `build()`'s
+    pattern in the others."""
+    if select is None:
+      return build()
+    i32 = ir.IntegerType.get_signless(32)
+    case = hlo.CaseOp([dot.results[0].type], hlo.SelectOp(select, const(0, i32), const(1, i32)).result, 2)
+    with ir.InsertionPoint(case.regions[0].blocks.append()):
+      hlo.ReturnOp([dot.operation.clone().results[0]])
+    with ir.InsertionPoint(case.regions[1].blocks.append()):
+      hlo.ReturnOp([build()])
+    return case.results[0]
 
   # -- quantization ---------------------------------------------------------------------------------------------
 
@@ -157,19 +180,21 @@ class Emitter:
       if operand.kind is Operand.GRADIENT:
         after = quantized[i][1]
     (qa, sa), (qb, sb) = quantized
-    acc_type = ir.RankedTensorType.get(tensor_type(dot.results[0]).shape, f32())
+    return self._f32_dot(dot, qa, qb, dimension_numbers, tensor_type(dot.results[0]).shape), hlo.MulOp(sa, sb).result
+
+  def _f32_dot(self, dot, qa, qb, dimension_numbers, shape):
+    """dot_general(qa, qb) accumulated in f32 with `dot`'s precision: the emulated GEMM."""
+    acc_type = ir.RankedTensorType.get(shape, f32())
     kwargs = {}
     if "precision_config" in dot.attributes:
       kwargs["precision_config"] = dot.attributes["precision_config"]
     matrices = dims.as_matrices(qa, qb, dimension_numbers, lambda v, shape: self.reuse.reshaped(v, shape, dot)) \
         if self.matrix_gemm and tensor_type(qa).element_type != f32() else None
     if matrices is None:
-      acc = hlo.DotGeneralOp(acc_type, qa, qb, dimension_numbers, **kwargs).result
-    else:
-      qa, qb, dimension_numbers, shape = matrices
-      acc = hlo.DotGeneralOp(ir.RankedTensorType.get(shape, f32()), qa, qb, dimension_numbers, **kwargs).result
-      acc = hlo.ReshapeOp(acc_type, acc).result  # (batch, lhs free, rhs free): the dot's own output order
-    return acc, hlo.MulOp(sa, sb).result
+      return hlo.DotGeneralOp(acc_type, qa, qb, dimension_numbers, **kwargs).result
+    qa, qb, dimension_numbers, matrix_shape = matrices
+    acc = hlo.DotGeneralOp(ir.RankedTensorType.get(matrix_shape, f32()), qa, qb, dimension_numbers, **kwargs).result
+    return hlo.ReshapeOp(acc_type, acc).result  # (batch, lhs free, rhs free): the dot's own output order
 
   def _native_gemm(self, plan):
     """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM, which applies alpha = s_dec_a * s_dec_b to its f32
@@ -193,6 +218,70 @@ class Emitter:
                                dict(block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
                                     rht_seed=self.seed))
     return tuple(packed), s_dec
+
+
+  # -- expert GEMMs (Form.GROUPED) -------------------------------------------------------------------------------
+
+  def _salt(self, operand):
+    return const(formats.fold_in_int(self.seed, operand.salt_id), u32())
+
+  def _slices(self, plan, select):
+    """A dot_general with group dims (Grouping.SLICES): every slice quantized with its own scale (slice_qdq), the GEMM
+    with the group dims as batch dims, alpha per group and, where the program contracted a group dim, the sum over it
+    (scaled_output). Quantizations are not shared between dots here: each dot quantizes its operands."""
+    dot, site = plan.record.op, plan.site
+    groups = site.groups
+    (lc, rc), (lb, rb) = site.gemm.contracting, site.gemm.batch
+    contracted = [i for i, d in enumerate(lc) if d in groups.lhs]
+    batch = (list(lb) + [lc[i] for i in contracted], list(rb) + [rc[i] for i in contracted])
+    contracting = ([d for i, d in enumerate(lc) if i not in contracted], [d for i, d in enumerate(rc) if i not in contracted])
+    lhs_groups = [d for d in batch[0] if d in groups.lhs]
+    group_dims = (lhs_groups, [batch[1][batch[0].index(d)] for d in lhs_groups])
+    quantized = [None, None]
+    for i in plan.order:
+      x, recipe = dot.operands[i], plan.operands[i].recipe
+      shape = tensor_type(x).shape
+      scale_type = ir.RankedTensorType.get([shape[d] for d in group_dims[i]], f32())
+      q, s_dec = self.twins.call(grouped.slice_qdq, [x, self._salt(plan.operands[i])], [x.type, scale_type],
+                                 groups=tuple(group_dims[i]), axis=contracting[i][0], block_2d=recipe.block_2d,
+                                 stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed)
+      if select is not None:
+        q = hlo.SelectOp(select, x, q).result
+        s_dec = hlo.SelectOp(select, broadcast(const(1.0, f32()), scale_type), s_dec).result
+      quantized[i] = (q, s_dec)
+    (qa, sa), (qb, sb) = quantized
+    numbers = hlo.DotDimensionNumbers.get(
+        lhs_batching_dimensions=batch[0], rhs_batching_dimensions=batch[1],
+        lhs_contracting_dimensions=contracting[0], rhs_contracting_dimensions=contracting[1])
+    free = lambda v, b, c: [n for d, n in enumerate(tensor_type(v).shape) if d not in b and d not in c]  # noqa: E731
+    acc_shape = ([tensor_type(qa).shape[d] for d in batch[0]] + free(qa, batch[0], contracting[0]) +
+                 free(qb, batch[1], contracting[1]))
+    acc = self._f32_dot(dot, qa, qb, numbers, acc_shape)
+    out_type = tensor_type(dot.results[0])
+    return self.twins.call(grouped.scaled_output, [acc, sa, sb], [out_type],
+                           groups=tuple(batch[0].index(d) for d in lhs_groups),
+                           summed=tuple(len(lb) + j for j in range(len(contracted))),
+                           dtype=_dtype_name(out_type.element_type))[0]
+
+  def _ragged(self, plan):
+    """A chlo.ragged_dot in the grouped recipe: one twin that quantizes per group and runs one ragged GEMM."""
+    op, site = plan.record.op, plan.site
+    lhs, rhs, sizes = op.operands
+    out_type = tensor_type(op.results[0])
+    recipes = {name: (o.recipe.block_2d, o.recipe.stochastic, o.recipe.rht)
+               for name, o in zip(("lhs_recipe", "rhs_recipe"), plan.operands)}
+    operands = [lhs, rhs, sizes] + [self._salt(o) for o in plan.operands]
+    common = dict(rht_seed=self.seed, dtype=_dtype_name(out_type.element_type), **recipes)
+    if site.groups.kind is Grouping.RAGGED_ROWS:
+      ((lc, rc), _), rhs_groups, _ = ragged_dot_dims(op)
+      return self.twins.call(grouped.ragged_rows, operands, [out_type], lhs_contracting=lc[0],
+                             rhs_contracting=rc[0], rhs_group=rhs_groups[0], **common)[0]
+    return self.twins.call(grouped.ragged_contracting, operands, [out_type], **common)[0]
+
+
+def _dtype_name(element_type):
+  """The numpy name of a float MLIR element type (f32, bf16, f16)."""
+  return {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[str(element_type)]
 
 
 def _kept(block, keep_blocks):

@@ -60,8 +60,8 @@ class ReferenceKernels:
   """The targets as calls to their pure-JAX twins (Twins); for platforms without compiled kernels."""
   has_packed = False
 
-  def __init__(self, module):
-    self.twins = Twins(module)
+  def __init__(self, module, platform=None):
+    self.twins = Twins(module, platform)
 
   def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
     if target.twin is None:
@@ -74,16 +74,19 @@ class ReferenceKernels:
 
 
 class Twins:
-  """Calls to private functions lowered from the pure-JAX twins (xla_fp4.numerics.kernel_twins) into `module`: one
-  function per twin, operand types and parameters."""
+  """Calls to private functions lowered from the pure-JAX twins (xla_fp4.numerics.kernel_twins, numerics.grouped)
+  into `module`: one function per twin, operand types and parameters. `platform` (JAX's name: cpu, cuda, rocm) is
+  the one the module is compiled for, which decides how JAX lowers some ops (a ragged dot: chlo.ragged_dot on GPU);
+  None lowers for the default backend."""
 
-  def __init__(self, module):
+  def __init__(self, module, platform=None):
     self.module = module
+    self.platform = platform
     self.names = set()
 
   def call(self, fn, operands, result_types, **params):
     arg_types = [o.type for o in operands]
-    sig = repr((fn.__module__, fn.__name__, [str(t) for t in arg_types], sorted(params.items())))
+    sig = repr((fn.__module__, fn.__name__, [str(t) for t in arg_types], sorted(params.items()), self.platform))
     name = "xla_fp4_twin_" + fn.__name__ + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
     if name not in self.names:
       if name not in ir.SymbolTable(self.module.operation):  # another Twins on this module may have defined it
@@ -98,8 +101,9 @@ class Twins:
       avals = [shape_dtype(t) for t in arg_types]
       # Outside the user's mesh (the pass runs inside their jit): a twin takes whole tensors, and its functions must
       # not name a mesh that the module lacks.
+      platforms = {} if self.platform is None else dict(lowering_platforms=(self.platform,))
       with jax.set_mesh(None):
-        lowered = jax.jit(lambda *a: fn(*a, **params), keep_unused=True).lower(*avals)
+        lowered = jax.jit(lambda *a: fn(*a, **params), keep_unused=True).trace(*avals).lower(**platforms)
       text = lowered_twins[sig] = lowered.as_text(debug_info=False)
     helper = ir.Module.parse(text, context=self.module.context)
     funcs = [op for op in helper.body.operations if op.operation.name == "func.func"]  # not a mesh JAX may add

@@ -1,0 +1,138 @@
+"""Expert GEMMs in NVFP4 (numerics/grouped.py, analysis/ragged.py, the emitter's Form.GROUPED): a ragged dot's forward,
+dgrad and wgrad and an expert einsum run the grouped recipe, one global decode scale per expert and per group of tokens,
+bit for bit against the pure-JAX reference; lowered for GPU, the same layer is the same decisions and one ragged GEMM
+per dot."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xla_fp4
+from xla_fp4 import config, numerics as nv
+from xla_fp4.numerics import formats, grouped
+from xla_fp4.numerics import nvfp4 as qz
+from xla_fp4.passes import pipeline
+from xla_fp4.passes.rewrite import ReferenceKernels
+
+from nvfp4_testing import assert_same_bits
+
+M, K, N = 96, 32, 48
+SIZES = (20, 0, 9, 40, 11)  # one empty group, sizes off the 16-row blocks, 16 rows after the last group
+SEED = 5
+OPTIONS = dict(stochastic_rounding=False, keep_head=False, min_dim=1, seed=SEED)
+
+
+def _layer(w, x, ct, sizes):
+  """An expert layer's forward and its two gradients (for the cotangent `ct`): what a training step computes."""
+  y, vjp = jax.vjp(lambda w, x: jax.lax.ragged_dot(x, w, sizes), w, x)
+  dw, dx = vjp(ct)
+  return y, dx, dw
+
+
+def _inputs(dtype=jnp.float32):
+  k = jax.random.split(jax.random.key(0), 3)
+  w = jax.random.normal(k[0], (len(SIZES), K, N)) * jnp.array([1.0, 3.0, 0.01, 1.0, 100.0])[:, None, None]
+  x = jax.random.normal(k[1], (M, K)) * jnp.linspace(0.1, 10, M)[:, None]  # groups with different ranges
+  ct = jax.random.normal(k[2], (M, N))
+  return w.astype(dtype), x.astype(dtype), ct.astype(dtype), jnp.asarray(SIZES, jnp.int32)
+
+
+def _reference(w, x, ct, sizes):
+  """The paper's recipe per role, from numerics.grouped: weights in 16x16 tiles per expert, both wgrad operands through
+  the RHT along the rows (nearest rounding here, so that the keys do not matter)."""
+  rht = nv.OperandRecipe(rht=True)
+  y = grouped.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
+  dx = grouped.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=x.dtype)
+  dw = grouped.ragged_contracting_dot(x, ct, sizes, lhs_recipe=rht, rhs_recipe=rht, rht_seed=SEED,
+                                      preferred_element_type=x.dtype)
+  return y, dx, dw
+
+
+@pytest.fixture
+def fp4():
+  xla_fp4.enable(**OPTIONS)
+  yield
+  xla_fp4.disable()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_expert_layer_runs_the_grouped_recipe_in_all_three_roles(fp4, dtype):
+  """On CPU JAX expands each ragged dot into masked dot_generals; the pass quantizes every group with its own scale:
+  the forward, the dgrad and the wgrad equal numerics.grouped bit for bit (and differ from the plain ragged dot)."""
+  args = _inputs(dtype)
+  got = jax.jit(_layer)(*args)
+  want = jax.jit(_reference)(*args)
+  for g, r in zip(got, want):
+    assert_same_bits(g, r)
+  plain = _layer(*args)
+  assert not any(np.array_equal(g, p) for g, p in zip(got, plain))
+
+
+def _transform(lowered, platform, **options):
+  module = lowered.compiler_ir("stablehlo")
+  kernels = (lambda m: ReferenceKernels(m, "cuda")) if platform == "cuda" else None
+  return pipeline.transform(module, config.load(environ={}, enabled=True, **{**OPTIONS, **options}),
+                            platform=platform, kernels=kernels)
+
+
+def test_lowered_for_gpu_each_ragged_dot_is_one_grouped_ragged_gemm():
+  """Lowered for CUDA (on this machine) the layer is three chlo.ragged_dot ops: the same decisions as on CPU, and each
+  becomes a grouped twin that holds one ragged GEMM on quantized operands: no dot_general over every group, so the
+  GEMM work stays that of the program."""
+  args = _inputs()
+  traced = jax.jit(_layer).trace(*args)
+  cpu, gpu = _transform(traced.lower(), "cpu"), _transform(traced.lower(lowering_platforms=("cuda",)), "cuda")
+  decided = lambda rows: [(r["role"], r["decision"], r["rule"]) for r in rows]  # noqa: E731
+  assert decided(gpu.rows) == decided(cpu.rows), (decided(cpu.rows), decided(gpu.rows))
+  assert sorted(decided(gpu.rows)) == [(role, "nvfp4", "nvfp4") for role in ("dgrad", "fprop", "wgrad")]
+  text = str(gpu.module)
+  main = text[text.index("func.func public @main"):]
+  main = main[:main.index("\n  }\n")]
+  assert main.count("chlo.ragged_dot") == 0 and main.count("call @xla_fp4_twin_ragged_") == 3
+  assert text.count('"chlo.ragged_dot"(') == 3 and "stablehlo.dot_general" not in text
+
+
+def test_the_gpu_forms_quantize_as_the_reference():
+  """numerics.grouped's ragged_rows and ragged_contracting (what a chlo.ragged_dot becomes) against the reference, with
+  stochastic rounding: the per-group keys and the element numbering follow the reference's, the wgrad's copy into
+  blocks of their own is the reference's masking. Run on CPU, where the ragged GEMM expands, the results match bit for
+  bit."""
+  w, x, ct, sizes = _inputs()
+  key = jnp.uint32(9)
+  salt = lambda operand, v: formats.fold_in(key, operand) ^ qz.tensor_digest(v)  # noqa: E731
+  sr = nv.OperandRecipe(rounding="stochastic")
+  rows = jax.jit(functools.partial(grouped.ragged_rows, lhs_contracting=1, rhs_contracting=2, rhs_group=0,
+                                   lhs_recipe=(False, True, False), rhs_recipe=(True, False, False), rht_seed=SEED,
+                                   dtype="float32"))
+  want = grouped.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes, lhs_recipe=sr, key=key)
+  assert_same_bits(rows(ct, w, sizes, salt(1, ct), salt(2, w)), want)
+  contracting = jax.jit(functools.partial(grouped.ragged_contracting, lhs_recipe=(False, False, True),
+                                          rhs_recipe=(False, True, True), rht_seed=SEED, dtype="float32"))
+  want = grouped.ragged_contracting_dot(x, ct, sizes, lhs_recipe=nv.OperandRecipe(rht=True),
+                                        rhs_recipe=nv.OperandRecipe(rounding="stochastic", rht=True), key=key,
+                                        rht_seed=SEED)
+  assert_same_bits(contracting(x, ct, sizes, salt(1, x), salt(2, ct)), want)
+
+
+def test_an_expert_einsum_scales_each_expert_on_its_own(fp4):
+  """An einsum MoE (`ecd,edf->ecf`, the expert a batch dim): each expert's weights and tokens get their own decode
+  scale, so an expert with small weights keeps them (one scale over all experts would flush them to zero)."""
+  k = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(k[0], (4, 32, 64))
+  w = jax.random.normal(k[1], (4, 64, 32)) * jnp.array([1.0, 1.0, 1e-4, 1.0])[:, None, None]
+  ct = jax.random.normal(k[2], (4, 32, 32))
+
+  def layer(w, x, ct):
+    y, vjp = jax.vjp(lambda w, x: jnp.einsum("ecd,edf->ecf", x, w), w, x)
+    return (y,) + vjp(ct)
+
+  y, dw, dx = jax.jit(layer)(w, x, ct)
+  per_expert = jax.vmap(lambda x, w: nv.dot_general(
+      x, w, (((1,), (0,)), ((), ())), b_recipe=nv.OperandRecipe(block_2d=True)))(x, w)
+  assert_same_bits(y, per_expert)
+  assert float(jnp.max(jnp.abs(y[2]))) > 0
+  plain = layer(w, x, ct)
+  assert all(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) < 0.3 for a, b in zip((y, dw, dx), plain))
