@@ -66,7 +66,7 @@ class Target:
 
 
 _MLIR_DTYPES = {"f32": np.float32, "bf16": jnp.bfloat16, "f16": np.float16, "ui8": np.uint8, "ui32": np.uint32,
-                "i32": np.int32, "i64": np.int64}
+                "i32": np.int32, "i64": np.int64, "i1": np.bool_}
 
 
 def shape_dtype(mlir_type):

@@ -173,6 +173,23 @@ def scaled_output(acc, lhs_scale, rhs_scale, *, groups, summed, dtype):
   return y.astype(dtype)
 
 
+def masked_output(acc, mask, lhs_scale, rhs_scale, *, group_dim, contracted, rows_first, dtype):
+  """A ragged dot's CPU expansion, whose GEMM contracts the group dim: `acc` (f32, the program's output shape) holds
+  each row's own group's products only (the other groups' rows are masked to zero), so alpha = lhs_scale * rhs_scale
+  of the row's group multiplies it: `mask` is the masked operand's mask (its `group_dim` numbers the groups, its
+  `contracted` dims are the contraction's), whose remaining dims are acc's leading dims (`rows_first`) or trailing
+  ones. The same numbers as the reference's sum over groups of acc_g * alpha_g, of which one term per row is not
+  zero, and the all-reduce of a split contraction stays the size of the output."""
+  rows = jnp.any(mask, axis=tuple(contracted), keepdims=True)
+  rows = jnp.moveaxis(rows, group_dim, 0)
+  alpha = lhs_scale * rhs_scale
+  row_alpha = jnp.sum(jnp.where(rows, alpha.reshape((-1,) + (1,) * (rows.ndim - 1)), 0.0), axis=0)
+  row_alpha = jnp.squeeze(row_alpha, axis=tuple(d - (d > group_dim) for d in contracted))
+  extra = acc.ndim - row_alpha.ndim
+  shape = row_alpha.shape + (1,) * extra if rows_first else (1,) * extra + row_alpha.shape
+  return (acc * row_alpha.reshape(shape)).astype(dtype)
+
+
 def _group_of_rows(group_sizes, num_rows):
   """int32 [num_rows]: the group of each row; len(group_sizes) for rows after the last group."""
   return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(num_rows), side="right").astype(jnp.int32)

@@ -40,6 +40,11 @@ def is_group_masked(value) -> bool:
   return _masking_select(value) is not None
 
 
+def group_mask(value):
+  """The i1 mask of a group-masked operand (its shape, true where the element belongs to the slice's group)."""
+  return _masking_select(value).operands[0]
+
+
 def unmasked(value):
   """The tensor a group-masked operand masks (x, before the broadcast to every group), else `value` itself: the
   forward, dgrad and wgrad of one expert layer mask the same activations and gradients."""

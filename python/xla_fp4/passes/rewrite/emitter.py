@@ -9,12 +9,13 @@ output as cuBLASLt's alpha):
 Form.PACKED: operands made K-major matrices, xla_fp4_quantize_packed (codes + swizzled E4M3 scales) and
 xla_fp4_gemm_packed with alpha = s_dec_a * s_dec_b, which writes the dot's own output type.
 Form.GROUPED (expert GEMMs, numerics/grouped.py's twins lowered into the program):
-  a dot_general with group dims (Grouping.SLICES; on CPU a ragged dot's expansion, whose forward contracts the group
-  dim G of %xg [G, M, K] and %w [G, K, N]):
+  a dot_general with group dims (Grouping.SLICES), e.g. on CPU a ragged dot's forward, which contracts the group dim G
+  of %xg = select(%mask, broadcast(%x), 0) [G, M, K] and %w [G, K, N]:
                       %qx, %sx = slice_qdq(%xg, %salt) {groups = [0], axis = 2}   (%sx: f32[G], one per group)
                       %qw, %sw = slice_qdq(%w, %salt') {groups = [0], axis = 1, block_2d}
-                      %acc = dot_general %qx, %qw, batching_dims = [0] x [0], contracting_dims = [2] x [1] -> f32
-                      %y = scaled_output(%acc, %sx, %sw) {groups = [0], summed = [0]}   (alpha per group, sum over G)
+                      %acc = dot_general %qx, %qw, contracting_dims = [2, 0] x [1, 0] -> f32   (as the program's)
+                      %y = masked_output(%acc, %mask, %sx, %sw)   (alpha of each row's group)
+  an expert einsum (`ecd,edf->ecf`): the GEMM batched over the experts, %y = scaled_output(%acc, %sx, %sw)
   a chlo.ragged_dot:  %y = ragged_rows(%x, %w, %group_sizes, %salt, %salt')        (forward, dgrad)
                       %y = ragged_contracting(%x, %dy, %group_sizes, %salt, %salt') (wgrad)
   one ragged GEMM on the quantized operands inside, as many FLOPs as the original.
@@ -40,6 +41,7 @@ from xla_fp4.kernels import targets
 from xla_fp4.numerics import formats
 from xla_fp4.numerics import grouped
 from xla_fp4.numerics import kernel_twins
+from xla_fp4.passes.analysis import ragged
 from xla_fp4.passes.analysis.records import Grouping
 from xla_fp4.passes.analysis.trace import ragged_dot_dims
 from xla_fp4.passes.policy import Form, Operand
@@ -226,9 +228,11 @@ class Emitter:
     return const(formats.fold_in_int(self.seed, operand.salt_id), u32())
 
   def _slices(self, plan, select):
-    """A dot_general with group dims (Grouping.SLICES): every slice quantized with its own scale (slice_qdq), the GEMM
-    with the group dims as batch dims, alpha per group and, where the program contracted a group dim, the sum over it
-    (scaled_output). Quantizations are not shared between dots here: each dot quantizes its operands."""
+    """A dot_general with group dims (Grouping.SLICES): every slice quantized with its own scale (slice_qdq); a ragged
+    dot's CPU expansion then runs its GEMM as the program does, over the groups, and takes alpha per row
+    (masked_output); other grouped dots run theirs with the group dims as batch dims and take alpha per group
+    (scaled_output, which sums over group dims the program contracted). Quantizations are not shared between dots
+    here: each dot quantizes its operands."""
     dot, site = plan.record.op, plan.site
     groups = site.groups
     (lc, rc), (lb, rb) = site.gemm.contracting, site.gemm.batch
@@ -250,6 +254,15 @@ class Emitter:
         s_dec = hlo.SelectOp(select, broadcast(const(1.0, f32()), scale_type), s_dec).result
       quantized[i] = (q, s_dec)
     (qa, sa), (qb, sb) = quantized
+    out_type = tensor_type(dot.results[0])
+    masked = [i for i in (0, 1) if ragged.is_group_masked(dot.operands[i])]
+    if contracted and masked and not lb:
+      # A ragged dot's CPU expansion: one GEMM over the groups as the program has it, alpha per row (masked_output)
+      i = masked[0]
+      acc = self._f32_dot(dot, qa, qb, dot.attributes["dot_dimension_numbers"], out_type.shape)
+      return self.twins.call(grouped.masked_output, [acc, ragged.group_mask(dot.operands[i]), sa, sb], [out_type],
+                             group_dim=group_dims[i][0], contracted=tuple(contracting[i]), rows_first=i == 0,
+                             dtype=_dtype_name(out_type.element_type))[0]
     numbers = hlo.DotDimensionNumbers.get(
         lhs_batching_dimensions=batch[0], rhs_batching_dimensions=batch[1],
         lhs_contracting_dimensions=contracting[0], rhs_contracting_dimensions=contracting[1])
@@ -257,7 +270,6 @@ class Emitter:
     acc_shape = ([tensor_type(qa).shape[d] for d in batch[0]] + free(qa, batch[0], contracting[0]) +
                  free(qb, batch[1], contracting[1]))
     acc = self._f32_dot(dot, qa, qb, numbers, acc_shape)
-    out_type = tensor_type(dot.results[0])
     return self.twins.call(grouped.scaled_output, [acc, sa, sb], [out_type],
                            groups=tuple(batch[0].index(d) for d in lhs_groups),
                            summed=tuple(len(lb) + j for j in range(len(contracted))),
