@@ -1,7 +1,8 @@
 """Decision rows and tables: what the pass decided for each dot, and why.
 
 A row is a dict: index, layer, role, phase, block, lhs_shape, rhs_shape, dtype, flops, decision, rule, reason, recipe,
-keep_blocks, num_stacked (`flops` count every iteration of a scanned stack; `keep_blocks` of its `num_stacked` layers
+groups (an expert GEMM's analysis.Grouping: one decode scale per expert or group of tokens; else None), keep_blocks,
+num_stacked (`flops` count every iteration of a scanned stack; `keep_blocks` of its `num_stacked` layers
 run the high-precision dot). Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and
 which GEMM run and why; rows; unmatched rules) and a `.decisions.txt` table.
 """
@@ -22,6 +23,7 @@ def rows(sites, decisions, notes=None):
                     flops=s.gemm.flops,
                     decision=d.decision, rule=d.rule, reason=reason,
                     recipe=None if d.lhs is None else {"lhs": _recipe(d.lhs), "rhs": _recipe(d.rhs)},
+                    groups=s.groups.kind if s.groups is not None else None,
                     keep_blocks=list(d.keep_blocks), num_stacked=s.num_stacked))
   return out
 
@@ -40,6 +42,8 @@ def table(rows, unmatched_rules=(), title="", backend=None):
   body = []
   for r in rows:
     recipe = f"{r['recipe']['lhs']} | {r['recipe']['rhs']}" if r.get("recipe") else ""
+    if recipe and r.get("groups"):
+      recipe += " per group"
     body.append((str(r["index"]), r["layer"] or "-", r["role"], "" if r["block"] is None else str(r["block"]),
                  _shape(r["lhs_shape"]), _shape(r["rhs_shape"]), r["decision"], recipe, r["reason"]))
   widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]

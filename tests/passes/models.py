@@ -528,6 +528,31 @@ def ragged_moe(group_sizes=(16, 8, 24, 16)):
   return step, (params, opt_init(params), _x((tokens, D)))
 
 
+def ragged_glu_moe(group_sizes=(16, 8, 24, 16)):
+  """A gated MoE layer as MaxText's sparse path writes it: one helper runs every expert GEMM (`gmm`), called for the
+  gate and up projections with weights of one shape, and for the down projection, behind a dense input layer (so
+  the experts' inputs take a gradient: every expert GEMM has its dgrad). On CPU JAX lowers the helper's ragged dot
+  once per signature and reuses it with the first call's source frames (analysis/roles.py)."""
+  experts, tokens = len(group_sizes), sum(group_sizes)
+  sizes = jnp.asarray(group_sizes, jnp.int32)
+  params = {"embed": jax.ShapeDtypeStruct((D, D), jnp.float32),
+            "wi_0": jax.ShapeDtypeStruct((experts, D, H), jnp.float32),
+            "wi_1": jax.ShapeDtypeStruct((experts, D, H), jnp.float32),
+            "wo": jax.ShapeDtypeStruct((experts, H, D), jnp.float32),
+            "head": jax.ShapeDtypeStruct((D, D), jnp.float32)}
+
+  def gmm(x, w):
+    return jax.lax.ragged_dot(x, w, sizes)
+
+  def loss(p, x):
+    x = jnp.tanh(x @ p["embed"])
+    h = jax.nn.silu(gmm(x, p["wi_0"])) * gmm(x, p["wi_1"])
+    return jnp.mean((gmm(h, p["wo"]) @ p["head"]) ** 2)
+
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), _x((tokens, D)))
+
+
 # ------------------------------------------------------------------ parameters without names, name scopes of Haiku
 
 

@@ -513,6 +513,21 @@ def test_penzai_blocks_come_from_the_dataflow():
   assert [s.block for s in linear if s.is_head] == [None]
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_expert_gemms_of_one_helper_pair_by_dataflow(platform):
+  """MaxText's sparse MoE runs every expert GEMM through one helper; on CPU the ragged dots' expansions then carry the
+  first call's source frames, so the backward dots pair with their forward by dataflow: each expert layer gets its
+  fprop, dgrad and wgrad, whatever the platform."""
+  fn, args = models.ragged_glu_moe()
+  module = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).compiler_ir("stablehlo")
+  with module.context:
+    a = analysis.analyze(module)
+  roles = collections.Counter((s.layer, s.role) for s in a.sites if s.ragged)
+  assert roles == {(layer, role): 1 for layer in ("wi_0", "wi_1", "wo") for role in ("fprop", "dgrad", "wgrad")}, \
+      roles
+  assert all(s.gradient_operand == 1 for s in a.sites if s.ragged and s.role == "wgrad")
+
+
 def test_ragged_dots_are_decided_alike_on_every_platform():
   """Lowered for CUDA (on this CPU machine), a ragged dot stays a chlo.ragged_dot: every one is in the report, with the
   decision and rule of its CPU expansion, so that CPU emulation predicts the GPU run."""

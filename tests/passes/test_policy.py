@@ -8,7 +8,8 @@ import pytest
 
 from xla_fp4 import config, report
 from xla_fp4.passes import policy
-from xla_fp4.passes.analysis import Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Phase, Role
+from xla_fp4.passes.analysis import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Grouping, Groups,
+                                     Phase, Role)
 
 CFG = config.load(environ={}, enabled=True)
 _GEMM = dict(lhs_shape=(64, 64), rhs_shape=(64, 64), out_shape=(64, 64), dtype="f32", operand_dtypes=("f32", "f32"),
@@ -276,6 +277,28 @@ def test_operand_plans_say_what_each_operand_is_and_in_which_order_it_is_quantiz
   assert not any(o[2] for _, ops in operands(partitioned=False) for o in ops)
   plans = policy.plan(_analysis(sites), decided, partitioned=False, native=False, cuda=False)
   assert [o.recipe for o in plans[2].operands] == [decided[2].lhs, decided[2].rhs]
+
+
+def test_expert_gemms_take_the_grouped_form_on_every_backend():
+  """A dot with Groups (analysis/ragged.py) is planned in the grouped form, partitioned or not; under the native
+  backend too, with the reason it is emulated. A wgrad's gradient operand is the one the analysis found."""
+  groups = Groups(kind=Grouping.SLICES, lhs=(0,), rhs=(0,), k=64)
+  sites = [_site(0, groups=groups, batch=((0,), (0,))),
+           _site(1, role="wgrad", weight_operand=None, gradient_operand=1, groups=groups)]
+  decided, _ = _decide(sites)
+  for partitioned, native in ((False, False), (True, False), (False, True)):
+    plans = policy.plan(_analysis(sites), decided, partitioned=partitioned, native=native, cuda=native)
+    assert [p.form for p in plans] == [policy.Form.GROUPED] * 2
+    assert all(p.notes == (("an expert GEMM: the packed GEMM takes no groups: emulated",) if native else ())
+               for p in plans)
+  A, G = policy.Operand.ACTIVATION, policy.Operand.GRADIENT
+  assert [o.kind for o in plans[1].operands] == [A, G] and plans[1].order == (1, 0)
+  assert decided[1].rhs.rounding == "stochastic" and decided[1].lhs.rounding == "nearest"
+
+
+def test_a_ragged_dot_of_another_form_is_kept():
+  (d,), _ = _decide([_site(0, ragged=True, groups=None)])
+  assert (d.decision, d.rule) == ("keep", "ragged")
 
 
 def test_a_users_nvfp4_rule_puts_every_iteration_of_a_scanned_stack_in_nvfp4():

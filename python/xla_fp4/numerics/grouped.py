@@ -147,13 +147,20 @@ def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed):
   """(q·scale in x's dtype, s_dec shaped like x's `groups` dims): every slice of x along the group dims quantized
   along `axis` with its own global decode scale and key fold_in(key, slice number), as the reference quantizes a
   group. The slices of a masked operand [G, M, K] are the reference's masked groups; those of an expert weight
-  [G, K, N] its experts."""
+  [G, K, N] its experts. `axis` may be a tuple of dims (a wgrad over batch and sequence): they are quantized as one,
+  merged in that order after the slice's other dims, as the emulated GEMM merges several contracting dims."""
   key = _operand_key(x, salt, stochastic)
-  order = tuple(groups) + tuple(d for d in range(x.ndim) if d not in groups)
+  axes = (axis,) if isinstance(axis, int) else tuple(axis)
+  rest = tuple(d for d in range(x.ndim) if d not in groups and (len(axes) == 1 or d not in axes))
+  order = tuple(groups) + rest + (axes if len(axes) > 1 else ())
   moved = jnp.transpose(x, order)
   group_shape = moved.shape[:len(groups)]
-  slices = moved.reshape((-1,) + moved.shape[len(groups):]).astype(jnp.float32)
-  recipe, inner = _recipe(block_2d, stochastic, rht), order.index(axis) - len(groups)
+  slice_shape = moved.shape[len(groups):]
+  if len(axes) > 1:  # merge the contraction dims into one trailing K
+    slice_shape = slice_shape[:len(rest)] + (int(np.prod(slice_shape[len(rest):])),)
+  slices = moved.reshape((int(np.prod(group_shape)),) + slice_shape).astype(jnp.float32)
+  recipe = _recipe(block_2d, stochastic, rht)
+  inner = order.index(axes[0]) - len(groups) if len(axes) == 1 else len(rest)
   q, s_dec = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed))(
       slices, jnp.arange(slices.shape[0]))
   q = jnp.transpose(q.reshape(moved.shape).astype(x.dtype), np.argsort(order))

@@ -2,11 +2,11 @@
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
 are reported. The user's rules (the `rules` option: data, not code) come after the five that say what the pass cannot
-take (a ragged dot of a form the grouped recipe does not take, not a linear layer, the dtypes and contraction sizes the kernels take) and which programs it
-leaves alone (those that do not train, unless XLA_FP4_FORWARD_ONLY=1), and before the paper's policy. Defaults
-follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the output head kept; about 16% of the blocks
-kept in high precision, weighted to the end (the paper kept the first 2 and last 8 of 62 blocks); GEMMs whose
-contraction is not a multiple of 16, or that are tiny, kept.
+take (a ragged dot of a form the grouped recipe does not take, not a linear layer, the dtypes and contraction sizes
+the kernels take) and which programs it leaves alone (those that do not train, unless XLA_FP4_FORWARD_ONLY=1), and
+before the paper's policy. Defaults follow docs/design.md §2 / arXiv 2509.25149 §4: only linear-layer GEMMs; the
+output head kept; about 16% of the blocks kept in high precision, weighted to the end (the paper kept the first 2 and
+last 8 of 62 blocks); GEMMs whose contraction is not a multiple of 16, or that are tiny, kept.
 
 In a scanned layer stack one dot serves every layer: the decision there is `nvfp4` with `keep_blocks`, and the rewrite
 gives the GEMM per iteration either the operands themselves or their q·scale (a `stablehlo.select` per operand, on

@@ -34,14 +34,13 @@ from xla_fp4.passes.analysis import heads as heads_mod
 from xla_fp4.passes.analysis import names
 from xla_fp4.passes.analysis import roles
 from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_sites, visible
-from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Phase,
-                                             Role)
+from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Grouping,
+                                             Groups, Phase, Role)
 from xla_fp4.passes.analysis import ragged
-from xla_fp4.passes.analysis.ragged import is_group_masked
 from xla_fp4.passes.analysis.trace import Tracer, dot_dims, ragged_dot_dims, replicated_arguments
 
-__all__ = ["Analysis", "BlockIndex", "BlockSource", "DotRecord", "DotSite", "EXCLUDE_ATTRIBUTE", "Gemm", "Phase",
-           "Role", "analyze", "specialize_call_sites", "visible"]
+__all__ = ["Analysis", "BlockIndex", "BlockSource", "DotRecord", "DotSite", "EXCLUDE_ATTRIBUTE", "Gemm", "Grouping",
+           "Groups", "Phase", "Role", "analyze", "specialize_call_sites", "visible"]
 
 EXCLUDE_ATTRIBUTE = "xla_fp4_exclude"  # the frontend attribute xla_fp4.exclude() sets (jax's set_xla_metadata)
 
@@ -69,7 +68,6 @@ def analyze(module, graph=None) -> Analysis:
     block, stacked, offset = blocks.get(i, (None, None, None))
     linear = d.role is not Role.OTHER
     enclosing = list(graph.around(d.op))
-    is_ragged = d.op.name == "chlo.ragged_dot" or any(is_group_masked(v) for v in d.op.operands)
     site = DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=names.layer_of(d.path, arg_name) if linear else d.path,
         phase=d.phase, role=d.role, weight_operand=d.w if d.role in (Role.FPROP, Role.DGRAD) else None,
@@ -78,7 +76,7 @@ def analyze(module, graph=None) -> Analysis:
         block=block, num_stacked=stacked, block_offset=offset,
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
         excluded_scope=_excluded(d.op, enclosing), higher_order=names.higher_order(d.stack),
-        ragged=is_ragged, groups=ragged.groups(d.op, linear),
+        ragged=d.ragged, groups=ragged.groups(d.op, linear),
         in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing),
         gemm=_gemm(d.op))
     source = blocks_mod.block_source(d.op, src) if stacked is not None else None

@@ -18,6 +18,8 @@ slice of an operand is a matrix of its own, with its own global decode scale (nu
 The rewrite quantizes what the grouping says per slice or group; forms it does not take have no Groups.
 """
 
+import math
+
 from jax._src.lib.mlir import ir
 
 from xla_fp4.passes.analysis.callgraph import defining_op, shape, unforwarded
@@ -85,11 +87,12 @@ def groups(op, linear) -> "Groups | None":
 
 
 def _slices(op, lhs, rhs, lc, rc):
-  """Grouping.SLICES when every slice has one contraction dim left to quantize along."""
+  """Grouping.SLICES when every slice has a contraction left to quantize along (one or more dims, merged)."""
   left = [d for d in lc if d not in lhs]
-  if len(left) != 1 or len([d for d in rc if d not in rhs]) != 1:
+  if not left:
     return None
-  return Groups(kind=Grouping.SLICES, lhs=tuple(lhs), rhs=tuple(rhs), k=shape(op.operands[0])[left[0]])
+  return Groups(kind=Grouping.SLICES, lhs=tuple(lhs), rhs=tuple(rhs),
+                k=math.prod(shape(op.operands[0])[d] for d in left))
 
 
 def _ragged_groups(op):

@@ -32,6 +32,7 @@ class Dot:
     self.phase = names.phase_of(stack)
     # a ragged dot's CPU expansion masks the same tensors per group in every dot of the layer: compare what it masks
     self.roots = [root(graph, ragged.unmasked(v)) for v in op.operands[:2]]
+    self.ragged = op.name == "chlo.ragged_dot" or any(ragged.is_group_masked(v) for v in op.operands[:2])
     self.out_shape = shape(op.results[0])
     self.role, self.w, self.src, self.partner = Role.OTHER, None, None, None
     self.gradient = 0  # a wgrad's output-gradient operand
@@ -72,6 +73,10 @@ def pair_backward(dots):
     if not same_frame:
       same_frame = [j for j in bucket if names.same_frame(d.frames, dots[j].frames)]
     cands[i] = [j for j in same_frame if dots[j].role is Role.FPROP]
+    if not cands[i] and d.ragged:
+      # JAX lowers a ragged dot's CPU expansion once per signature and reuses it with the first call's source
+      # frames (the forward's first call, the backward's first transpose): pair it by dataflow alone
+      cands[i] = [j for j, f in enumerate(dots) if f.role is Role.FPROP and f.ragged]
   candidates = cands.__getitem__
 
   for i in backward:

@@ -26,8 +26,10 @@ def test_expert_layers_keep_their_parallelism(rows, program, layout, dtype):
   assert row["collective_bytes"]["ratio_excluding_scalar"] <= 1.10, row["collective_bytes"]
   if program == "einsum" and layout == "expert_parallel":
     assert row["collective_bytes"]["collectives_pass"].get("kAllToAll", 0) > 0  # the dispatch stays an all-to-all
-  # Nearest rounding: the sharded step quantizes what one device does; f32 partial sums of split contractions aside
-  assert row["rel_l2_sharded_minus_single"]["pass_nearest"] <= 1e-2, row["rel_l2_sharded_minus_single"]
+  # Nearest rounding: the sharded step quantizes what one device does, f32 partial sums of split contractions aside
+  # (in bfloat16 their last bits can flip FP4 roundings downstream); a per-shard scale would be off by ~1e-1
+  limit = 1e-5 if dtype == "float32" else 1e-2
+  assert row["rel_l2_sharded_minus_single"]["pass_nearest"] <= limit, row["rel_l2_sharded_minus_single"]
 
 
 @pytest.mark.benchmark
