@@ -143,3 +143,19 @@ def test_an_expert_einsum_scales_each_expert_on_its_own(fp4, dtype):
   for g, r in zip(got, per_expert(x, w, ct)):
     assert_same_bits(g, r)
   assert float(jnp.max(jnp.abs(got[0][:, :, 2].astype(jnp.float32)))) > 0
+
+
+def test_slices_of_an_operand_draw_their_own_stochastic_rounding():
+  """slice_qdq (a dot_general's expert slices) with stochastic rounding: slice g is the reference's group g, keyed
+  fold_in(the operand's key, g), so experts with equal values still draw different bits."""
+  x = jnp.tile(jax.random.normal(jax.random.key(4), (1, 32, 64)), (3, 1, 1))  # three equal slices
+  salt = jnp.uint32(11)
+  q, s = jax.jit(functools.partial(grouped.slice_qdq, groups=(0,), axis=2, block_2d=False, stochastic=True, rht=False,
+                                   rht_seed=SEED))(x, salt)
+  key = salt ^ qz.tensor_digest(x)
+  recipe = nv.OperandRecipe(rounding="stochastic")
+  for g in range(3):
+    want, want_s = grouped._quantized(x[g], 1, recipe, formats.fold_in(key, jnp.int32(g)), SEED)
+    assert_same_bits(q[g], want)
+    assert_same_bits(s[g], want_s)
+  assert not np.array_equal(q[0], q[1])
