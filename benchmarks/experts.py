@@ -21,7 +21,6 @@ The JSON also holds how far each sharded step's gradients are from the one-devic
 """
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -36,7 +35,7 @@ import xla_fp4  # noqa: E402
 from xla_fp4.sharding.cost import cost  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sharding import difference, time_steps  # noqa: E402
+from sharding import difference, time_steps, write_result  # noqa: E402
 
 AXIS = "x"
 PROGRAMS = ("einsum", "ragged")
@@ -164,12 +163,7 @@ def main(argv=None):
           f"  step x{r['step_s']['ratio']:.2f}  rel |sharded-single| none "
           f"{r['rel_l2_sharded_minus_single']['none']:.1e} pass {r['rel_l2_sharded_minus_single']['pass_nearest']:.1e}",
           file=sys.stderr)
-  text = json.dumps(result, indent=1)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text + "\n")
-  else:
-    print(text)
+  write_result(result, args.out)
   return result
 
 

@@ -233,6 +233,16 @@ def measure(layout, dtype, sizes, repeats):
   }
 
 
+def write_result(result, out):
+  """The benchmark's JSON to the file `out`, or to stdout when None."""
+  text = json.dumps(result, indent=1)
+  if out:
+    with open(out, "w") as f:
+      f.write(text + "\n")
+  else:
+    print(text)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--small", action="store_true", help="tiny sizes (the test suite's run)")
@@ -260,12 +270,7 @@ def main(argv=None):
           f"x{r['temp_bytes_per_device']['single_ratio']:.2f}  "
           f"rel |sharded-single| none {r['rel_l2_sharded_minus_single']['none']:.1e} "
           f"pass {r['rel_l2_sharded_minus_single']['pass_nearest']:.1e}", file=sys.stderr)
-  text = json.dumps(result, indent=1)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(text + "\n")
-  else:
-    print(text)
+  write_result(result, args.out)
   return result
 
 
