@@ -14,6 +14,10 @@ gradients with XLA_FP4=1 in the emulate backend:
   - the step time with the pass against the unrewritten step, side by side (median of --repeats);
   - on compute capability 10.x (Blackwell) the native backend too: packed operands and cuBLASLt's FP4 GEMM, checked
     against the emulated step on the same device.
+And one expert layer (`jax.lax.ragged_dot`: its forward, dgrad and wgrad, groups of uneven sizes), with the pass: on a
+GPU XLA keeps each ragged dot a `chlo.ragged_dot`, which the pass turns into the grouped recipe's one ragged GEMM on
+quantized operands (docs/design.md §3); the device's results must equal numerics.grouped's reference computed on the
+CPU up to the GEMM's summation order (float32, rel. L2 <= 1e-4 per output), far from the unquantized layer.
 Writes one JSON file (default benchmarks/results/gpu_check.json) and exits non-zero when a check fails.
 """
 
@@ -85,6 +89,51 @@ def _compare(a, b):
   return loss, grad
 
 
+EXPERT_TOL = 1e-4  # expert layer, float32: device vs the CPU reference (summation order only)
+
+
+def _expert_layer():
+  """(layer, its arguments, the grouped reference): a top-1 MoE expert layer's forward and both gradients."""
+  from xla_fp4 import numerics as nv
+  from xla_fp4.numerics import grouped
+  sizes = jnp.asarray((40, 0, 23, 72, 9), jnp.int32)  # uneven groups, an empty one, 16 rows after the last
+  k = jax.random.split(jax.random.key(0), 3)
+  w = jax.random.normal(k[0], (5, 64, 96)) * jnp.array([1.0, 2.0, 0.01, 1.0, 50.0])[:, None, None]
+  x = jax.random.normal(k[1], (160, 64))
+  ct = jax.random.normal(k[2], (160, 96))
+
+  def layer(w, x, ct):
+    h = jnp.sin(x)  # an activation (an argument could be taken for the weight)
+    y, vjp = jax.vjp(lambda w, h: jax.lax.ragged_dot(h, w, sizes), w, h)
+    return (y,) + vjp(ct)
+
+  def reference(w, x, ct):
+    h, rht = jnp.sin(x), nv.OperandRecipe(rht=True)
+    return (grouped.ragged_dot(h, w, sizes), grouped.ragged_contracting_dot(h, ct, sizes, lhs_recipe=rht,
+                                                                          rhs_recipe=rht),
+            grouped.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes))
+  return layer, (w, x, ct), reference
+
+
+def _check_experts(device, cpu):
+  """The expert layer with the pass on the device, against the grouped reference on the CPU."""
+  import xla_fp4
+  layer, args, reference = _expert_layer()
+  xla_fp4.enable(backend="emulate", keep_head=False, min_dim=1, stochastic_rounding=False)
+  compiled = jax.jit(layer).lower(*_on(device, args)).compile()
+  got = [np.asarray(v, np.float32) for v in compiled(*_on(device, args))]
+  xla_fp4.disable()
+  want = [np.asarray(v, np.float32) for v in jax.jit(reference).lower(*_on(cpu, args)).compile()(*_on(cpu, args))]
+  plain = [np.asarray(v, np.float32) for v in jax.jit(layer)(*_on(cpu, args))]
+  rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))  # noqa: E731
+  diffs = [rel(g, r) for g, r in zip(got, want)]
+  quantized = [rel(p, r) for p, r in zip(plain, want)]
+  return dict(ok=max(diffs) <= EXPERT_TOL and min(quantized) > 100 * EXPERT_TOL,
+              rel_l2=dict(zip(("forward", "wgrad", "dgrad"), diffs)), tolerance=EXPERT_TOL,
+              rel_l2_unquantized=dict(zip(("forward", "wgrad", "dgrad"), quantized)),
+              ragged_dots_in_hlo=len(re.findall(r"ragged-dot\(", compiled.as_text())))
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--platform", default="cuda", help="the device platform to check (cpu: a stand-in, for CI)")
@@ -119,6 +168,9 @@ def main(argv=None):
                                            loss=[emulated[0], reference[0]], loss_rel_diff=loss_diff,
                                            grad_rel_l2=grad_diff, tolerance=dict(loss=LOSS_TOL, grad=GRAD_TOL))
   result["step_seconds"] = dict(none=baseline[3], emulate=emulated[3], ratio_emulate=emulated[3] / baseline[3])
+
+  xla_fp4.disable()
+  checks["expert layer on the device == grouped reference"] = _check_experts(device, cpu)
 
   fp4_gemm, why = kernels.fp4_gemm_supported() if args.platform != "cpu" else (False, "cpu stand-in")
   result["fp4_gemm"] = dict(supported=fp4_gemm, reason=why)

@@ -195,7 +195,10 @@ def test_gpu_check_runs_with_the_cpu_standing_in(tmp_path):
                          "--small", "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   result = json.loads(out.read_text())
-  assert result["ok"] and set(result["checks"]) == {"device runs the xla_fp4 targets", "device == CPU emulation"}
+  assert result["ok"] and set(result["checks"]) == {"device runs the xla_fp4 targets", "device == CPU emulation",
+                                                    "expert layer on the device == grouped reference"}
+  experts = result["checks"]["expert layer on the device == grouped reference"]
+  assert max(experts["rel_l2"].values()) <= experts["tolerance"] < min(experts["rel_l2_unquantized"].values())
   assert "xla_fp4_qdq_with_scale" in result["checks"]["device runs the xla_fp4 targets"]["targets"]
   assert result["step_seconds"]["ratio_emulate"] > 0 and result["kernels"]["cpu registration"]
 
