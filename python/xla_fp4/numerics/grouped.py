@@ -28,8 +28,9 @@ operand. Gradients of both functions are those of the plain ragged dot (straight
 What the pass emits (its twins, lowered into the program; passes/rewrite/emitter.py):
 - a dot_general with a group dim on both operands (JAX's CPU expansion of a ragged dot, whose operand is masked per
   group; an expert einsum `ecd,edf->ecf`): `slice_qdq` quantizes each slice along the group dims with its own scale and
-  key; the GEMM runs with the group dims as batch dims; `scaled_output` applies alpha per group and, where the program
-  contracted the group dim (the expansion's forward and dgrad), sums over it. This is the reference's own structure.
+  key. The expansion's forward and dgrad then run the program's GEMM over all groups and `masked_output` takes each
+  row's own group's alpha (a row holds one group's products only); other dots run the GEMM with the group dims as
+  batch dims and `scaled_output` applies alpha per group (summing over group dims the program contracted).
 - a `chlo.ragged_dot` (JAX's lowering for GPU): one ragged GEMM on quantized operands, as many FLOPs as the original.
   `ragged_rows` (forward, dgrad): the rows of lhs quantized with their group's scale and key, one scale per expert
   matrix. `ragged_contracting` (wgrad, blocks along the rows): each group's rows are copied into blocks of their own,
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xla_fp4.numerics import formats
+from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.numerics.rht import rht_f32
@@ -139,8 +141,8 @@ def _recipe(block_2d, stochastic, rht):
 
 
 def _operand_key(x, salt, stochastic):
-  """The pass's key of an operand: its salt xor its digest (kernel_twins.stochastic_key), or None when nearest."""
-  return salt ^ qz.tensor_digest(x) if stochastic else None
+  """The pass's key of an operand (kernel_twins.stochastic_key), or None when it rounds to nearest."""
+  return kernel_twins.stochastic_key(x, salt) if stochastic else None
 
 
 def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed):

@@ -265,7 +265,8 @@ class Emitter:
       quantized[i] = (q, s_dec)
     (qa, sa), (qb, sb) = quantized
     out_type = tensor_type(dot.results[0])
-    masked = [i for i in (0, 1) if ragged.is_group_masked(dot.operands[i])]
+    masked = [i for i in (0, 1) if ragged.is_group_masked(dot.operands[i]) and
+              tensor_type(ragged.group_mask(dot.operands[i])).shape == tensor_type(dot.operands[i]).shape]
     if contracted and masked and not lb:
       # A ragged dot's CPU expansion: one GEMM over the groups as the program has it, alpha per row (masked_output)
       i = masked[0]
