@@ -159,3 +159,46 @@ def test_slices_of_an_operand_draw_their_own_stochastic_rounding():
     assert_same_bits(q[g], want)
     assert_same_bits(s[g], want_s)
   assert not np.array_equal(q[0], q[1])
+
+
+def _einsum_layer(w, x, ct):
+  h = jnp.sin(x)
+  y, vjp = jax.vjp(lambda w, h: jnp.einsum("bseh,ehm->bsem", h, w), w, h)
+  return (y,) + vjp(ct)
+
+
+@pytest.mark.parametrize("program", ["ragged", "einsum"])
+def test_the_native_backend_runs_the_fp4_gemm_once_per_expert(program):
+  """XLA_FP4_BACKEND=native (here the C++ reference FP4 GEMM): each expert's slices packed with their own scales and
+  multiplied by the FP4 GEMM, one call per expert and dot, equal to the emulated grouped recipe bit for bit (nearest
+  rounding)."""
+  if program == "ragged":
+    layer, args, experts = _layer, _inputs(), len(SIZES)
+  else:
+    k = jax.random.split(jax.random.key(3), 3)
+    args = (jax.random.normal(k[0], (4, 32, 64)), jax.random.normal(k[1], (2, 16, 4, 32)),
+            jax.random.normal(k[2], (2, 16, 4, 64)))
+    layer, experts = _einsum_layer, 4
+  out = {}
+  for backend in ("emulate", "native"):
+    xla_fp4.enable(backend=backend, **OPTIONS)
+    try:
+      compiled = jax.jit(layer).lower(*args).compile()
+      out[backend] = (compiled(*args), compiled.as_text().count('custom_call_target="xla_fp4_gemm_packed"'))
+    finally:
+      xla_fp4.disable()
+  assert out["emulate"][1] == 0 and out["native"][1] == 3 * experts
+  for e, n in zip(out["emulate"][0], out["native"][0]):
+    assert_same_bits(n, e)
+
+
+def test_a_ragged_dot_lowered_for_gpu_stays_emulated_under_the_native_backend():
+  """A chlo.ragged_dot's groups are sized at run time: no per-expert FP4 GEMM takes them, and the report says so."""
+  from xla_fp4.passes import analysis, policy
+  module = jax.jit(_layer).trace(*_inputs()).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+  with module.context:
+    a = analysis.analyze(module)
+    decided, _ = policy.decide(a, config.load(environ={}, enabled=True, **OPTIONS))
+    plans = policy.plan(a, decided, partitioned=False, native=True, cuda=True)
+  assert len(plans) == 3 and all(p.form is policy.Form.GROUPED for p in plans)
+  assert all(p.notes == ("a ragged dot: no grouped FP4 GEMM takes groups sized at run time: emulated",) for p in plans)

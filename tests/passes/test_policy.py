@@ -279,20 +279,30 @@ def test_operand_plans_say_what_each_operand_is_and_in_which_order_it_is_quantiz
   assert [o.recipe for o in plans[2].operands] == [decided[2].lhs, decided[2].rhs]
 
 
-def test_expert_gemms_take_the_grouped_form_on_every_backend():
+def test_expert_gemms_take_the_grouped_forms():
   """A dot with Groups (analysis/ragged.py) is planned in the grouped form, partitioned or not; under the native
-  backend too, with the reason it is emulated. A wgrad's gradient operand is the one the analysis found."""
-  groups = Groups(kind=Grouping.SLICES, lhs=(0,), rhs=(0,), k=64)
+  backend, on one device, as the FP4 GEMM once per expert where it has one group dim and no other batch dim, else
+  emulated with the reason. A wgrad's gradient operand is the one the analysis found."""
+  groups = Groups(kind=Grouping.SLICES, lhs=(0,), rhs=(0,), k=48)
   sites = [_site(0, groups=groups, batch=((0,), (0,))),
-           _site(1, role="wgrad", weight_operand=None, gradient_operand=1, groups=groups)]
+           _site(1, role="wgrad", weight_operand=None, gradient_operand=1, groups=groups),
+           _site(2, groups=dataclasses.replace(groups, kind=Grouping.RAGGED_ROWS))]
   decided, _ = _decide(sites)
-  for partitioned, native in ((False, False), (True, False), (False, True)):
-    plans = policy.plan(_analysis(sites), decided, partitioned=partitioned, native=native, cuda=native)
-    assert [p.form for p in plans] == [policy.Form.GROUPED] * 2
-    assert all(p.notes == (("an expert GEMM: the packed GEMM takes no groups: emulated",) if native else ())
-               for p in plans)
-  A, G = policy.Operand.ACTIVATION, policy.Operand.GRADIENT
-  assert [o.kind for o in plans[1].operands] == [A, G] and plans[1].order == (1, 0)
+
+  def plans(**kw):
+    return [(p.form, p.notes) for p in policy.plan(_analysis(sites), decided, **kw)]
+  G, P = policy.Form.GROUPED, policy.Form.PACKED_GROUPED
+  assert plans(partitioned=False, native=False, cuda=False) == [(G, ())] * 3
+  assert plans(partitioned=True, native=False, cuda=False) == [(G, ())] * 3
+  assert plans(partitioned=False, native=True, cuda=False) == [
+      (P, ()), (P, ()), (G, ("a ragged dot: no grouped FP4 GEMM takes groups sized at run time: emulated",))]
+  assert plans(partitioned=False, native=True, cuda=True)[0] == (
+      G, ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",))
+  assert plans(partitioned=True, native=True, cuda=False)[0] == (
+      G, ("partitioned program: the packed kernels have no partitioner: emulated",))
+  wgrad = policy.plan(_analysis(sites), decided, partitioned=False, native=False, cuda=False)[1]
+  A, Gr = policy.Operand.ACTIVATION, policy.Operand.GRADIENT
+  assert [o.kind for o in wgrad.operands] == [A, Gr] and wgrad.order == (1, 0)
   assert decided[1].rhs.rounding == "stochastic" and decided[1].lhs.rounding == "nearest"
 
 

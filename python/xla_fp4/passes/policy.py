@@ -26,7 +26,7 @@ from typing import Callable, Optional
 from xla_fp4.config import Config, UserRule
 from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.numerics.nvfp4 import Rounding
-from xla_fp4.passes.analysis import Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Role
+from xla_fp4.passes.analysis import Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Grouping, Role
 
 
 class Verdict(enum.StrEnum):
@@ -40,6 +40,7 @@ class Form(enum.StrEnum):
   PARTITIONED = "partitioned"  # per-block maxima, a plain max reduction (XLA's all-reduce), then the qdq kernel
   PACKED = "packed"  # packed FP4 operands and the FP4 GEMM (the native backend)
   GROUPED = "grouped"  # expert GEMMs: one global decode scale per expert or group of tokens (numerics/grouped.py)
+  PACKED_GROUPED = "packed_grouped"  # expert GEMMs on the native backend: the FP4 GEMM once per expert
 
 
 class Operand(enum.StrEnum):
@@ -239,6 +240,19 @@ def native_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
   return None
 
 
+def native_grouped_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
+  """Why the FP4 GEMM cannot run an expert GEMM once per expert, or None: it takes a dot_general with one group dim
+  per operand (no chlo.ragged_dot: its groups' rows are known at run time only) and no other batch dim."""
+  groups, (lb, _) = site.groups, site.gemm.batch
+  if groups.kind is not Grouping.SLICES:
+    return "a ragged dot: no grouped FP4 GEMM takes groups sized at run time"
+  if len(groups.lhs) != 1 or any(d not in groups.lhs for d in lb):
+    return "the packed GEMM takes no batch dims besides the experts"
+  if cuda and groups.k % 32:
+    return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={groups.k}"
+  return None
+
+
 def _operand_plans(site: DotSite, decision: Decision, form: Form):
   """((lhs, rhs) OperandPlans, quantization order)."""
   kinds = operand_kinds(site)
@@ -269,7 +283,12 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
     if record.site.groups is not None:
       form = Form.GROUPED
       if native:
-        notes.append("an expert GEMM: the packed GEMM takes no groups: emulated")
+        why = ("partitioned program: the packed kernels have no partitioner" if partitioned else
+               native_grouped_ineligible(record.site, cuda))
+        if why:
+          notes.append(f"{why}: emulated")
+        else:
+          form = Form.PACKED_GROUPED
     elif native:
       why = ("partitioned program: the packed kernels have no partitioner" if partitioned else
              native_ineligible(record.site, cuda))

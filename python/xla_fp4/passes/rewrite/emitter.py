@@ -19,6 +19,9 @@ Form.GROUPED (expert GEMMs, numerics/grouped.py's twins lowered into the program
   a chlo.ragged_dot:  %y = ragged_rows(%x, %w, %group_sizes, %salt, %salt')        (forward, dgrad)
                       %y = ragged_contracting(%x, %dy, %group_sizes, %salt, %salt') (wgrad)
   one ragged GEMM on the quantized operands inside, as many FLOPs as the original.
+Form.PACKED_GROUPED (expert GEMMs with one group dim, the native backend): per expert e, the operands' slices
+  %x_e, %w_e packed with their own decode scales and %y_e = xla_fp4_gemm_packed -> f32; then the %y_e stacked along
+  the expert dim (an einsum's batch dim) or summed in expert order (a contracted group dim), in the dot's type.
 
 Per-iteration select of a scanned stack with kept blocks (`block_value` is the iteration's block index): in the
 emulated forms a `stablehlo.select` per operand gives the GEMM the operand itself (and s_dec = 1) in kept iterations
@@ -68,6 +71,8 @@ class Emitter:
       select = None
       if keep_blocks and block_value is not None:
         select = self.reuse.selector(block_value, keep_blocks, dot, lambda: _kept(block_value, keep_blocks))
+      if plan.form is Form.PACKED_GROUPED:
+        return self._in_case(select, dot, lambda: self._native_per_expert(plan))
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
         return self._slices(plan, select)
       if plan.form is Form.GROUPED:
@@ -210,16 +215,45 @@ class Emitter:
     """Packed E2M1 operands, K-major ("TN"), and the FP4 GEMM, which applies alpha = s_dec_a * s_dec_b to its f32
     accumulator and writes the dot's own output type (f32, bf16 or f16), as cuBLASLt's epilogue does."""
     dot, (lc, rc) = plan.record.op, plan.site.gemm.contracting
-    a = dims.matrix(dims.canonical(dot.operands[0], (), lc))  # (M, K)
-    b = dims.matrix(dims.canonical(dot.operands[1], (), rc))  # (N, K)
+    out_type = tensor_type(dot.results[0])
+    y = self._fp4_gemm(dot.operands[0], dot.operands[1], lc, rc, plan, out_type.element_type)
+    return hlo.ReshapeOp(out_type, y).result
+
+  def _fp4_gemm(self, lhs, rhs, lc, rc, plan, element_type):
+    """lhs x rhs (contracting lc with rc, no batch dims) as the FP4 GEMM -> (M, N) in `element_type`."""
+    a = dims.matrix(dims.canonical(lhs, (), lc))  # (M, K)
+    b = dims.matrix(dims.canonical(rhs, (), rc))  # (N, K)
     pa, sa = self._packed(a, plan.operands[0])
     pb, sb = self._packed(b, plan.operands[1])
     alpha = hlo.MulOp(sa, sb).result
     m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
+    return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], {},
+                             result_types=[ir.RankedTensorType.get([m, n], element_type)])[0]
+
+  def _native_per_expert(self, plan):
+    """An expert GEMM with one group dim per operand (Form.PACKED_GROUPED) as the FP4 GEMM once per expert: each
+    expert's slices packed with their own decode scales (the per-expert scaling of numerics/grouped.py) and multiplied
+    in f32; the products stacked along the group dim where it is a batch dim, summed in expert order where the program
+    contracts it (a ragged dot's CPU expansion), then in the dot's output type."""
+    dot, site = plan.record.op, plan.site
+    (lc, rc), (gl, gr) = site.gemm.contracting, (site.groups.lhs[0], site.groups.rhs[0])
     out_type = tensor_type(dot.results[0])
-    y = self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], {},
-                          result_types=[ir.RankedTensorType.get([m, n], out_type.element_type)])[0]
-    return hlo.ReshapeOp(out_type, y).result
+    without = lambda dims_, g: [d - (d > g) for d in dims_ if d != g]  # noqa: E731
+    products = []
+    for e in range(tensor_type(dot.operands[0]).shape[gl]):
+      y = self._fp4_gemm(_slice(dot.operands[0], gl, e), _slice(dot.operands[1], gr, e), without(lc, gl),
+                         without(rc, gr), plan, f32())
+      products.append(y)
+    if gl in lc:
+      total = products[0]
+      for y in products[1:]:
+        total = hlo.AddOp(total, y).result
+    else:
+      shape = tensor_type(products[0]).shape
+      total = hlo.ConcatenateOp([hlo.ReshapeOp(ir.RankedTensorType.get([1] + shape, f32()), y).result
+                                 for y in products], 0).result
+    total = hlo.ReshapeOp(ir.RankedTensorType.get(out_type.shape, f32()), total).result
+    return total if out_type.element_type == f32() else hlo.ConvertOp(out_type, total).result
 
   def _packed(self, x, operand):
     s_dec, key = self._scale_and_key(x, 1, operand)
@@ -300,6 +334,17 @@ class Emitter:
       return self.twins.call(grouped.ragged_rows, operands, [out_type], lhs_contracting=lc[0],
                              rhs_contracting=rc[0], rhs_group=rhs_groups[0], **common)[0]
     return self.twins.call(grouped.ragged_contracting, operands, [out_type], **common)[0]
+
+
+def _slice(x, dim, index):
+  """x[..., index, ...] along `dim`, without that dim (a static slice)."""
+  shape = list(tensor_type(x).shape)
+  start, limit = [0] * len(shape), list(shape)
+  start[dim], limit[dim] = index, index + 1
+  piece = hlo.SliceOp(x, ir.DenseI64ArrayAttr.get(start), ir.DenseI64ArrayAttr.get(limit),
+                      ir.DenseI64ArrayAttr.get([1] * len(shape))).result
+  return hlo.ReshapeOp(ir.RankedTensorType.get(shape[:dim] + shape[dim + 1:], tensor_type(x).element_type),
+                       piece).result
 
 
 def _dtype_name(element_type):
