@@ -117,6 +117,13 @@ def test_the_gpu_forms_quantize_as_the_reference():
   assert_same_bits(contracting(x, ct, sizes, salt(1, x), salt(2, ct)), want)
 
 
+def _einsum_layer(w, x, ct):
+  """An einsum MoE layer as MaxText's dense path writes it, its forward and both gradients."""
+  h = jnp.sin(x)  # an activation, as in a model (were it an argument, it could be the weight as well)
+  y, vjp = jax.vjp(lambda w, h: jnp.einsum("bseh,ehm->bsem", h, w), w, h)
+  return (y,) + vjp(ct)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_an_expert_einsum_scales_each_expert_on_its_own(fp4, dtype):
   """An einsum MoE as MaxText's dense path writes it (`bseh,ehm->bsem`: the expert a batch dim, not the leading one;
@@ -128,12 +135,7 @@ def test_an_expert_einsum_scales_each_expert_on_its_own(fp4, dtype):
   w = (jax.random.normal(k[1], (4, 32, 64)) * jnp.array([1.0, 1.0, 1e-4, 1.0])[:, None, None]).astype(dtype)
   ct = jax.random.normal(k[2], (2, 16, 4, 64)).astype(dtype)
 
-  def layer(w, x, ct):
-    h = jnp.sin(x)  # an activation, as in a model (were it an argument, it could be the weight as well)
-    y, vjp = jax.vjp(lambda w, h: jnp.einsum("bseh,ehm->bsem", h, w), w, h)
-    return (y,) + vjp(ct)
-
-  got = jax.jit(layer)(w, x, ct)
+  got = jax.jit(_einsum_layer)(w, x, ct)
   x = jnp.sin(x)
   rht, w2d = nv.OperandRecipe(rht=True), nv.OperandRecipe(block_2d=True)
   per_expert = jax.jit(jax.vmap(lambda x, w, ct: (
@@ -159,12 +161,6 @@ def test_slices_of_an_operand_draw_their_own_stochastic_rounding():
     assert_same_bits(q[g], want)
     assert_same_bits(s[g], want_s)
   assert not np.array_equal(q[0], q[1])
-
-
-def _einsum_layer(w, x, ct):
-  h = jnp.sin(x)
-  y, vjp = jax.vjp(lambda w, h: jnp.einsum("bseh,ehm->bsem", h, w), w, h)
-  return (y,) + vjp(ct)
 
 
 @pytest.mark.parametrize("program", ["ragged", "einsum"])

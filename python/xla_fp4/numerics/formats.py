@@ -85,14 +85,16 @@ def fold_in_int(key: int, data: int) -> int:
   return mix((key & 0xFFFFFFFF) ^ mix(data & 0xFFFFFFFF))
 
 
-def random_bits(key, shape):
-  """uint32 random bits for each element of `shape`: mix32(index ^ mix32(key)), index = row-major position. `key` is
-  a scalar, or an array broadcastable to `shape` (one key per row: numerics/grouped.py)."""
+def random_bits(key, shape, index=None):
+  """uint32 random bits for each element of `shape`: mix32(index ^ mix32(key)), index = row-major position unless
+  given (uint32, `shape`: an element's position in another layout). `key` is a scalar, or an array broadcastable to
+  `shape` (one key per row: numerics/grouped.py)."""
   key = jnp.asarray(key, jnp.uint32)
   n = int(np.prod(shape, dtype=np.int64))
   if n > 2**32:
     raise ValueError(f"stochastic rounding supports tensors of at most 2**32 elements, got shape {shape}")
-  index = jax.lax.iota(jnp.uint32, n).reshape(shape) if n else jnp.zeros(shape, jnp.uint32)
+  if index is None:
+    index = jax.lax.iota(jnp.uint32, n).reshape(shape) if n else jnp.zeros(shape, jnp.uint32)
   return mix32(index ^ mix32(key))
 
 

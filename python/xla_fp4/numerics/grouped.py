@@ -204,13 +204,12 @@ def _group_of_rows(group_sizes, num_rows):
   return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
-def _expert_slices(w, group_dim, axis, recipe, key, rht_seed):
-  """slice_qdq of the expert matrices of `w` (group dim `group_dim`), in float32."""
-  moved = jnp.moveaxis(w, group_dim, 0).astype(jnp.float32)
-  inner = axis - (axis > group_dim)
-  q, s = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed))(
-      moved, jnp.arange(moved.shape[0]))
-  return jnp.moveaxis(q, 0, group_dim), s
+def _group_scales(amax, group, num_groups):
+  """(s_dec per group, s_dec per item) from `amax` of items (rows or blocks) of groups `group` (num_groups: none):
+  a group's amax is its items' max, 0 for a group without items."""
+  per_group = jax.ops.segment_max(amax, group, num_segments=num_groups + 1)[:num_groups]
+  s_dec = qz.global_decode_scale(jnp.maximum(per_group, 0.0))
+  return s_dec, jnp.take(s_dec, group, mode="fill", fill_value=0.0)
 
 
 def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
@@ -224,20 +223,17 @@ def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, r
   x32 = jnp.where(in_group[:, None], lhs.astype(jnp.float32), 0.0)
   if lhs_recipe.rht:
     x32 = rht_f32(x32, lhs_contracting, rht_seed)
-  row_amax = qz._max(jnp.abs(x32), axis=1)
-  amax = jnp.maximum(jax.ops.segment_max(row_amax, group, num_segments=num_groups + 1)[:num_groups], 0.0)
-  s_x = qz.global_decode_scale(amax)
-  s_row = jnp.take(s_x, group, mode="fill", fill_value=0.0)
+  s_x, s_row = _group_scales(qz._max(jnp.abs(x32), axis=1), group, num_groups)
   key = _operand_key(lhs, lhs_salt, lhs_recipe.stochastic)
   row_key = None if key is None else _group_key(key, group)[:, None]
   qx = qz.unscaled_values(x32, lhs_contracting, lhs_recipe.block_2d, lhs_recipe.rounding, row_key,
                           s_row[:, None, None])
-  qw, s_w = _expert_slices(rhs, rhs_group, rhs_contracting, rhs_recipe,
-                           _operand_key(rhs, rhs_salt, rhs_recipe.stochastic), rht_seed)
+  qw, s_w = slice_qdq(rhs, rhs_salt, groups=(rhs_group,), axis=rhs_contracting, block_2d=rhs_recipe.block_2d,
+                      stochastic=rhs_recipe.stochastic, rht=rhs_recipe.rht, rht_seed=rht_seed)
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(([lhs_contracting], [rhs_contracting]), ([], [])), lhs_ragged_dimensions=[0],
       rhs_group_dimensions=[rhs_group])
-  acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qw.astype(rhs.dtype), group_sizes, dims,
+  acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qw, group_sizes, dims,
                                    preferred_element_type=jnp.float32)
   alpha = jnp.take(s_x * s_w, group, mode="fill", fill_value=0.0)
   return (acc * alpha[:, None]).astype(dtype)
@@ -276,13 +272,11 @@ def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe,
     if recipe.rht:
       v = rht_f32(v, 0, rht_seed)
     block_amax = qz._max(jnp.abs(v).reshape(-1, formats.BLOCK, v.shape[1]), axis=(1, 2))
-    amax = jnp.maximum(jax.ops.segment_max(block_amax, block_group, num_segments=num_groups + 1)[:num_groups], 0.0)
-    s_dec = qz.global_decode_scale(amax)
-    s_block = jnp.take(s_dec, block_group, mode="fill", fill_value=0.0)
+    s_dec, s_block = _group_scales(block_amax, block_group, num_groups)
     key, bits = _operand_key(x, salt, recipe.stochastic), None
     if key is not None:  # element (r, c) draws at its position in the original operand, with its group's key
       index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
-      bits = formats.mix32(index ^ formats.mix32(_group_key(key, group)[:, None]))
+      bits = formats.random_bits(_group_key(key, group)[:, None], v.shape, index)
     q = qz.unscaled_values(v, 0, recipe.block_2d, recipe.rounding, None, s_block[None, :, None], bits)
     return q.astype(x.dtype), s_dec
 

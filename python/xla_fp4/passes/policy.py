@@ -279,23 +279,16 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
     source = record.block_source if d.keep_blocks else None
     if source is not None and source.kind is BlockIndex.UNAVAILABLE:
       notes.append("block index unavailable per iteration: every iteration runs in NVFP4")
-    form = Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
-    if record.site.groups is not None:
-      form = Form.GROUPED
-      if native:
-        why = ("partitioned program: the packed kernels have no partitioner" if partitioned else
-               native_grouped_ineligible(record.site, cuda))
-        if why:
-          notes.append(f"{why}: emulated")
-        else:
-          form = Form.PACKED_GROUPED
-    elif native:
+    grouped = record.site.groups is not None
+    form = Form.GROUPED if grouped else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
+    if native:
+      ineligible = native_grouped_ineligible if grouped else native_ineligible
       why = ("partitioned program: the packed kernels have no partitioner" if partitioned else
-             native_ineligible(record.site, cuda))
+             ineligible(record.site, cuda))
       if why:
         notes.append(f"{why}: emulated")
       else:
-        form = Form.PACKED
+        form = Form.PACKED_GROUPED if grouped else Form.PACKED
     operands, order = _operand_plans(record.site, d, form)
     plans.append(Plan(record=record, decision=d, form=form, operands=operands, order=order, block_source=source,
                       notes=tuple(notes)))

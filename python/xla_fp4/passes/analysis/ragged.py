@@ -43,8 +43,9 @@ def is_group_masked(value) -> bool:
 
 
 def group_mask(value):
-  """The i1 mask of a group-masked operand (its shape, true where the element belongs to the slice's group)."""
-  return _masking_select(value).operands[0]
+  """The i1 mask of a group-masked operand (true where the element belongs to the slice's group), else None."""
+  select = _masking_select(value)
+  return None if select is None else select.operands[0]
 
 
 def unmasked(value):
@@ -77,7 +78,7 @@ def groups(op, linear) -> "Groups | None":
   partner = dict(zip(lc + lb, rc + rb))
   partner.update({v: k for k, v in zip(lc + lb, rc + rb)})
   for side in (0, 1):
-    d = _group_dim(op.operands[side]) if is_group_masked(op.operands[side]) else None
+    d = _group_dim(op.operands[side])
     if d is not None and d in partner:
       found = (d, partner[d]) if side == 0 else (partner[d], d)
       return _slices(op, found[:1], found[1:], lc, rc)

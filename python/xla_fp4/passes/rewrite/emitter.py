@@ -299,15 +299,15 @@ class Emitter:
       quantized[i] = (q, s_dec)
     (qa, sa), (qb, sb) = quantized
     out_type = tensor_type(dot.results[0])
-    masked = [i for i in (0, 1) if ragged.is_group_masked(dot.operands[i]) and
-              tensor_type(ragged.group_mask(dot.operands[i])).shape == tensor_type(dot.operands[i]).shape]
+    masks = [(i, ragged.group_mask(dot.operands[i])) for i in (0, 1)]
+    masked = [(i, m) for i, m in masks if m is not None and tensor_type(m).shape == tensor_type(dot.operands[i]).shape]
     if contracted and masked and not lb:
       # A ragged dot's CPU expansion: one GEMM over the groups as the program has it, alpha per row (masked_output)
-      i = masked[0]
+      i, mask = masked[0]
       acc = self._f32_dot(dot, qa, qb, dot.attributes["dot_dimension_numbers"], out_type.shape)
-      return self.twins.call(grouped.masked_output, [acc, ragged.group_mask(dot.operands[i]), sa, sb], [out_type],
+      return self.twins.call(grouped.masked_output, [acc, mask, sa, sb], [out_type],
                              group_dim=group_dims[i][0], contracted=tuple(contracting[i]), rows_first=i == 0,
-                             dtype=_dtype_name(out_type.element_type))[0]
+                             dtype=_dtype_name(out_type))[0]
     numbers = hlo.DotDimensionNumbers.get(
         lhs_batching_dimensions=batch[0], rhs_batching_dimensions=batch[1],
         lhs_contracting_dimensions=contracting[0], rhs_contracting_dimensions=contracting[1])
@@ -318,7 +318,7 @@ class Emitter:
     return self.twins.call(grouped.scaled_output, [acc, sa, sb], [out_type],
                            groups=tuple(batch[0].index(d) for d in lhs_groups),
                            summed=tuple(len(lb) + j for j in range(len(contracted))),
-                           dtype=_dtype_name(out_type.element_type))[0]
+                           dtype=_dtype_name(out_type))[0]
 
   def _ragged(self, plan):
     """A chlo.ragged_dot in the grouped recipe: one twin that quantizes per group and runs one ragged GEMM."""
@@ -328,7 +328,7 @@ class Emitter:
     recipes = {name: (o.recipe.block_2d, o.recipe.stochastic, o.recipe.rht)
                for name, o in zip(("lhs_recipe", "rhs_recipe"), plan.operands)}
     operands = [lhs, rhs, sizes] + [self._salt(o) for o in plan.operands]
-    common = dict(rht_seed=self.seed, dtype=_dtype_name(out_type.element_type), **recipes)
+    common = dict(rht_seed=self.seed, dtype=_dtype_name(out_type), **recipes)
     if site.groups.kind is Grouping.RAGGED_ROWS:
       ((lc, rc), _), rhs_groups, _ = ragged_dot_dims(op)
       return self.twins.call(grouped.ragged_rows, operands, [out_type], lhs_contracting=lc[0],
@@ -347,9 +347,9 @@ def _slice(x, dim, index):
                        piece).result
 
 
-def _dtype_name(element_type):
-  """The numpy name of a float MLIR element type (f32, bf16, f16)."""
-  return {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}[str(element_type)]
+def _dtype_name(tensor_type_):
+  """The numpy name of an MLIR tensor type's element type (a twin's `dtype` parameter)."""
+  return targets.shape_dtype(tensor_type_).dtype.name
 
 
 def _kept(block, keep_blocks):
