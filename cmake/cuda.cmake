@@ -103,6 +103,7 @@ message(STATUS "CUDA ${CUDAToolkit_VERSION}, architectures ${CMAKE_CUDA_ARCHITEC
 add_library(xla_fp4_cuda STATIC
   xla_fp4/cuda/qdq_kernels.cu
   xla_fp4/cuda/packed_kernels.cu
+  xla_fp4/cuda/telemetry_kernels.cu
   xla_fp4/cuda/fp4_gemm.cc)
 set_target_properties(xla_fp4_cuda PROPERTIES
   POSITION_INDEPENDENT_CODE ON

@@ -1,6 +1,6 @@
 // The Python extension xla_fp4._xla_fp4_ext: the CPU FFI handlers as PyCapsules (registered by
-// python/xla_fp4/kernels/__init__.py), the build's facts the registration checks, plus element-wise access to the format
-// helpers of nvfp4_format.h for the tests (submodule `format`). The CUDA handlers are a module of their own
+// python/xla_fp4/kernels/__init__.py), the build's facts the registration checks, the telemetry sink's records, plus
+// element-wise access to the format helpers of nvfp4_format.h for the tests (submodule `format`). The CUDA handlers are a module of their own
 // (cuda/bindings.cc).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -10,6 +10,7 @@
 #include "xla_fp4/cpu_kernels.h"
 #include "xla_fp4/ffi_registrations.h"
 #include "xla_fp4/nvfp4_format.h"
+#include "xla_fp4/telemetry_bindings.h"
 #include "xla/ffi/api/c_api.h"
 #ifdef XLA_FP4_HAS_BUILD_INFO
 #include "xla_fp4/build_info.h"  // XLA_FP4_CUDA_STATUS, written by CMakeLists.txt
@@ -42,6 +43,7 @@ NB_MODULE(_xla_fp4_ext, m) {
   // The XLA FFI API the handlers were compiled against: an XLA whose API is older rejects them when its backend starts.
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.attr("cuda_build") = XLA_FP4_CUDA_STATUS;  // "built for <archs> ..." or "not built: <why>" (CMakeLists.txt)
+  xla_fp4::telemetry::DefineBindings(m);
 
   nb::module_ f = m.def_submodule("format", "nvfp4_format.h helpers, element-wise into a caller-provided output.");
   f.attr("INV_E2M1_MAX") = xla_fp4::kInvE2M1Max;

@@ -14,6 +14,8 @@
 #define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
 #define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed)
 #define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
+#define XLA_FP4_TELEMETRY_STEP_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, every)
+#define XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, strict_row)
 #define XLA_FP4_NO_ATTRIBUTES(A)
 
 // X(constant, handler stem, attribute list): every target. A platform's handler of target `stem` is
@@ -25,7 +27,9 @@
   X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
   X(kQuantizePackedTarget, QuantizePacked, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)   \
   X(kDequantizePackedTarget, DequantizePacked, XLA_FP4_NO_ATTRIBUTES)            \
-  X(kGemmPackedTarget, GemmPacked, XLA_FP4_NO_ATTRIBUTES)
+  X(kGemmPackedTarget, GemmPacked, XLA_FP4_NO_ATTRIBUTES)                      \
+  X(kTelemetryStepTarget, TelemetryStep, XLA_FP4_TELEMETRY_STEP_ATTRIBUTES)      \
+  X(kTelemetryRecordTarget, TelemetryRecord, XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)
 
 // Appends an attribute list to an `ffi::Ffi::Bind()` chain: `.Attr<int64_t>("axis").Attr<bool>("block_2d")...`.
 #define XLA_FP4_BIND_ATTRIBUTE_(type, name) .Attr<type>(#name)
@@ -40,6 +44,8 @@ inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";
 inline constexpr char kQuantizePackedTarget[] = "xla_fp4_quantize_packed";
 inline constexpr char kDequantizePackedTarget[] = "xla_fp4_dequantize_packed";
 inline constexpr char kGemmPackedTarget[] = "xla_fp4_gemm_packed";
+inline constexpr char kTelemetryStepTarget[] = "xla_fp4_telemetry_step";
+inline constexpr char kTelemetryRecordTarget[] = "xla_fp4_telemetry_record";
 
 }  // namespace xla_fp4
 

@@ -1,5 +1,8 @@
-"""Command line: `python -m xla_fp4 report DIR` prints the decision tables of a dump dir; `info` what was built and
-what the pass would use on each platform; `options` the option table."""
+"""Command line: `python -m xla_fp4 report DIR` prints the decision tables of a dump dir; `telemetry DIR` the GEMMs
+that lose most to 4 bits (and writes heatmaps; `--json`: the records); `info` what was built and what the pass would
+use on each platform; `options` the option table."""
+
+import json
 
 import argparse
 import sys
@@ -12,6 +15,12 @@ def main(argv=None):
   sub = parser.add_subparsers(dest="command", required=True)
   rep = sub.add_parser("report", help="print the decision tables written to XLA_FP4_DUMP_DIR")
   rep.add_argument("dump_dir")
+  tel = sub.add_parser("telemetry", help="print the worst GEMMs recorded in XLA_FP4_TELEMETRY=DIR and write PNG "
+                                           "heatmaps (DIR/telemetry_underflow.png, DIR/telemetry_snr.png)")
+  tel.add_argument("directory")
+  tel.add_argument("--json", action="store_true", help="print every record as one JSON list instead")
+  tel.add_argument("--top", type=int, default=10, help="GEMM operands per table (default 10)")
+  tel.add_argument("--no-plots", action="store_true", help="do not write the PNG heatmaps")
   sub.add_parser("options", help="print the option table (markdown)")
   sub.add_parser("info", help="print which kernels were built and registered, per platform, and why")
   args = parser.parse_args(argv)
@@ -21,6 +30,20 @@ def main(argv=None):
     except FileNotFoundError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
+  elif args.command == "telemetry":
+    from xla_fp4 import telemetry
+    try:
+      records = telemetry.load(args.directory)
+    except FileNotFoundError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    if args.json:
+      print(json.dumps([{k: ("inf" if v == float("inf") else v) for k, v in r.items()} for r in records]))
+      return 0
+    telemetry.print_worst(records, args.top)
+    if not args.no_plots and records:
+      for path in telemetry.plot(records, args.directory):
+        print(f"wrote {path}")
   elif args.command == "info":
     from xla_fp4 import kernels
     for key, value in kernels.info().items():

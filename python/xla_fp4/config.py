@@ -48,6 +48,27 @@ def _parse_int(text):
   return value
 
 
+def _parse_positive(text):
+  value = _parse_int(text)
+  if value == 0:
+    raise ValueError("accepted values are positive integers")
+  return value
+
+
+def _parse_float(text):
+  try:
+    return float(str(text).strip())
+  except ValueError:
+    raise ValueError("accepted values are numbers") from None
+
+
+def _parse_fraction(text):
+  value = _parse_float(text)
+  if not 0 <= value <= 1:
+    raise ValueError("accepted values are numbers from 0 to 1")
+  return value
+
+
 def _parse_regex(text):
   text = str(text)
   if text:
@@ -187,7 +208,18 @@ OPTIONS = (
     Option("dump_dir", "XLA_FP4_DUMP_DIR", "", _parse_str,
            "Write {n:04d}_{module}.before.mlir, .after.mlir and .decisions.json/.txt for every compiled module."),
     Option("strict", "XLA_FP4_STRICT", False, _parse_bool,
-           "Raise on an internal pass error instead of compiling the original module with a warning."),
+           "Raise on an internal pass error instead of compiling the original module with a warning; with telemetry, "
+           "a gradient operand that quantizes to all zeros fails its step."),
+    Option("telemetry", "XLA_FP4_TELEMETRY", "", _parse_str,
+           "Directory: record what quantization does to every operand of every NVFP4 GEMM (amax, underflow, block "
+           "scales, SNR; wgrad zeros) into DIR/telemetry.jsonl; `python -m xla_fp4 telemetry DIR` reads it."),
+    Option("telemetry_every", "XLA_FP4_TELEMETRY_EVERY", 1, _parse_positive,
+           "Record telemetry every N steps (executions of a training step), from the first."),
+    Option("telemetry_underflow", "XLA_FP4_TELEMETRY_UNDERFLOW", 0.1, _parse_fraction,
+           "Warn (once per GEMM operand) when more than this fraction of an operand's nonzero elements quantize to "
+           "zero."),
+    Option("telemetry_snr_db", "XLA_FP4_TELEMETRY_SNR_DB", 5.0, _parse_float,
+           "Warn (once per GEMM operand) when an operand's quantization SNR falls below this many dB."),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -209,6 +241,10 @@ class Config:
   seed: int
   dump_dir: str
   strict: bool
+  telemetry: str
+  telemetry_every: int
+  telemetry_underflow: float
+  telemetry_snr_db: float
 
 
 def _parse(option, value, source):

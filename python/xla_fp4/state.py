@@ -5,6 +5,7 @@
 - the lowered twins: a twin's StableHLO text per signature (lowering one costs 11-16 ms, parsing it back well under
   one, so each signature is lowered once per process: passes/rewrite/kernel_sets.py `Twins`);
 - the dump counter (passes/pipeline.py `dump`);
+- telemetry (telemetry.py): the probed GEMMs' names and where their records go, the writer thread;
 - what has been told the user, each thing once per process (`first_time`): a platform whose kernels cannot register
   (kernels/registry.py); that the pass failed, that it is active, that a user's pattern matched nothing (hook.py; the
   hook's installation itself, a patch of JAX, stays with the hook).
@@ -21,12 +22,20 @@ from typing import Any
 
 
 @dataclasses.dataclass
+class Telemetry:
+  sites: dict = dataclasses.field(default_factory=dict)  # (module key, site index) -> telemetry.Site
+  writer: Any = None  # the thread that flushes the sinks
+  lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)  # one flush at a time
+
+
+@dataclasses.dataclass
 class State:
   registered: set = dataclasses.field(default_factory=set)  # XLA platform names: "cpu", "CUDA"
   refused: dict = dataclasses.field(default_factory=dict)  # XLA platform name -> why its targets were not registered
   lowered_twins: dict = dataclasses.field(default_factory=dict)  # twin signature -> its StableHLO text
   dumps: Any = dataclasses.field(default_factory=itertools.count)  # numbers the dump files of a process
   said: set = dataclasses.field(default_factory=set)  # what has been told the user (first_time's keys)
+  telemetry: Telemetry = dataclasses.field(default_factory=Telemetry)
   lock: Any = dataclasses.field(default_factory=threading.RLock, repr=False)
 
   def first_time(self, key):

@@ -8,6 +8,7 @@
 #include "xla/ffi/api/c_api.h"
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/ffi_registrations.h"
+#include "xla_fp4/telemetry_bindings.h"
 
 namespace nb = nanobind;
 
@@ -16,6 +17,7 @@ NB_MODULE(_xla_fp4_cuda, m) {
   m.def("registrations", [] { return XLA_FP4_REGISTRATIONS(CUDA); },
         "Target name -> PyCapsule of the CUDA FFI handler (register with platform='CUDA').");
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  xla_fp4::telemetry::DefineBindings(m);
   m.def("fp4_gemm_supported", &xla_fp4::cuda::Fp4GemmSupported,
         "(True, '') when cuBLASLt's FP4 GEMM can run on every visible CUDA device (compute capability 10.x, "
         "cuBLASLt >= 12.8); otherwise (False, reason). Initializes the CUDA runtime: call it after JAX has started.");

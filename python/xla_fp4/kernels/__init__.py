@@ -80,7 +80,7 @@ def backend_config_attributes(target, attrs):
   return out
 
 
-def custom_call(target, result_types, operands, config):
+def custom_call(target, result_types, operands, config, has_side_effect=False):
   """A `stablehlo.custom_call` to kernel `target` at the current insertion point (needs an MLIR context); `config`:
   its backend_config attributes (`backend_config_attributes`). The call fixes row-major layouts for its operands and
   results: left free, XLA's layout assignment may give one another layout (a result that is all-gathered along its
@@ -93,7 +93,7 @@ def custom_call(target, result_types, operands, config):
 
   return mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config,
                           operand_layouts=row_major([o.type for o in operands]),
-                          result_layouts=row_major(result_types))
+                          result_layouts=row_major(result_types), has_side_effect=has_side_effect)
 
 
 def custom_call_backend_config(target, attrs):

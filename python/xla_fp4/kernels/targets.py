@@ -46,6 +46,7 @@ class Target:
   twin_operands: tuple = ()  # attributes the twin takes as uint32 scalar operands, after the call's own operands
   twin_fixed: tuple = ()  # (attribute, value) pairs: the only values of those attributes the twin implements
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
+  side_effect: bool = False  # the call acts on the host (telemetry): XLA must neither remove nor merge it
 
   def twin_arguments(self, attrs):
     """(the values of the attributes the twin takes as uint32 operands, the twin's keyword parameters) of a call with
@@ -125,5 +126,14 @@ QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", dict(_QUANTIZE), _packed)
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 GEMM_PACKED = _target("xla_fp4_gemm_packed", {}, _product)
 
-ALL = (QDQ, QDQ_WITH_SCALE, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED)
+# Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (-1: not recorded), from the
+# block index (int32 scalar, -1 outside a scanned stack); the GEMM's statistics (float32 rows of
+# numerics/telemetry.py FIELDS), with that step and block. The statistics are whole tensors', replicated.
+TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, "every": int},
+                         lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
+TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
+                           lambda operands, attrs, dtype: [], side_effect=True)
+
+ALL = (QDQ, QDQ_WITH_SCALE, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
+       TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

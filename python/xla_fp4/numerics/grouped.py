@@ -152,6 +152,16 @@ def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed):
   [G, K, N] its experts. `axis` may be a tuple of dims (a wgrad over batch and sequence): they are quantized as one,
   merged in that order after the slice's other dims, as the emulated GEMM merges several contracting dims."""
   key = _operand_key(x, salt, stochastic)
+  slices, inner, unslice = as_slices(x, groups, axis)
+  recipe = _recipe(block_2d, stochastic, rht)
+  q, s_dec = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed))(
+      slices.astype(jnp.float32), jnp.arange(slices.shape[0]))
+  return unslice(q.astype(x.dtype)), s_dec.reshape([x.shape[d] for d in groups])
+
+
+def as_slices(x, groups, axis):
+  """(the slices of x along the dims `groups`, stacked: [slices, ...], the quantization axis within a slice, the
+  inverse: slices -> x's layout). `axis` may be a tuple of dims, merged in that order into one trailing K."""
   axes = (axis,) if isinstance(axis, int) else tuple(axis)
   rest = tuple(d for d in range(x.ndim) if d not in groups and (len(axes) == 1 or d not in axes))
   order = tuple(groups) + rest + (axes if len(axes) > 1 else ())
@@ -160,13 +170,9 @@ def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed):
   slice_shape = moved.shape[len(groups):]
   if len(axes) > 1:  # merge the contraction dims into one trailing K
     slice_shape = slice_shape[:len(rest)] + (int(np.prod(slice_shape[len(rest):])),)
-  slices = moved.reshape((int(np.prod(group_shape)),) + slice_shape).astype(jnp.float32)
-  recipe = _recipe(block_2d, stochastic, rht)
+  slices = moved.reshape((int(np.prod(group_shape)),) + slice_shape)
   inner = order.index(axes[0]) - len(groups) if len(axes) == 1 else len(rest)
-  q, s_dec = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed))(
-      slices, jnp.arange(slices.shape[0]))
-  q = jnp.transpose(q.reshape(moved.shape).astype(x.dtype), np.argsort(order))
-  return q, s_dec.reshape(group_shape)
+  return slices, inner, lambda s: jnp.transpose(s.reshape(moved.shape), np.argsort(order))
 
 
 def scaled_output(acc, lhs_scale, rhs_scale, *, groups, summed, dtype):

@@ -120,14 +120,9 @@ def _encode(x32, axis, block_2d, rounding, key, s_dec, bits=None):
   16, inner) and scales float8_e4m3fn shaped (outer, K/16, inner). `s_dec` is a scalar, or one per block
   (broadcastable to (outer, K/16, inner): the grouped recipe's per-group scales); `bits` (x32's shape) replaces the
   random bits drawn from `key` where the caller numbers elements otherwise (numerics/grouped.py)."""
-  axis, outer, k, inner = canonical_axis(x32.shape, axis)
-  xb = x32.reshape(outer, k // BLOCK, BLOCK, inner)
-  block_amax = _max(jnp.abs(xb), axis=2)
-  if block_2d:
-    block_amax = _tile_max(block_amax, 2 if inner > 1 else 0)
+  xb, _, wanted = block_scales(x32, axis, block_2d, s_dec)
   s_dec = jnp.asarray(s_dec, jnp.float32)
-  s_enc = jnp.where(s_dec == 0, jnp.float32(0), jnp.float32(1) / s_dec)
-  scales = formats.round_e4m3(block_amax * (s_enc * _INV_E2M1_MAX))
+  scales = formats.round_e4m3(wanted)
   denom = scales.astype(jnp.float32) * s_dec
   v = xb * (jnp.float32(1) / denom)[:, :, None, :]
   if rounding == "stochastic":
@@ -138,6 +133,19 @@ def _encode(x32, axis, block_2d, rounding, key, s_dec, bits=None):
     q = formats.round_e2m1_nearest(v)
   q = jnp.where((denom == 0)[:, :, None, :], jnp.float32(0), q)  # a zero scale encodes zeros
   return q, scales
+
+
+def block_scales(x32, axis, block_2d, s_dec):
+  """(x32 blocked as (outer, K/16, 16, inner), each block's amax (its 16x16 tile's with `block_2d`), the block scale
+  before its E4M3 rounding: amax_b / 6 / s_dec), the last two shaped (outer, K/16, inner); `s_dec`: _encode."""
+  axis, outer, k, inner = canonical_axis(x32.shape, axis)
+  xb = x32.reshape(outer, k // BLOCK, BLOCK, inner)
+  block_amax = _max(jnp.abs(xb), axis=2)
+  if block_2d:
+    block_amax = _tile_max(block_amax, 2 if inner > 1 else 0)
+  s_dec = jnp.asarray(s_dec, jnp.float32)
+  s_enc = jnp.where(s_dec == 0, jnp.float32(0), jnp.float32(1) / s_dec)
+  return xb, block_amax, block_amax * (s_enc * _INV_E2M1_MAX)
 
 
 def _times_scale(q, scales):

@@ -10,11 +10,13 @@ warns).
 import dataclasses
 import json
 import os
+import warnings
 
 from jax._src.lib.mlir import ir
 
 from xla_fp4 import report
 from xla_fp4 import state
+from xla_fp4 import telemetry
 from xla_fp4.config import Config
 from xla_fp4.passes import analysis as analysis_mod
 from xla_fp4.passes import policy
@@ -82,12 +84,31 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
       backend = choose_backend(config, platform, new, kernels, partitioned=partitioned)
       plans = policy.plan(analysis, decided, partitioned=partitioned, native=backend.gemm == "native",
                           cuda=is_cuda(platform))
-      rewrite.apply(new, plans, backend.kernel_set, seed=config.seed,
-                    matrix_gemm=is_cpu(platform), platform=lowering_platform(platform))
+      settings = _telemetry(config, backend)
+      probed = rewrite.apply(new, plans, backend.kernel_set, seed=config.seed, matrix_gemm=is_cpu(platform),
+                             platform=lowering_platform(platform), telemetry=settings)
+      for p in probed:
+        telemetry.register_site(settings.module, p.site.index, telemetry.Site(
+            directory=config.telemetry, module=module_name(new), layer=p.site.layer, role=str(p.site.role),
+            operands=tuple(str(o.kind) for o in p.operands), underflow=config.telemetry_underflow,
+            snr_db=config.telemetry_snr_db), f"{p.site.layer or 'a GEMM'} ({p.site.role}, module {module_name(new)})")
     notes = {p.site.index: "; ".join(p.notes) for p in plans if p.notes}
     rows = report.rows(analysis.sites, decided, notes)
   return Result(module=new if changed else module, rows=rows, unmatched_rules=unmatched, changed=changed,
                 backend=backend.describe() if changed else None)
+
+
+def _telemetry(config, backend):
+  """The probes' settings where the telemetry option is on and the kernels that record run here, else None."""
+  if not config.telemetry:
+    return None
+  if not isinstance(backend.kernel_set, rewrite.FfiKernels):
+    current = state.current()
+    if current.first_time("telemetry without kernels"):
+      warnings.warn("xla_fp4: XLA_FP4_TELEMETRY records through the compiled kernels, which are not registered on "
+                    "this platform (python -m xla_fp4 info says why); no telemetry is recorded", stacklevel=2)
+    return None
+  return rewrite.Settings(module=telemetry.register_module(), every=config.telemetry_every, strict=config.strict)
 
 
 def dump(dump_dir, before: ir.Module, result: Result):

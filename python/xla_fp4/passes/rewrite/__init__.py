@@ -11,6 +11,7 @@ The dot is erased; its uses read %y (same type). Where a scanned stack's block i
 the dot's function (BlockIndex.PASSED_IN), the function gets it as an extra argument, once per function and call.
 
   emitter.py      the pattern of one dot            kernel_sets.py  FFI custom calls or lowered twins
+  probes.py       the telemetry of one dot (the `telemetry` option)
   reuse.py        quantizations, reshapes and selectors shared between dots
   dims.py         operand layouts (merged contracting dims, K-major matrices)
   values.py       small MLIR value builders
@@ -22,28 +23,34 @@ from jax._src.lib.mlir.dialects import func as func_dialect
 from xla_fp4.passes.analysis import BlockIndex
 from xla_fp4.passes.rewrite.emitter import Emitter
 from xla_fp4.passes.rewrite.kernel_sets import FfiKernels, KernelSet, ReferenceKernels, Twins
+from xla_fp4.passes.rewrite.probes import Probes, Settings
 
-__all__ = ["Emitter", "FfiKernels", "KernelSet", "ReferenceKernels", "Twins", "apply"]
+__all__ = ["Emitter", "FfiKernels", "KernelSet", "ReferenceKernels", "Settings", "Twins", "apply"]
 
 
-def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, platform=None):
+def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, platform=None, telemetry=None):
   """Rewrite every planned dot of `module` (in place, in program order) with `kernel_set`; the module must verify
   after. `matrix_gemm`: emit emulated GEMMs as plain matrices where XLA CPU needs them (Emitter). `platform`: JAX's
-  name of the platform the twins are lowered for (Twins)."""
-  emitter = Emitter(kernel_set, Twins(module, platform), seed, matrix_gemm=matrix_gemm)
+  name of the platform the twins are lowered for (Twins). `telemetry`: probes.Settings, which add the telemetry
+  probes (probes.py) to every GEMM; returns the plans that got them."""
+  twins = Twins(module, platform)
+  probes = None if telemetry is None else Probes(kernel_set, twins, seed, telemetry)
+  emitter = Emitter(kernel_set, twins, seed, matrix_gemm=matrix_gemm, probes=probes)
   passed_in = {}  # (function, id of the entry call) -> the block index inside the function
   for plan in plans:
     dot = plan.record.op
-    y = emitter.emit(plan, _block_value(module, plan, passed_in))
+    # Probes number a scanned stack's records by iteration, so they read the block index where no select does.
+    source = plan.block_source or (plan.record.block_source if probes is not None else None)
+    y = emitter.emit(plan, _block_value(module, plan, source, passed_in))
     dot.results[0].replace_all_uses_with(y)
     dot.erase()
   if not module.operation.verify():
     raise RuntimeError("xla_fp4 produced a module that does not verify")
+  return [] if probes is None else probes.measured
 
 
-def _block_value(module, plan, passed_in):
-  """The iteration's block index where the dot can read it (None: no per-iteration select)."""
-  source = plan.block_source
+def _block_value(module, plan, source, passed_in):
+  """The iteration's block index from `source` where the dot can read it (None: not per iteration)."""
   if source is None or source.kind is BlockIndex.UNAVAILABLE:
     return None
   if source.kind is BlockIndex.IN_SCOPE:

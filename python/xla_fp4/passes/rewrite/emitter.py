@@ -49,15 +49,18 @@ from xla_fp4.passes.analysis.records import Grouping
 from xla_fp4.passes.analysis.trace import ragged_dot_dims
 from xla_fp4.passes.policy import Form, Operand
 from xla_fp4.passes.rewrite import dims
+from xla_fp4.passes.rewrite.probes import Measure
 from xla_fp4.passes.rewrite.reuse import Reuse, blocking
 from xla_fp4.passes.rewrite.values import broadcast, const, f32, scalar_type, tensor_type, u32
 
 
 class Emitter:
-  def __init__(self, kernels, twins, seed, matrix_gemm=False):
+  def __init__(self, kernels, twins, seed, matrix_gemm=False, probes=None):
     self.kernels = kernels  # a kernel_sets.KernelSet
     self.twins = twins  # kernel_sets.Twins of the module being rewritten
     self.seed = seed
+    self.probes = probes  # probes.Probes where the telemetry option is on
+    self._measures = None  # while a GEMM with probes is emitted: its operands' probes.Measures
     # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
     # matrices (dims.as_matrices) they run.
@@ -71,15 +74,31 @@ class Emitter:
       select = None
       if keep_blocks and block_value is not None:
         select = self.reuse.selector(block_value, keep_blocks, dot, lambda: _kept(block_value, keep_blocks))
+      probed = lambda build, select=None: self._probed(plan, build, block_value, select)  # noqa: E731
       if plan.form is Form.PACKED_GROUPED:
-        return self._in_case(select, dot, lambda: self._native_per_expert(plan))
+        return self._in_case(select, dot, lambda: probed(lambda: self._native_per_expert(plan)))
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
-        return self._slices(plan, select)
+        return probed(lambda: self._slices(plan, select), select)
       if plan.form is Form.GROUPED:
-        return self._in_case(select, dot, lambda: self._ragged(plan))
+        return self._in_case(select, dot, lambda: probed(lambda: self._ragged(plan)))
       if plan.form is not Form.PACKED:
-        return self._emulated(plan, select)
-      return self._in_case(select, dot, lambda: self._native_gemm(plan))
+        return probed(lambda: self._emulated(plan, select), select)
+      return self._in_case(select, dot, lambda: probed(lambda: self._native_gemm(plan)))
+
+  def _probed(self, plan, build, block_value, select):
+    """`build()`, followed by the telemetry probes of its GEMM where they are on (inside a kept-iteration case, the
+    branch that runs the NVFP4 pattern holds them, and `select` is None)."""
+    if self.probes is None:
+      return build()
+    self._measures = ([], [])
+    y = build()
+    measures, self._measures = self._measures, None
+    self.probes.emit(plan, measures, y, block_value, select)
+    return y
+
+  def _measure(self, i, **measure):
+    if self._measures is not None:
+      self._measures[i].append(Measure(**measure))
 
   @staticmethod
   def _in_case(select, dot, build):
@@ -184,6 +203,7 @@ class Emitter:
       operand = plan.operands[i]
       quantized[i] = self._operand(values[i], axes[i], operand, dot, plan.form, select,
                                    after if operand.after_gradient else None)
+      self._measure(i, x=values[i], axis=axes[i], recipe=operand.recipe, q=quantized[i][0], s_dec=quantized[i][1])
       if operand.kind is Operand.GRADIENT:
         after = quantized[i][1]
     (qa, sa), (qb, sb) = quantized
@@ -225,6 +245,8 @@ class Emitter:
     b = dims.matrix(dims.canonical(rhs, (), rc))  # (N, K)
     pa, sa = self._packed(a, plan.operands[0])
     pb, sb = self._packed(b, plan.operands[1])
+    for i, v in enumerate((a, b)):
+      self._measure(i, x=v, axis=1, recipe=plan.operands[i].recipe, salt=self._salt(plan.operands[i]))
     alpha = hlo.MulOp(sa, sb).result
     m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
     return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], {},
@@ -293,6 +315,8 @@ class Emitter:
                                  groups=tuple(group_dims[i]), block_2d=recipe.block_2d,
                                  axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
                                  stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed)
+      self._measure(i, x=x, axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
+                    recipe=recipe, q=q, s_dec=s_dec, groups=tuple(group_dims[i]))
       if select is not None:
         q = hlo.SelectOp(select, x, q).result
         s_dec = hlo.SelectOp(select, broadcast(const(1.0, f32()), scale_type), s_dec).result

@@ -49,7 +49,7 @@ class FfiKernels:
     config = self._configs.get(key)
     if config is None:
       config = self._configs[key] = self._kernels.backend_config_attributes(target.name, attrs)
-    op = self._kernels.custom_call(target.name, types, operands, config)
+    op = self._kernels.custom_call(target.name, types, operands, config, has_side_effect=target.side_effect)
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, [o.type for o in operands], types, attrs, k_follows_dot)

@@ -1,0 +1,104 @@
+"""What 4 bits do to one operand of an NVFP4 GEMM: the statistics the pass's telemetry records (docs/design.md §7).
+
+`operand_stats(x, q, s_dec, ...)` compares an operand x with its quantized values as the GEMM sees them: q = q·scale
+(the emulated GEMM's operand, RHT-transformed where the recipe applies it) and the global decode scale s_dec, so the
+decoded value is q * s_dec. It returns one float32 row, FIELDS in order:
+
+  amax, s_dec          the tensor's amax (after the RHT) and its global decode scale
+  elements, nonzero    how many elements, how many are not zero
+  underflow            nonzero elements that quantize to zero
+  quantized_nonzero    elements that do not quantize to zero (0 with nonzero > 0: the operand became all zeros)
+  energy, error_energy sum x², sum (x - q·s_dec)²: snr_db = 10·log10(energy / error_energy)
+  live_blocks          1x16 blocks (of 16x16 tiles, for 2D weights) whose amax is not zero
+  scale_underflow      live blocks whose E4M3 scale rounds to zero: the whole block is lost
+  scale_saturated      live blocks whose scale E4M3 clips: at least 464 before rounding, which an E4M3 with more
+                       range would round up to 480 (the tensor's amax block lands on 448 within rounding)
+
+Counts are int32 sums, so the pass's copy of these functions (lowered into the program) reduces a sharded tensor
+exactly (XLA's partitioner turns each sum into an all-reduce): the statistics are the whole tensor's, not a shard's.
+`summary` turns a row into the fractions a person reads.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from xla_fp4.numerics import formats
+from xla_fp4.numerics import grouped
+from xla_fp4.numerics import kernel_twins
+from xla_fp4.numerics import nvfp4
+from xla_fp4.numerics.rht import rht_f32
+
+FIELDS = ("amax", "s_dec", "elements", "nonzero", "underflow", "quantized_nonzero", "energy", "error_energy",
+          "live_blocks", "scale_underflow", "scale_saturated")
+_CLIPPED = formats.E4M3_MAX + 16  # halfway to 480, the next step of E4M3's grid above 448
+_MAXED = ("amax", "s_dec")  # combined over slices by max; every other field by sum
+
+
+def _count(mask):
+  return jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32)
+
+
+def operand_stats(x, q, s_dec, *, axis, block_2d, rht, rht_seed):
+  """The FIELDS row of operand x quantized along `axis` to q (q·scale, x's shape) with decode scale s_dec."""
+  x32 = x.astype(jnp.float32)
+  if rht:
+    x32 = rht_f32(x32, axis, rht_seed)
+  s_dec = jnp.asarray(s_dec, jnp.float32)
+  _, block_amax, wanted = nvfp4.block_scales(x32, axis, block_2d, s_dec)
+  live = block_amax > 0
+  scales = formats.round_e4m3(wanted).astype(jnp.float32)
+  q32 = q.astype(jnp.float32)
+  nonzero = x32 != 0
+  return jnp.stack([
+      jnp.max(jnp.abs(x32)), s_dec, jnp.float32(x.size), _count(nonzero), _count(nonzero & (q32 == 0)),
+      _count(q32 != 0), jnp.sum(x32 * x32), jnp.sum(jnp.square(x32 - q32 * s_dec)),
+      _count(live), _count(live & (scales == 0)), _count(live & (wanted >= _CLIPPED))])
+
+
+def combine(rows):
+  """One FIELDS row from several (slices of one operand: [n, FIELDS])."""
+  maxed = jnp.array([f in _MAXED for f in FIELDS])
+  return jnp.where(maxed, jnp.max(rows, axis=0), jnp.sum(rows, axis=0))
+
+
+def sliced_stats(x, q, s_dec, *, groups, axis, block_2d, rht, rht_seed):
+  """The row of an expert operand quantized per slice along `groups` (numerics/grouped.py slice_qdq: q, and s_dec
+  shaped like x's group dims); amax and s_dec are the largest slice's."""
+  xs, inner, _ = grouped.as_slices(x, groups, axis)
+  qs, _, _ = grouped.as_slices(q, groups, axis)
+  rows = jax.vmap(lambda a, b, s: operand_stats(a, b, s, axis=inner, block_2d=block_2d, rht=rht, rht_seed=rht_seed))(
+      xs, qs, jnp.reshape(s_dec, (-1,)))
+  return combine(rows)
+
+
+def requantized_stats(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+  """The row of x quantized as the packed kernels quantize it (same scale, key and values: kernel_twins), for the
+  native forms, whose q·scale never exists as a tensor."""
+  q, s_dec = kernel_twins.qdq_with_scale(x, salt, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
+                                         rht_seed=rht_seed)
+  return operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
+
+
+def output_zeros(y):
+  """A row for a GEMM's output: (exact zeros, elements, 0, ...): a wgrad's zero weight-gradient elements."""
+  return jnp.zeros(len(FIELDS), jnp.float32).at[0].set(_count(y == 0)).at[1].set(jnp.float32(y.size))
+
+
+def summary(row):
+  """The fractions of a FIELDS row (a sequence of floats): amax, s_dec, underflow (of the nonzero elements),
+  all_zero (nonzero elements and none survives), scale_underflow and scale_saturated (of the live blocks), snr_db
+  (inf when exact, None for an all-zero tensor)."""
+  v = dict(zip(FIELDS, (float(a) for a in row)))
+  ratio = lambda a, b: v[a] / v[b] if v[b] else 0.0  # noqa: E731
+  if v["energy"] == 0:
+    snr = None
+  elif v["error_energy"] == 0:
+    snr = math.inf
+  else:
+    snr = 10 * math.log10(v["energy"] / v["error_energy"])
+  return dict(amax=v["amax"], s_dec=v["s_dec"], elements=int(v["elements"]), underflow=ratio("underflow", "nonzero"),
+              all_zero=v["nonzero"] > 0 and v["quantized_nonzero"] == 0,
+              scale_underflow=ratio("scale_underflow", "live_blocks"),
+              scale_saturated=ratio("scale_saturated", "live_blocks"), snr_db=snr)

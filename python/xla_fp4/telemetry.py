@@ -1,0 +1,264 @@
+"""Telemetry on the host: what the pass's probes record (passes/rewrite/probes.py), as files a person reads.
+
+With `XLA_FP4_TELEMETRY=DIR` every NVFP4 GEMM the pass rewrites gets probes; the compiled kernels' sinks
+(xla_fp4/telemetry_sink.h, one per extension) collect their rows while the program runs. `flush()` (every second on
+a daemon thread, and at exit) drains them and appends one JSON line per operand and recorded step to
+DIR/telemetry.jsonl:
+
+  {"step", "module", "layer", "role", "operand", "block", "amax", "s_dec", "elements", "underflow", "all_zero",
+   "scale_underflow", "scale_saturated", "snr_db", "output_zeros", "alerts"}
+
+`operand` is activation, weight or gradient; `block` the block (a scanned stack's iteration counts) or null;
+`output_zeros` a wgrad's fraction of exact zeros in the weight gradient (null for fprop and dgrad); `snr_db` null for
+an all-zero operand, "inf" for an exact one. Alerts (once per GEMM operand and kind, as a warning and in
+DIR/alerts.jsonl): `all_zero` (nonzero elements and none survives), `underflow` (above `telemetry_underflow`), `snr`
+(below `telemetry_snr_db`). In a multi-process run process 0 writes; every process records the same statistics.
+"""
+
+import atexit
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+import threading
+import warnings
+
+from xla_fp4 import state
+from xla_fp4.numerics import telemetry as stats
+
+FILE = "telemetry.jsonl"
+ALERTS = "alerts.jsonl"
+_FLUSH_SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """One probed GEMM: what its records are called, and where they go."""
+  directory: str
+  module: str
+  layer: str
+  role: str
+  operands: tuple  # (lhs kind, rhs kind): activation, weight, gradient
+  underflow: float  # alert thresholds
+  snr_db: float
+
+
+_module_keys = itertools.count(1)  # process-wide, like the sinks' step counters
+
+
+def register_module():
+  """A new key for a module the pass probes (the probes' `module` attribute)."""
+  return next(_module_keys)
+
+
+def register_site(module_key, site_index, site, strict_label):
+  """Name GEMM `site_index` of module `module_key` (a Site) and start the writer."""
+  current = state.current()
+  with current.lock:
+    current.telemetry.sites[(module_key, site_index)] = site
+  for ext in _extensions():
+    ext.telemetry_label(module_key, site_index, strict_label)
+  _start()
+
+
+def _extensions():
+  """The loaded extensions, whose sinks hold records (the CUDA one only once the CUDA kernels are loaded)."""
+  names = ("xla_fp4._xla_fp4_ext", "xla_fp4._xla_fp4_cuda")
+  return [sys.modules[n] for n in names if n in sys.modules and hasattr(sys.modules[n], "telemetry_drain")]
+
+
+def _start():
+  current = state.current()
+  with current.lock:
+    if current.telemetry.writer is not None:
+      return
+    stop = threading.Event()
+
+    def loop():
+      while not stop.wait(_FLUSH_SECONDS):
+        flush()
+
+    current.telemetry.writer = threading.Thread(target=loop, name="xla_fp4 telemetry", daemon=True)
+    current.telemetry.writer.start()
+    atexit.register(flush)
+
+
+def _process_index():
+  import jax
+  try:
+    return jax.process_index()
+  except Exception:  # noqa: BLE001 - no backend yet: a single process
+    return 0
+
+
+def records(raw, sites):
+  """The JSON records of raw sink rows [(module, site, block, step, device, values)] of known `sites`."""
+  out = []
+  width = len(stats.FIELDS)
+  for module, site_index, block, step, _device, values in raw:
+    site = sites.get((module, site_index))
+    if site is None:
+      continue
+    rows = [values[i * width:(i + 1) * width] for i in range(len(values) // width)]
+    zeros = rows[2][0] / rows[2][1] if site.role == "wgrad" and rows[2][1] else None
+    for kind, row in zip(site.operands, rows):
+      summary = stats.summary(row)
+      record = dict(step=step, module=site.module, layer=site.layer, role=site.role, operand=kind,
+                    block=block if block >= 0 else None, **summary, output_zeros=zeros)
+      record["alerts"] = _alerts(record, site)
+      out.append((site, record))
+  return out
+
+
+def _alerts(record, site):
+  alerts = []
+  if record["all_zero"]:
+    alerts.append("all_zero")
+  if record["underflow"] > site.underflow:
+    alerts.append("underflow")
+  if record["snr_db"] is not None and record["snr_db"] < site.snr_db:
+    alerts.append("snr")
+  return alerts
+
+
+def _describe(record):
+  block = "" if record["block"] is None else f" block {record['block']}"
+  what = {"all_zero": "quantized to all zeros",
+          "underflow": f"{record['underflow']:.1%} of its nonzero elements quantize to zero",
+          "snr": f"quantization SNR {record['snr_db']:.1f} dB"}
+  return [f"xla_fp4 telemetry: {record['layer'] or '?'} {record['role']} {record['operand']}{block}: {what[a]} "
+          f"at step {record['step']}" for a in record["alerts"]]
+
+
+def _json(record):
+  return json.dumps({k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in record.items()})
+
+
+def flush():
+  """Drain the sinks, append their records to each GEMM's DIR/telemetry.jsonl and warn on alerts (once per GEMM
+  operand and kind)."""
+  current = state.current()
+  with current.telemetry.lock:
+    raw = [r for ext in _extensions() for r in ext.telemetry_drain()]
+    if not raw:
+      return
+    with current.lock:
+      sites = dict(current.telemetry.sites)
+    writes, alerts = {}, {}
+    for site, record in records(raw, sites):
+      writes.setdefault(site.directory, []).append(_json(record))
+      for alert, message in zip(record["alerts"], _describe(record)):
+        key = (site.module, record["layer"], record["role"], record["operand"], record["block"], alert)
+        if current.first_time(("telemetry",) + key):
+          warnings.warn(message, stacklevel=1)
+          alerts.setdefault(site.directory, []).append(json.dumps(dict(alert=alert, message=message,
+                                                                       step=record["step"])))
+    if _process_index() != 0:
+      return
+    for files, name in ((writes, FILE), (alerts, ALERTS)):
+      for directory, lines in files.items():
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, name), "a") as f:
+          f.write("\n".join(lines) + "\n")
+
+
+# -- reading: `python -m xla_fp4 telemetry DIR` ----------------------------------------------------------------------
+
+ROLES = ("fprop", "dgrad", "wgrad")
+
+
+def load(directory):
+  """Every record of DIR/telemetry.jsonl, in the order written ("inf" SNRs as float inf)."""
+  path = os.path.join(directory, FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist: run the program with XLA_FP4=1 XLA_FP4_TELEMETRY={directory}")
+  out = []
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        record = json.loads(line)
+        if record.get("snr_db") == "inf":
+          record["snr_db"] = math.inf
+        out.append(record)
+  return out
+
+
+def _gemm(record):
+  block = "" if record["block"] is None else f"[{record['block']}]"
+  return f"{record['module']}:{record['layer'] or '?'}{block} {record['role']} {record['operand']}"
+
+
+def worst(records, n=10):
+  """The GEMM operands with the most underflow and with the lowest SNR: two lists of (name, worst value, step of the
+  worst, first step with an alert or None, steps recorded)."""
+  by_gemm = {}
+  for r in records:
+    by_gemm.setdefault(_gemm(r), []).append(r)
+
+  def rank(key, pick):
+    rows = []
+    for name, rs in by_gemm.items():
+      valued = [r for r in rs if r[key] is not None]
+      if not valued:
+        continue
+      w = pick(valued, key=lambda r: r[key])
+      alerted = [r["step"] for r in rs if r["alerts"]]
+      rows.append((name, w[key], w["step"], min(alerted) if alerted else None, len(rs)))
+    return sorted(rows, key=lambda row: row[1], reverse=pick is max)[:n]
+
+  return rank("underflow", max), rank("snr_db", min)
+
+
+def print_worst(records, n=10, file=None):
+  file = file or sys.stdout
+  by_underflow, by_snr = worst(records, n)
+  steps = sorted({r["step"] for r in records})
+  print(f"{len(records)} records, steps {steps[0]}..{steps[-1]}" if steps else "no records", file=file)
+  for title, rows, fmt in (("most underflow (nonzero elements that quantize to zero)", by_underflow, "{:.2%}"),
+                           ("lowest quantization SNR (dB)", by_snr, "{:.1f}")):
+    print(f"\n{title}:", file=file)
+    width = max([len(r[0]) for r in rows] + [4])
+    print(f"  {'GEMM operand':<{width}}  {'worst':>8}  {'at step':>7}  {'alerts since':>12}  {'steps':>5}", file=file)
+    for name, value, step, since, count in rows:
+      print(f"  {name:<{width}}  {fmt.format(value):>8}  {step:>7}  {'-' if since is None else since:>12}  "
+            f"{count:>5}", file=file)
+
+
+def plot(records, directory):
+  """Heatmaps of GEMM operand x step, one panel per role: DIR/telemetry_underflow.png and DIR/telemetry_snr.png.
+  Returns their paths."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  steps = sorted({r["step"] for r in records})
+  column = {s: i for i, s in enumerate(steps)}
+  paths = []
+  for key, title, cmap, name in (("underflow", "underflow (fraction of nonzero elements -> 0)", "magma_r",
+                                  "telemetry_underflow.png"),
+                                 ("snr_db", "quantization SNR (dB)", "viridis", "telemetry_snr.png")):
+    roles = [role for role in ROLES if any(r["role"] == role for r in records)]
+    fig, axes = plt.subplots(1, max(len(roles), 1), figsize=(6 * max(len(roles), 1), 0.5 + 0.22 * max(
+        len({_gemm(r) for r in records if r["role"] == role}) for role in roles or ["fprop"]) + 1.5), squeeze=False)
+    for ax, role in zip(axes[0], roles):
+      names = sorted({_gemm(r).rsplit(" ", 2)[0] + " " + r["operand"] for r in records if r["role"] == role})
+      row = {n: i for i, n in enumerate(names)}
+      grid = np.full((len(names), len(steps)), np.nan)
+      for r in records:
+        if r["role"] == role and r[key] is not None:
+          grid[row[_gemm(r).rsplit(" ", 2)[0] + " " + r["operand"]], column[r["step"]]] = min(r[key], 99.0)
+      image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap,
+                        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5) if steps else None)
+      ax.set_yticks(range(len(names)), names, fontsize=6)
+      ax.set_xlabel("step")
+      ax.set_title(f"{role}: {title}", fontsize=9)
+      fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    path = os.path.join(directory, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+  return paths

@@ -1,0 +1,94 @@
+// The host side of the telemetry targets (python/xla_fp4/telemetry.py reads it): per-call step counters and the
+// statistics recorded since the last drain. One Sink per extension module (the CPU and the CUDA handlers each have
+// theirs; Python drains both). Thread-safe: XLA runs the calls of several devices at once.
+//
+// xla_fp4_telemetry_step (ffi_targets.h) numbers the executions of one GEMM per (module, site, block, device): a
+// scanned GEMM runs once per block and step, so every block counts its own steps, and every device counts the same
+// sequence, which keeps the devices' decisions to record (and the all-reduces of the statistics) in step.
+#ifndef XLA_FP4_TELEMETRY_SINK_H_
+#define XLA_FP4_TELEMETRY_SINK_H_
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace xla_fp4::telemetry {
+
+// The statistics of one quantized operand, in the order of numerics/telemetry.py FIELDS.
+enum Field : int { kAmax, kDecodeScale, kElements, kNonzero, kUnderflow, kQuantizedNonzero, kEnergy, kErrorEnergy,
+                   kLiveBlocks, kScaleUnderflow, kScaleSaturated, kNumFields };
+
+struct Record {
+  int64_t module, site;
+  int32_t block, step, device;
+  std::vector<float> values;  // rows of kNumFields: the GEMM's operands, then its output's (zeros, elements, ...)
+};
+
+class Sink {
+ public:
+  static Sink& Get() {
+    static Sink sink;
+    return sink;
+  }
+
+  // The step this call belongs to, or -1 where it is not recorded (every `every`-th step is, from the first).
+  int32_t Step(int64_t module, int64_t site, int32_t block, int32_t device, int64_t every) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t n = counts_[std::make_tuple(module, site, block, device)]++;
+    return every > 0 && n % every == 0 ? static_cast<int32_t>(n) : -1;
+  }
+
+  // Keeps the records of one device per GEMM (the first that records it): the statistics are of the whole tensor,
+  // the same on every device.
+  void Add(Record record) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [owner, unused] = owners_.emplace(std::make_pair(record.module, record.site), record.device);
+    if (owner->second == record.device) records_.push_back(std::move(record));
+  }
+
+  std::vector<Record> Drain() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Record> out;
+    out.swap(records_);
+    return out;
+  }
+
+  // What a strict-mode error names: the GEMM's layer and role (set by the pass when it emits the call).
+  void SetLabel(int64_t module, int64_t site, std::string label) {
+    std::lock_guard<std::mutex> lock(mu_);
+    labels_[std::make_pair(module, site)] = std::move(label);
+  }
+  std::string Label(int64_t module, int64_t site) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = labels_.find(std::make_pair(module, site));
+    return it == labels_.end() ? "GEMM " + std::to_string(site) + " of module " + std::to_string(module) : it->second;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::tuple<int64_t, int64_t, int32_t, int32_t>, int64_t> counts_;
+  std::map<std::pair<int64_t, int64_t>, int32_t> owners_;
+  std::map<std::pair<int64_t, int64_t>, std::string> labels_;
+  std::vector<Record> records_;
+};
+
+// The strict-mode check of one record: the message when operand row `row` has nonzero elements and none survives
+// quantization, else "".
+inline std::string AllZeroMessage(const Record& r, int64_t row) {
+  if (row < 0) return "";
+  const float* v = r.values.data() + row * kNumFields;
+  if (v[kNonzero] == 0 || v[kQuantizedNonzero] != 0) return "";
+  return "xla_fp4: the gradient operand of " + Sink::Get().Label(r.module, r.site) + " quantized to all zeros at step " +
+         std::to_string(r.step) + " (" + std::to_string(static_cast<int64_t>(v[kNonzero])) +
+         " nonzero elements, amax " + std::to_string(v[kAmax]) +
+         "): this step would train on a zero gradient. XLA_FP4_STRICT=1 makes this an error; unset it to only warn, "
+         "or keep this layer in high precision (XLA_FP4_EXCLUDE).";
+}
+
+}  // namespace xla_fp4::telemetry
+
+#endif  // XLA_FP4_TELEMETRY_SINK_H_
