@@ -21,7 +21,9 @@ ffi::Error TelemetryStep(int32_t device, ffi::Buffer<ffi::S32> block, ffi::Resul
 }
 
 ffi::Error TelemetryRecord(int32_t device, ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::S32> step,
-                           ffi::Buffer<ffi::S32> block, int64_t module, int64_t site, int64_t strict_row) {
+                           ffi::Buffer<ffi::S32> block, ffi::ResultBuffer<ffi::S32> done, int64_t module, int64_t site,
+                           int64_t strict_row) {
+  done->typed_data()[0] = step.typed_data()[0];
   const float* v = stats.typed_data();
   telemetry::Record record{module, site, block.typed_data()[0], step.typed_data()[0], device,
                            std::vector<float>(v, v + stats.element_count())};
@@ -49,4 +51,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCpu, xla_fp4::cpu::TelemetryR
                                   .Arg<ffi::Buffer<ffi::F32>>()  // statistics: rows of telemetry::kNumFields
                                   .Arg<ffi::Buffer<ffi::S32>>()  // step
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // the step, passed through
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES));

@@ -125,10 +125,10 @@ def _alerts(record, site):
 
 def _describe(record):
   block = "" if record["block"] is None else f" block {record['block']}"
-  what = {"all_zero": "quantized to all zeros",
-          "underflow": f"{record['underflow']:.1%} of its nonzero elements quantize to zero",
-          "snr": f"quantization SNR {record['snr_db']:.1f} dB"}
-  return [f"xla_fp4 telemetry: {record['layer'] or '?'} {record['role']} {record['operand']}{block}: {what[a]} "
+  what = {"all_zero": lambda: "quantized to all zeros",
+          "underflow": lambda: f"{record['underflow']:.1%} of its nonzero elements quantize to zero",
+          "snr": lambda: f"quantization SNR {record['snr_db']:.1f} dB"}
+  return [f"xla_fp4 telemetry: {record['layer'] or '?'} {record['role']} {record['operand']}{block}: {what[a]()} "
           f"at step {record['step']}" for a in record["alerts"]]
 
 

@@ -95,8 +95,11 @@ void Deliver(void* data) {  // a host function: no CUDA calls
 }
 
 ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::F32> stats,
-                           ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> block, int64_t module, int64_t site,
-                           int64_t strict_row) {
+                           ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> block, ffi::ResultBuffer<ffi::S32> done,
+                           int64_t module, int64_t site, int64_t strict_row) {
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(done->typed_data(), step.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToDevice, stream),
+      "copy"));
   const size_t n = stats.element_count();
   Staging* s = nullptr;
   XLA_FP4_RETURN_IF_ERROR(Acquire(n + 2, &s));
@@ -136,4 +139,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCuda, xla_fp4::cuda::Telemetr
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // the step, passed through
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES));

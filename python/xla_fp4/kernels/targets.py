@@ -128,11 +128,12 @@ GEMM_PACKED = _target("xla_fp4_gemm_packed", {}, _product)
 
 # Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (-1: not recorded), from the
 # block index (int32 scalar, -1 outside a scanned stack); the GEMM's statistics (float32 rows of
-# numerics/telemetry.py FIELDS), with that step and block. The statistics are whole tensors', replicated.
+# numerics/telemetry.py FIELDS), with that step and block, whose result is the step passed through (XLA's partitioner
+# needs a result to give a side-effecting op its sharding). The statistics are whole tensors', replicated.
 TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, "every": int},
                          lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
-                           lambda operands, attrs, dtype: [], side_effect=True)
+                           lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
 ALL = (QDQ, QDQ_WITH_SCALE, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
        TELEMETRY_RECORD)

@@ -19,6 +19,10 @@ extent along those dims keeps whole blocks. Both halves of XLA's sharding get wh
   (from `stablehlo.partition_id` through a constant table) into the key: shards of one tensor draw different bits,
   replicas of one shard the same bits, and the same program gives the same bits every run.
 
+The telemetry targets (side-effecting: XLA requires each such op to carry a sharding, and refuses a replicated one
+unless its partitioner allows it) get a partitioner that runs them on every device on whole operands: their operands
+are the whole tensors' statistics, which XLA has already reduced across shards.
+
 The global amax stays a plain max reduction of xla_fp4_block_amax's per-block maxima in the pass's output, which the
 SPMD partitioner turns into a scalar all-reduce.
 """
@@ -44,6 +48,8 @@ from xla_fp4.numerics.formats import BLOCK
 
 # The block-local targets, by name: their records (kernels/targets.py `BlockLocal`) say how shards run them.
 PARTITIONED = {t.name: t.block_local for t in targets.ALL if t.block_local is not None}
+# The side-effecting targets (telemetry): every device runs them on whole (replicated) operands.
+SIDE_EFFECTS = tuple(t.name for t in targets.ALL if t.side_effect)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +232,8 @@ def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
           salt = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
           salt = hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result
           operands[key_index] = hlo.XorOp(operands[key_index], salt).result
-        call = kernels.custom_call(target, [result_type], operands, kernels.backend_config_attributes(target, attrs))
+        call = kernels.custom_call(target, [result_type], operands, kernels.backend_config_attributes(target, attrs),
+                                   has_side_effect=targets.BY_NAME[target].side_effect)
         func_dialect.ReturnOp(call.results)
     return mlir.module_to_bytecode(module)
 
@@ -261,6 +268,14 @@ def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding,
   return _per_shard_module(target, attrs, local, sharding.tile(result_shape), salts), arg_shardings, sharding
 
 
+def _replicated(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
+  """The partition callback of a side-effecting target (telemetry): every device runs it on whole operands."""
+  module = _per_shard_module(target, _decode_config(target, backend_config), arg_shapes, result_shape, None)
+  if result_sharding.is_manual() or result_sharding.is_maximal():
+    return module, [result_sharding] * len(arg_shapes), result_sharding
+  return module, [xc.HloSharding.replicate()] * len(arg_shapes), xc.HloSharding.replicate()
+
+
 def _infer_from_operands(target, arg_shapes, arg_shardings, result_shape, backend_config):
   """GSPMD's forward propagation: the result is sharded like x, block-aligned."""
   if arg_shardings[0] is None:
@@ -288,6 +303,15 @@ def register():
       callbacks = dict(prop_user_sharding=functools.partial(_propagate_user_sharding, target),
                        partition=functools.partial(_partition, target),
                        infer_sharding_from_operands=functools.partial(_infer_from_operands, target))
+      xc.register_custom_call_partitioner(target, **callbacks)
+      xla_bridge.register_plugin_callbacks(functools.partial(xc.register_custom_call_partitioner, target, **callbacks))
+      _registered.append(target)
+    for target in SIDE_EFFECTS:
+      # Side-effecting calls must be told apart from ones XLA may replicate: each device runs these on its own.
+      callbacks = dict(prop_user_sharding=lambda *a: xc.HloSharding.replicate(),
+                       partition=functools.partial(_replicated, target),
+                       infer_sharding_from_operands=lambda *a: xc.HloSharding.replicate(),
+                       can_side_effecting_have_replicated_sharding=True)
       xc.register_custom_call_partitioner(target, **callbacks)
       xla_bridge.register_plugin_callbacks(functools.partial(xc.register_custom_call_partitioner, target, **callbacks))
       _registered.append(target)

@@ -53,6 +53,10 @@ class FfiKernels:
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, [o.type for o in operands], types, attrs, k_follows_dot)
+    if self.partitioned and target.side_effect:
+      # XLA's partitioner requires a sharding on a side-effecting op: every device runs it on whole values.
+      op.attributes["sdy.sharding"] = ir.Attribute.parse(
+          "#sdy.sharding_per_value<[" + ", ".join("<mesh<[]>, []>" for _ in types) + "]>")
     return list(op.results)
 
 

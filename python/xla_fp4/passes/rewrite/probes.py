@@ -78,17 +78,18 @@ class Probes:
     record = hlo.CompareOp(step, const(0, i32), hlo.ComparisonDirectionAttr.get("GE")).result
     if select is not None:
       record = hlo.AndOp(record, hlo.NotOp(select).result).result
-    case = hlo.CaseOp([], hlo.SelectOp(record, const(1, i32), const(0, i32)).result, 2)
+    # The case returns the record call's result (unused) so that XLA's partitioner sees the call's sharding.
+    case = hlo.CaseOp([step.type], hlo.SelectOp(record, const(1, i32), const(0, i32)).result, 2)
     with ir.InsertionPoint(case.regions[0].blocks.append()):
-      hlo.ReturnOp([])
+      hlo.ReturnOp([step])
     with ir.InsertionPoint(case.regions[1].blocks.append()):
       rows = [self._row(m) for m in measures] + [self._output_row(site, y)]
       row_type = ir.RankedTensorType.get([1, _ROW], f32())
       table = hlo.ConcatenateOp([hlo.ReshapeOp(row_type, r).result for r in rows], 0).result
       gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
       strict_row = gradients[0] if self.settings.strict and gradients else -1
-      self.kernels.call(targets.TELEMETRY_RECORD, [table, step, block], dict(attrs, strict_row=strict_row))
-      hlo.ReturnOp([])
+      hlo.ReturnOp(self.kernels.call(targets.TELEMETRY_RECORD, [table, step, block],
+                                     dict(attrs, strict_row=strict_row)))
     self.measured.append(plan)
 
   def _row(self, measures):

@@ -1,0 +1,261 @@
+"""Telemetry (the `telemetry` option): the statistics the probes record, bound to a recomputation from
+xla_fp4.numerics; what they change (nothing); steps, blocks, shards, alerts, strict mode and the command line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xla_fp4
+from nvfp4_testing import assert_same_bits, extension_or_skip
+from xla_fp4 import numerics as nv
+from xla_fp4 import state
+from xla_fp4 import telemetry
+from xla_fp4.numerics import rht as rht_mod
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+  extension_or_skip()
+  with state.use(state.State()):
+    yield
+  xla_fp4.disable()
+
+
+def _linear_step(scale=1.0):
+  """grad of sum(tanh(x @ w) * t) * scale over (w, x): one linear layer's fprop, dgrad and wgrad."""
+  def loss(w, x, t):
+    return jnp.sum(jnp.tanh(x @ w) * t) * scale
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _data(m=64, k=128, n=64, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  return (jax.random.normal(keys[0], (k, n)) * 0.05, jax.random.normal(keys[1], (m, k)),
+          jax.random.normal(keys[2], (m, n)))
+
+
+def _run(tmp_path, fn, args, steps=1, **options):
+  """fn(*args) `steps` times with telemetry into tmp_path (a single linear layer is the output head: not kept here)."""
+  xla_fp4.enable(telemetry=str(tmp_path), **{"keep_head": False, **options})
+  out = None
+  for _ in range(steps):
+    out = jax.block_until_ready(fn(*args))
+  telemetry.flush()
+  return out, telemetry.load(str(tmp_path))
+
+
+def _expected(x, axis, block_2d, rht=False):
+  """The statistics recomputed from xla_fp4.numerics (quantize, dequantize) and numpy."""
+  x = np.asarray(x, np.float32)
+  if rht:
+    x = np.asarray(rht_mod.random_hadamard_transform(jnp.asarray(x), axis=axis, seed=0))
+  d = np.asarray(nv.dequantize(nv.quantize(jnp.asarray(x), axis=axis, block_2d=block_2d)))
+  nonzero = x != 0
+  return dict(amax=np.abs(x).max(), underflow=(nonzero & (d == 0)).sum() / nonzero.sum(),
+              snr_db=10 * math.log10((x.astype(np.float64) ** 2).sum() / ((x - d).astype(np.float64) ** 2).sum()))
+
+
+def _one(records, role, operand, **match):
+  found = [r for r in records if r["role"] == role and r["operand"] == operand
+           and all(r[k] == v for k, v in match.items())]
+  assert len(found) == 1, (role, operand, found)
+  return found[0]
+
+
+def test_statistics_equal_a_recomputation_from_numerics(tmp_path):
+  w, x, t = _data()
+  _, records = _run(tmp_path, _linear_step(), (w, x, t))
+  assert {(r["role"], r["operand"]) for r in records} == {
+      ("fprop", "activation"), ("fprop", "weight"), ("dgrad", "gradient"), ("dgrad", "weight"),
+      ("wgrad", "activation"), ("wgrad", "gradient")}
+  checks = [(("fprop", "activation"), _expected(x, 1, False)),
+            (("fprop", "weight"), _expected(w, 0, True)),
+            (("dgrad", "weight"), _expected(w, 0, True)),  # the fprop's 16x16 tiles, read along N
+            (("wgrad", "activation"), _expected(x, 0, False, rht=True))]  # RHT along the tokens, nearest
+  for (role, operand), want in checks:
+    got = _one(records, role, operand)
+    assert got["amax"] == pytest.approx(float(want["amax"]), rel=1e-6), (role, operand)
+    assert got["underflow"] == pytest.approx(float(want["underflow"]), abs=1e-9), (role, operand)
+    assert got["snr_db"] == pytest.approx(want["snr_db"], rel=1e-4), (role, operand)
+    assert got["s_dec"] == pytest.approx(float(want["amax"]) / 2688, rel=1e-6)
+    assert not got["all_zero"] and got["scale_underflow"] == 0 and got["scale_saturated"] == 0
+  for r in records:
+    assert r["step"] == 0 and r["block"] is None and r["elements"] in (64 * 128, 128 * 64, 64 * 64)
+    assert r["module"] == "jit_loss"
+    assert (r["output_zeros"] is not None) == (r["role"] == "wgrad")
+  assert 0 <= _one(records, "wgrad", "activation")["output_zeros"] < 0.01
+
+
+def test_outputs_are_unchanged_bit_for_bit(tmp_path):
+  w, x, t = _data()
+  xla_fp4.enable(keep_head=False)
+  plain = jax.block_until_ready(_linear_step()(w, x, t))
+  probed, records = _run(tmp_path, _linear_step(), (w, x, t))
+  assert records
+  for a, b in zip(plain, probed):
+    assert_same_bits(b, a)
+
+
+def test_every_n_steps(tmp_path):
+  w, x, t = _data()
+  _, records = _run(tmp_path, _linear_step(), (w, x, t), steps=5, telemetry_every=2)
+  assert sorted({r["step"] for r in records}) == [0, 2, 4]
+  assert len(records) == 3 * 6
+
+
+def test_planted_outlier_underflows_exactly_that_operand(tmp_path):
+  """One huge outlier per row of the activation: every other block's scale underflows to zero."""
+  w, x, t = _data()
+  x = x.at[:, 0].set(1e8)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _, records = _run(tmp_path, _linear_step(), (w, x, t), telemetry_underflow=0.5)
+  hit = _one(records, "fprop", "activation")
+  assert hit["underflow"] > 0.99 and hit["scale_underflow"] == pytest.approx(7 / 8)  # 8 blocks per row, 1 kept
+  assert hit["alerts"] == ["underflow"]
+  flagged = {(r["role"], r["operand"]) for r in records if "underflow" in r["alerts"]}
+  # The wgrad reads the same activation (along the tokens, where the outliers fill one column of blocks).
+  assert flagged == {("fprop", "activation"), ("wgrad", "activation")}, flagged
+  messages = [str(c.message) for c in caught if "xla_fp4 telemetry" in str(c.message)]
+  assert len([m for m in messages if "fprop activation" in m and "quantize to zero" in m]) == 1, messages
+  alerts = [json.loads(line) for line in open(tmp_path / telemetry.ALERTS)]
+  assert [a["alert"] for a in alerts if "fprop activation" in a["message"]] == ["underflow"]
+
+
+def test_all_zero_gradient_warns_and_fails_in_strict_mode(tmp_path):
+  """A gradient so small that its decode scale (amax / 2688) flushes to zero quantizes to all zeros, as in
+  Transformer Engine #3281."""
+  w, x, t = _data()
+  step = _linear_step(scale=1e-36)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _, records = _run(tmp_path / "warn", step, (w, x, t))
+  zero = [r for r in records if r["all_zero"]]
+  assert {(r["role"], r["operand"]) for r in zero} == {("dgrad", "gradient"), ("wgrad", "gradient")}
+  assert all(r["operand"] == "gradient" and "all_zero" in r["alerts"] for r in zero)
+  assert any("quantized to all zeros" in str(c.message) for c in caught)
+  xla_fp4.enable(telemetry=str(tmp_path / "strict"), strict=True, keep_head=False)
+  with pytest.raises(Exception, match="quantized to all zeros"):
+    jax.block_until_ready(_linear_step(scale=1e-36)(w, x, t))
+
+
+def test_scanned_stack_reports_per_block(tmp_path):
+  layers, d = 6, 64
+  ws = jax.random.normal(jax.random.PRNGKey(1), (layers, d, d)) * 0.1 * (1 + jnp.arange(layers))[:, None, None]
+  x = jax.random.normal(jax.random.PRNGKey(2), (32, d))
+
+  def loss(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return jnp.mean(h ** 2)
+
+  _, records = _run(tmp_path, jax.jit(jax.grad(loss)), (ws, x), keep_first=0, keep_last=0)
+  for role in ("fprop", "dgrad", "wgrad"):
+    blocks = sorted(r["block"] for r in records if r["role"] == role and r["operand"] != "gradient"
+                    and r["operand"] != "activation" or (r["role"] == role and role == "wgrad"
+                                                         and r["operand"] == "activation"))
+    assert blocks == list(range(layers)), (role, blocks)
+  # Each iteration's weight is measured on its own: the weights grow with the block.
+  amax = {r["block"]: r["amax"] for r in records if r["role"] == "fprop" and r["operand"] == "weight"}
+  for b in range(layers):
+    assert amax[b] == pytest.approx(float(jnp.abs(ws[b]).max()), rel=1e-6)
+
+
+def test_kept_blocks_record_nothing(tmp_path):
+  layers, d = 6, 64
+  ws = jax.random.normal(jax.random.PRNGKey(1), (layers, d, d)) * 0.1
+  x = jax.random.normal(jax.random.PRNGKey(2), (32, d))
+
+  def loss(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return jnp.mean(h ** 2)
+
+  _, records = _run(tmp_path, jax.jit(jax.grad(loss)), (ws, x), keep_first=1, keep_last=1)
+  assert sorted({r["block"] for r in records}) == [1, 2, 3, 4]
+
+
+def test_native_backend_records_the_same_statistics(tmp_path):
+  w, x, t = _data()
+  _, emulated = _run(tmp_path / "emulate", _linear_step(), (w, x, t), backend="emulate", stochastic_rounding=False)
+  _, native = _run(tmp_path / "native", _linear_step(), (w, x, t), backend="native", stochastic_rounding=False)
+  key = lambda r: (r["role"], r["operand"])  # noqa: E731
+  assert sorted(map(key, native)) == sorted(map(key, emulated))
+  for a in native:
+    b = next(r for r in emulated if key(r) == key(a))
+    for field in ("amax", "s_dec", "underflow", "scale_underflow"):
+      assert a[field] == b[field], (key(a), field)
+    assert a["snr_db"] == pytest.approx(b["snr_db"], rel=1e-5)
+
+
+def test_command_line(tmp_path):
+  w, x, t = _data()
+  _run(tmp_path, _linear_step(), (w, x, t), steps=2)
+  run = lambda *a: subprocess.run([sys.executable, "-m", "xla_fp4", "telemetry", str(tmp_path), *a],  # noqa: E731
+                                  capture_output=True, text=True, cwd=ROOT)
+  r = run("--json")
+  assert r.returncode == 0, r.stderr
+  listed = json.loads(r.stdout)
+  assert len(listed) == 12 and {"step", "layer", "role", "operand", "block", "amax", "underflow",
+                                "snr_db"} <= set(listed[0])
+  r = run()
+  assert r.returncode == 0, r.stderr
+  assert "most underflow" in r.stdout and "lowest quantization SNR" in r.stdout and "wgrad gradient" in r.stdout
+  for name in ("telemetry_underflow.png", "telemetry_snr.png"):
+    assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+  missing = subprocess.run([sys.executable, "-m", "xla_fp4", "telemetry", str(tmp_path / "none")],
+                           capture_output=True, text=True, cwd=ROOT)
+  assert missing.returncode == 2 and "XLA_FP4_TELEMETRY" in missing.stderr
+
+
+_SHARDED = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xla_fp4
+    from xla_fp4 import telemetry
+    out, layout = sys.argv[1], sys.argv[2]
+    xla_fp4.enable(telemetry=out, stochastic_rounding=False, keep_head=False)
+    mesh = jax.make_mesh((8,), ("d",))
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    w1 = jax.random.normal(keys[0], (128, 256)) * 0.05
+    w2 = jax.random.normal(keys[1], (256, 128)) * 0.05
+    x = jax.random.normal(keys[2], (64, 128))
+    def loss(p, x):
+      return jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2)
+    if layout == "fsdp":  # weights sharded, batch sharded
+      put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+      w1, w2, x = put(w1, P("d", None)), put(w2, P("d", None)), put(x, P("d", None))
+    g = jax.block_until_ready(jax.jit(jax.grad(loss))((w1, w2), x))
+    telemetry.flush()
+""")
+
+
+def test_sharded_statistics_equal_one_devices(tmp_path):
+  """Under FSDP on 8 devices each statistic is the whole tensor's (reduced over the shards), as on one device."""
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
+  runs = {}
+  for layout in ("one", "fsdp"):
+    out = tmp_path / layout
+    r = subprocess.run([sys.executable, "-c", _SHARDED, str(out), layout], env=clean, capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    runs[layout] = telemetry.load(str(out))
+  key = lambda r: (r["layer"], r["role"], r["operand"])  # noqa: E731
+  one = {key(r): r for r in runs["one"]}
+  assert len(runs["fsdp"]) == len(one) == 10  # one device's records only, not one per device
+  for r in runs["fsdp"]:
+    o = one[key(r)]
+    assert r["elements"] == o["elements"] and r["amax"] == o["amax"], key(r)
+    assert r["underflow"] == pytest.approx(o["underflow"], abs=2e-3), key(r)
+    assert r["snr_db"] == pytest.approx(o["snr_db"], abs=0.05), key(r)
