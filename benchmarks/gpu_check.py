@@ -134,6 +134,39 @@ def _check_experts(device, cpu):
               ragged_dots_in_hlo=len(re.findall(r"ragged-dot\(", compiled.as_text())))
 
 
+def _check_telemetry(step, params, batch, device, cpu):
+  """The GPU step with telemetry: outputs bit-identical to the step without it; records (drained from the CUDA
+  sink, written without a synchronisation) equal the CPU's for every GEMM operand (amax exactly, underflow within 1e-3,
+  SNR within 0.1 dB: the operands are bit-identical where the upstream GEMMs agree; bf16 GEMMs need not)."""
+  import tempfile
+  import xla_fp4
+  from xla_fp4 import telemetry
+  records, outputs = {}, {}
+  for where, dev in (("device", device), ("cpu", cpu)):
+    directory = tempfile.mkdtemp(prefix=f"xla_fp4_gpu_check_telemetry_{where}_")
+    xla_fp4.enable(backend="emulate", telemetry=directory)
+    outputs[where] = _run(step, params, batch, dev, 0)
+    telemetry.flush()
+    records[where] = {(r["layer"], r["role"], r["operand"], r["block"]): r for r in telemetry.load(directory)}
+  xla_fp4.enable(backend="emulate")
+  plain = _run(step, params, batch, device, 0)
+  xla_fp4.disable()
+  same_outputs = _compare(outputs["device"], plain) == (0.0, 0.0)
+  worst = dict(amax=0.0, underflow=0.0, snr_db=0.0)
+  for key, r in records["cpu"].items():
+    g = records["device"].get(key)
+    if g is None:
+      worst["missing"] = worst.get("missing", 0) + 1
+      continue
+    worst["amax"] = max(worst["amax"], abs(g["amax"] - r["amax"]) / max(r["amax"], 1e-30))
+    worst["underflow"] = max(worst["underflow"], abs(g["underflow"] - r["underflow"]))
+    if g["snr_db"] is not None and r["snr_db"] is not None:
+      worst["snr_db"] = max(worst["snr_db"], abs(g["snr_db"] - r["snr_db"]))
+  ok = (same_outputs and records["cpu"] and len(records["device"]) == len(records["cpu"]) and "missing" not in worst
+        and worst["underflow"] <= 1e-3 and worst["snr_db"] <= 0.1)
+  return dict(ok=bool(ok), outputs_unchanged=same_outputs, records=len(records["device"]), worst_difference=worst)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--platform", default="cuda", help="the device platform to check (cpu: a stand-in, for CI)")
@@ -171,6 +204,7 @@ def main(argv=None):
 
   xla_fp4.disable()
   checks["expert layer on the device == grouped reference"] = _check_experts(device, cpu)
+  checks["telemetry on the device == CPU, outputs unchanged"] = _check_telemetry(step, params, batch, device, cpu)
 
   fp4_gemm, why = kernels.fp4_gemm_supported() if args.platform != "cpu" else (False, "cpu stand-in")
   result["fp4_gemm"] = dict(supported=fp4_gemm, reason=why)

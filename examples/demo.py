@@ -6,10 +6,13 @@
 Runs examples/train_lm.py (which imports nothing from xla_fp4) as two subprocesses with identical
 flags: a baseline with no XLA_FP4* variable set, then with XLA_FP4=1 and XLA_FP4_DUMP_DIR=<out>/dumps
 (any XLA_FP4_* knobs in the caller's environment, e.g. XLA_FP4_RHT=0, are passed on to this run).
-Then prints a table (final train/val loss, the relative validation gap, the step-time ratio and the
-share of the training step's GEMM FLOPs that ran in NVFP4) and the pass's decision report, and
-writes to <out> (default out/demo/): baseline.json, nvfp4.json, summary.json, summary.md,
-decisions.txt and loss_curves.png.
+The NVFP4 run also records telemetry every 10 steps (XLA_FP4_TELEMETRY=<out>/telemetry,
+XLA_FP4_TELEMETRY_EVERY=10, alerts above 30% underflow; the caller's settings win). Then prints a table
+(final train/val loss, the relative validation gap, the step-time ratio and the share of the training
+step's GEMM FLOPs that ran in NVFP4), the pass's decision report and the GEMMs that lose most to 4 bits,
+and writes to <out> (default out/demo/): baseline.json, nvfp4.json, summary.json, summary.md,
+decisions.txt, loss_curves.png and telemetry/ (telemetry.jsonl, telemetry_underflow.png,
+telemetry_snr.png).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import contextlib
 import io
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,6 +54,19 @@ def decision_report(dump_dir: Path) -> tuple[str, str]:
     return train or "(the pass dumped no decisions for the training step)\n", buf.getvalue()
 
 
+def telemetry_report(directory: Path) -> str:
+    """The worst GEMM operands of the NVFP4 run's telemetry, with its heatmaps written, or why there are none."""
+    try:
+        from xla_fp4 import telemetry
+        records = telemetry.load(str(directory))
+    except (ImportError, FileNotFoundError) as e:
+        return f"(no telemetry: {e})"
+    buf = io.StringIO()
+    telemetry.print_worst(records, 5, file=buf)
+    paths = telemetry.plot(records, str(directory)) if records else []
+    return buf.getvalue() + "".join(f"wrote {p}\n" for p in paths)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Unrecognised flags are passed on to train_lm.py (both runs).")
@@ -57,14 +74,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, extra = p.parse_known_args(argv)
     train_flags = lm_runs.flags(**DEMO_FLAGS) + extra
-    out, dumps = args.out, args.out / "dumps"
+    out, dumps, tel = args.out, args.out / "dumps", args.out / "telemetry"
+    shutil.rmtree(tel, ignore_errors=True)
+    telemetry_env = {"XLA_FP4_TELEMETRY": str(tel), "XLA_FP4_TELEMETRY_EVERY": "10",
+                     "XLA_FP4_TELEMETRY_UNDERFLOW": "0.3"}
 
     t0 = time.perf_counter()
     runs = {
         "baseline": lm_runs.run_train("baseline", train_flags, out / "baseline.json",
                                       progress=not args.no_progress),
         "nvfp4": lm_runs.run_train("nvfp4", train_flags, out / "nvfp4.json",
-                                   fp4_env=lm_runs.user_fp4_knobs(), dump_dir=dumps,
+                                   fp4_env={**telemetry_env, **lm_runs.user_fp4_knobs()}, dump_dir=dumps,
                                    progress=not args.no_progress),
     }
     wall = time.perf_counter() - t0
@@ -89,7 +109,10 @@ def main(argv=None) -> int:
               "(see the README).")
     else:
         print(f"NVFP4 FLOP share over: {share_note}")
-    print(f"\nwrote {out}/: baseline.json nvfp4.json summary.md summary.json decisions.txt loss_curves.png")
+    print(f"\n== what 4 bits did to each GEMM (python -m xla_fp4 telemetry {tel})\n")
+    print(telemetry_report(tel))
+    print(f"\nwrote {out}/: baseline.json nvfp4.json summary.md summary.json decisions.txt loss_curves.png "
+          "telemetry/")
     return 0
 
 

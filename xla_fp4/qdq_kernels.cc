@@ -4,6 +4,10 @@
 //   xla_fp4_qdq_with_scale(x) -> (y, s_dec)
 //                                      the same, measuring s_dec (and the stochastic-rounding key) from x itself
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
+//   xla_fp4_qdq_stats(x, s_dec, key) -> stats (float32[11])
+//                                      what xla_fp4_qdq does to x, as numerics/telemetry.py FIELDS (the telemetry)
+#include <vector>
+
 #include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
 #include "xla_fp4/ffi_targets.h"
@@ -32,6 +36,103 @@ void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const R
       }
     }
   });
+}
+
+// The statistics of one quantization (numerics/telemetry.py FIELDS), per tile: each tile writes its own entry (no
+// locks, and the sum over tiles runs in one order, whatever the threads did). Counts of elements whose block is live
+// (or whose scale underflows or clips) are 16 times the blocks' counts: every block has 16 elements (K % 16 == 0), so
+// counting elements never counts a padded tile's missing blocks.
+struct TileStats {
+  uint32_t amax_bits;
+  uint16_t nonzero, underflow, kept, live, scale_zero, clipped;  // at most 256 each
+  float energy, error;
+};
+
+constexpr float kClippedScale = 464.0f;  // numerics/telemetry.py _CLIPPED: halfway from E4M3's 448 to 480
+
+// The tile walker's q * scale values (v) against the tile of x they came from, reloaded (from cache) with the RHT.
+template <RhtAlong kRht, Blocks kBlocks, typename T>
+XLA_FP4_VECTOR_CLONES TileStats MeasureTile(const T* x, const View& view, const TilePos& p, const float* sign_quarter,
+                      const float (&v)[kBlock][kBlock], const uint8_t* code, const TensorScale& scale) {
+  alignas(64) float a[kBlock][kBlock];
+  LoadTransformed<kRht, false>(x, view, p, sign_quarter, a);
+  uint32_t am[kBlock] = {};
+  for (int i = 0; i < kBlock; ++i) {
+    for (int j = 0; j < kBlock; ++j) {
+      const int b = BlockOf<kBlocks>(i, j);
+      const uint32_t m = BitsOf(a[i][j]) & 0x7FFFFFFFu;
+      am[b] = m > am[b] ? m : am[b];
+    }
+  }
+  // Whole tiles in fixed-trip loops that vectorize; a padded tile's missing elements (zeros in a and v) must not
+  // count as live, so it takes the bounded loop.
+  const int nl = p.full ? kBlock : p.nl, nc = p.full ? kBlock : p.nc;
+  uint32_t amax = 0;
+  int nonzero = 0, underflow = 0, kept = 0, live = 0, scale_zero = 0, clipped = 0;
+  float energy = 0, error = 0;
+  for (int i = 0; i < nl; ++i) {
+    for (int j = 0; j < nc; ++j) {
+      const float x_ij = a[i][j], q_ij = v[i][j], e = x_ij - q_ij * scale.s_dec;
+      const uint32_t m = BitsOf(x_ij) & 0x7FFFFFFFu;
+      amax = m > amax ? m : amax;
+      nonzero += x_ij != 0.0f;
+      underflow += (x_ij != 0.0f) & (q_ij == 0.0f);
+      kept += q_ij != 0.0f;
+      energy += x_ij * x_ij;
+      error += e * e;
+    }
+  }
+  for (int i = 0; i < nl; ++i) {
+    for (int j = 0; j < nc; ++j) {
+      const int b = BlockOf<kBlocks>(i, j);
+      const bool is_live = am[b] != 0u;
+      live += is_live;
+      scale_zero += is_live & (code[b] == 0);
+      clipped += is_live & (AmaxFromBits(am[b]) * scale.s_enc_over_6 >= kClippedScale);
+    }
+  }
+  TileStats s;
+  s.amax_bits = amax;
+  s.nonzero = static_cast<uint16_t>(nonzero), s.underflow = static_cast<uint16_t>(underflow);
+  s.kept = static_cast<uint16_t>(kept), s.live = static_cast<uint16_t>(live);
+  s.scale_zero = static_cast<uint16_t>(scale_zero), s.clipped = static_cast<uint16_t>(clipped);
+  s.energy = energy, s.error = error;
+  return s;
+}
+
+// -> the FIELDS row of xla_fp4_qdq's result on x (q * scale from the same walker: bit-identical).
+template <typename T>
+void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, const TensorParams& tensor,
+                  float* row) {
+  const RhtSigns* rht = r.rht_signs();
+  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
+  const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
+  const View tiles_view = ViewOf(g, blocks);
+  const int64_t col_groups = (tiles_view.cols + kBlock - 1) / kBlock;
+  std::vector<TileStats> tiles(tiles_view.tiles());
+  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor, 1.0f,
+                       [&](auto blocks_c, const View& view, const TilePos& p, float (&v)[kBlock][kBlock],
+                           const uint8_t* code) {
+    const int64_t t = p.base / view.cols / kBlock * col_groups + p.base % view.cols / kBlock;
+    WithRht(RhtDirection(g, rht), [&](auto along) {
+      tiles[t] = MeasureTile<decltype(along)::value, decltype(blocks_c)::value>(x, view, p, sq, v, code, tensor.scale);
+      return 0;
+    });
+  });
+  uint32_t amax_bits = 0;
+  int64_t counts[6] = {};
+  double energy = 0, error = 0;
+  for (const TileStats& s : tiles) {
+    amax_bits = s.amax_bits > amax_bits ? s.amax_bits : amax_bits;
+    const uint16_t c[6] = {s.nonzero, s.underflow, s.kept, s.live, s.scale_zero, s.clipped};
+    for (int i = 0; i < 6; ++i) counts[i] += c[i];
+    energy += s.energy, error += s.error;
+  }
+  const float out[11] = {AmaxFromBits(amax_bits), tensor.scale.s_dec, static_cast<float>(g.size()),
+                         static_cast<float>(counts[0]), static_cast<float>(counts[1]), static_cast<float>(counts[2]),
+                         static_cast<float>(energy), static_cast<float>(error), static_cast<float>(counts[3] / kBlock),
+                         static_cast<float>(counts[4] / kBlock), static_cast<float>(counts[5] / kBlock)};
+  std::copy(out, out + 11, row);
 }
 
 struct TensorStats {
@@ -179,6 +280,32 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
   });
 }
 
+// Telemetry: the statistics of xla_fp4_qdq's result on x, from the same tile walker (bit-identical q), in one read.
+ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+                       ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
+                       int64_t rht_seed) {
+  Geometry g;
+  if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed),
+                                 CheckCounterRange(stochastic, g.size(), x.dimensions()),
+                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+                                 CheckScalar(key, ffi::DataType::U32, "key")});
+      e.failure()) {
+    return e;
+  }
+  if (stats->element_type() != ffi::DataType::F32 || stats->element_count() != 11) {
+    return ffi::Error::InvalidArgument("the statistics result must be float32[11] (numerics/telemetry.py FIELDS)");
+  }
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const float scale = *static_cast<const float*>(s_dec.untyped_data());
+  const TensorParams tensor = MakeTensorParams(scale, *static_cast<const uint32_t*>(key.untyped_data()));
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QdqStatsImpl(pool, static_cast<const T*>(x.untyped_data()), g, recipe, tensor,
+                 static_cast<float*>(stats->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
 // For programs that are not partitioned, where x is the whole tensor: the amax and the key come from x itself instead
 // of from reductions emitted around the call (the same numbers as the partitioned pattern's: kernel_twins.decode_scale
 // over xla_fp4_block_amax, and kernel_twins.stochastic_key), which keeps XLA's compile time and the step's memory
@@ -270,6 +397,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu, xla_fp4::cpu::QdqWithScaleF
                                   .Ret<ffi::AnyBuffer>()  // y: q * scale, x's shape and dtype
                                   .Ret<ffi::AnyBuffer>()  // s_dec (float32 scalar)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCpu, xla_fp4::cpu::QdqStatsFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // s_dec
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Ret<ffi::AnyBuffer>()  // statistics, float32[11]
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCpu, xla_fp4::cpu::RhtFfi,
                               ffi::Ffi::Bind()

@@ -24,6 +24,7 @@ ffi::Error TelemetryRecord(int32_t device, ffi::Buffer<ffi::F32> stats, ffi::Buf
                            ffi::Buffer<ffi::S32> block, ffi::ResultBuffer<ffi::S32> done, int64_t module, int64_t site,
                            int64_t strict_row) {
   done->typed_data()[0] = step.typed_data()[0];
+  if (step.typed_data()[0] < 0) return ffi::Error::Success();  // not a recorded step
   const float* v = stats.typed_data();
   telemetry::Record record{module, site, block.typed_data()[0], step.typed_data()[0], device,
                            std::vector<float>(v, v + stats.element_count())};

@@ -10,7 +10,7 @@ DIR/telemetry.jsonl:
 
 `operand` is activation, weight or gradient; `block` the block (a scanned stack's iteration counts) or null;
 `output_zeros` a wgrad's fraction of exact zeros in the weight gradient (null for fprop and dgrad); `snr_db` null for
-an all-zero operand, "inf" for an exact one. Alerts (once per GEMM operand and kind, as a warning and in
+an all-zero operand, "inf" for an exact one. Alerts (once per GEMM operand and kind, in a warning per drain and in
 DIR/alerts.jsonl): `all_zero` (nonzero elements and none survives), `underflow` (above `telemetry_underflow`), `snr`
 (below `telemetry_snr_db`). In a multi-process run process 0 writes; every process records the same statistics.
 """
@@ -31,6 +31,7 @@ from xla_fp4.numerics import telemetry as stats
 FILE = "telemetry.jsonl"
 ALERTS = "alerts.jsonl"
 _FLUSH_SECONDS = 1.0
+_SHOWN = 8  # alerts spelled out per warning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ def _describe(record):
   what = {"all_zero": lambda: "quantized to all zeros",
           "underflow": lambda: f"{record['underflow']:.1%} of its nonzero elements quantize to zero",
           "snr": lambda: f"quantization SNR {record['snr_db']:.1f} dB"}
-  return [f"xla_fp4 telemetry: {record['layer'] or '?'} {record['role']} {record['operand']}{block}: {what[a]()} "
+  return [f"{record['module']}: {record['layer'] or '?'} {record['role']} {record['operand']}{block}: {what[a]()} "
           f"at step {record['step']}" for a in record["alerts"]]
 
 
@@ -146,15 +147,21 @@ def flush():
       return
     with current.lock:
       sites = dict(current.telemetry.sites)
-    writes, alerts = {}, {}
+    writes, alerts, new = {}, {}, []
     for site, record in records(raw, sites):
       writes.setdefault(site.directory, []).append(_json(record))
       for alert, message in zip(record["alerts"], _describe(record)):
         key = (site.module, record["layer"], record["role"], record["operand"], record["block"], alert)
         if current.first_time(("telemetry",) + key):
-          warnings.warn(message, stacklevel=1)
+          new.append(message)
           alerts.setdefault(site.directory, []).append(json.dumps(dict(alert=alert, message=message,
                                                                        step=record["step"])))
+    if new:  # one warning per drain, so that a large model's first alerts do not flood the log
+      shown = "\n  ".join(new[:_SHOWN])
+      more = f"\n  ... and {len(new) - _SHOWN} more" if len(new) > _SHOWN else ""
+      where = ", ".join(sorted(os.path.join(d, ALERTS) for d in alerts))
+      warnings.warn(f"xla_fp4: {len(new)} new telemetry alert(s) (each GEMM operand and kind once; all in {where}):\n  "
+                    f"{shown}{more}", stacklevel=1)
     if _process_index() != 0:
       return
     for files, name in ((writes, FILE), (alerts, ALERTS)):

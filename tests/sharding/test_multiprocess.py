@@ -1,5 +1,6 @@
 """Two processes on localhost (4 host devices each, CPU collectives over gloo) train the same NVFP4 step as one
-process with 8 devices: the pass writes byte-identical modules in both processes, and the losses are the same.
+process with 8 devices: the pass writes byte-identical modules in both processes, and the losses are the same; with
+telemetry on, process 0 records the statistics one process records.
 
 Two policies run in each process. With every layer in NVFP4 the losses are equal bit for bit. With the default policy
 (the loss's head and the last block kept in high precision) they are equal at step 0 and then agree to the noise of
@@ -52,11 +53,15 @@ PROGRAM = textwrap.dedent("""
     policies = {"all_nvfp4": {"keep_head": False, "keep_first": 0, "keep_last": 0}, "defaults": {}}
     losses = {}
     for name, policy in policies.items():
-      xla_fp4.enable(strict=True, dump_dir=os.path.join(sys.argv[4], name), **policy)
+      # All-NVFP4 also records telemetry (process 0 writes it): the losses must stay bit for bit.
+      telemetry = os.path.join(sys.argv[4], "telemetry") if name == "all_nvfp4" else ""
+      xla_fp4.enable(strict=True, dump_dir=os.path.join(sys.argv[4], name), telemetry=telemetry, **policy)
       p, losses[name] = params, []
       for _ in range(3):
         l, p = jax.jit(step, out_shardings=shardings)(p, xs)
         losses[name].append(float(l))
+    from xla_fp4 import telemetry
+    telemetry.flush()
     print("RESULT", json.dumps(losses))
     if nproc > 1:
       jax.distributed.shutdown()
@@ -110,6 +115,15 @@ def test_two_processes_train_like_one(tmp_path):
     assert first and first == second, f"{policy}: the pass's output differs between the two processes"
     assert any(b"xla_fp4_qdq" in text for text in first.values()), f"{policy}: the pass rewrote the step"
     assert any(b"xla_fp4_qdq" in text for text in _dumps(tmp_path / "single" / policy).values())
+  # Telemetry: process 0 writes the whole tensors' statistics, the same as one process's; process 1 writes nothing.
+  key = lambda r: (r["step"], r["layer"], r["role"], r["operand"], r["block"])  # noqa: E731
+  records = {run: {key(r): r for r in map(json.loads, open(tmp_path / run / "telemetry" / "telemetry.jsonl"))}
+             for run in ("single", "p0")}
+  assert records["p0"] and records["p0"].keys() == records["single"].keys()
+  for k, r in records["p0"].items():
+    assert {f: r[f] for f in ("amax", "underflow", "snr_db")} == {f: records["single"][k][f] for f in (
+        "amax", "underflow", "snr_db")}, k
+  assert not (tmp_path / "p1" / "telemetry").exists()
   kept = {policy: {r["rule"] for name in os.listdir(tmp_path / "p0" / policy) if name.endswith(".decisions.json")
                    for r in json.loads((tmp_path / "p0" / policy / name).read_text())["decisions"]
                    if r["decision"] == "keep"} for policy in ("all_nvfp4", "defaults")}

@@ -127,8 +127,9 @@ def test_planted_outlier_underflows_exactly_that_operand(tmp_path):
   flagged = {(r["role"], r["operand"]) for r in records if "underflow" in r["alerts"]}
   # The wgrad reads the same activation (along the tokens, where the outliers fill one column of blocks).
   assert flagged == {("fprop", "activation"), ("wgrad", "activation")}, flagged
-  messages = [str(c.message) for c in caught if "xla_fp4 telemetry" in str(c.message)]
-  assert len([m for m in messages if "fprop activation" in m and "quantize to zero" in m]) == 1, messages
+  messages = [str(c.message) for c in caught if "telemetry alert" in str(c.message)]
+  lines = [line for m in messages for line in m.splitlines() if "fprop activation" in line]
+  assert len(lines) == 1 and "quantize to zero at step 0" in lines[0], messages
   alerts = [json.loads(line) for line in open(tmp_path / telemetry.ALERTS)]
   assert [a["alert"] for a in alerts if "fprop activation" in a["message"]] == ["underflow"]
 
@@ -259,3 +260,21 @@ def test_sharded_statistics_equal_one_devices(tmp_path):
     assert r["elements"] == o["elements"] and r["amax"] == o["amax"], key(r)
     assert r["underflow"] == pytest.approx(o["underflow"], abs=2e-3), key(r)
     assert r["snr_db"] == pytest.approx(o["snr_db"], abs=0.05), key(r)
+
+
+@pytest.mark.benchmark  # runs benchmarks/telemetry.py --small (a minute)
+def test_overhead_benchmark_runs_and_records(tmp_path):
+  out = tmp_path / "telemetry.json"
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4")}
+  r = subprocess.run([sys.executable, "benchmarks/telemetry.py", "--small", "--out", str(out)], env=clean,
+                     capture_output=True, text=True, cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  result = json.loads(out.read_text())
+  rows = result["rows"]
+  assert [row["dtype"] for row in rows] == ["float32", "bfloat16"]
+  steps = 1 + result["rounds"] * result["steps_per_round"]  # the warm-up step, then the timed ones
+  for row in rows:  # the same GEMMs recorded in every step, or in steps 0, 10, 20, ...
+    per_step = row["records"]["every_1"] // steps
+    assert row["records"]["off"] == 0 and per_step > 0 and row["records"]["every_1"] == per_step * steps
+    assert row["records"]["every_10"] == per_step * len(range(0, steps, 10))
+    assert all(t > 0 for t in row["step_s"].values())

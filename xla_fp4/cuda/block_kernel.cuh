@@ -88,8 +88,9 @@ __device__ void StoreBlock(T* y, const BlockGrid& g, const BlockIndex& b, const 
   for (int j = 0; j < kBlock; ++j) y[g.Offset(b, j)] = FromFloat<T>(v[j]);
 }
 
-// Quantizes one block per thread (after the RHT if asked) and hands (block, scale, E2M1 values) to `sink`, which
-// decodes them (qdq) or packs them (quantize_packed). s_dec and key stay on the device: no host synchronization.
+// Quantizes one block per thread (after the RHT if asked) and hands (block, scale, E2M1 values, the block's amax, a 2D
+// tile's being the tile's) to `sink`, which decodes them (qdq), packs them (quantize_packed) or measures them
+// (qdq_stats). s_dec and key stay on the device: no host synchronization.
 template <typename T, typename Sink>
 __global__ void QuantizeKernel(const T* x, BlockGrid g, Recipe r, const float* s_dec, const uint32_t* key, Sink sink) {
   const BlockIndex b = g.Locate(ThreadIndex());
@@ -112,7 +113,7 @@ __global__ void QuantizeKernel(const T* x, BlockGrid g, Recipe r, const float* s
     const float u = r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(g.Offset(b, j)))) : 0.0f;
     q[j] = QuantizeElement(v[j], bs, r.stochastic, u);
   }
-  sink(g, b, bs, ts, q);
+  sink(g, b, bs, ts, q, amax);
 }
 
 }  // namespace xla_fp4::cuda

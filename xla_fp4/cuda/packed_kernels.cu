@@ -19,7 +19,7 @@ struct PackSink {
   uint8_t* scales;
   int64_t padded_cols;
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale&,
-                             const float* q) const {
+                             const float* q, float /*amax*/) const {
     uint64_t packed = 0;
     for (int j = 0; j < kBlock; ++j) packed |= static_cast<uint64_t>(E2M1Code(q[j])) << (4 * j);
     reinterpret_cast<uint64_t*>(data)[(b.o * g.k + b.kb * kBlock) / kBlock] = packed;  // little-endian: even = low

@@ -1,5 +1,5 @@
-// xla_fp4_qdq, xla_fp4_qdq_with_scale, xla_fp4_rht and xla_fp4_block_amax on CUDA: the same numbers as the CPU
-// kernels (qdq_kernels.cc).
+// xla_fp4_qdq, xla_fp4_qdq_with_scale, xla_fp4_qdq_stats, xla_fp4_rht and xla_fp4_block_amax on CUDA: the same numbers
+// as the CPU kernels (qdq_kernels.cc).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -22,13 +22,67 @@ struct DequantizeSink {
   T* y;
   bool apply_global_scale;
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
-                             const float* q) const {
+                             const float* q, float /*amax*/) const {
     const float s_dec = apply_global_scale ? ts.s_dec : 1.0f;
     float v[kBlock];
     for (int j = 0; j < kBlock; ++j) v[j] = DecodeElement(q[j], bs.scale, s_dec);
     StoreBlock(y, g, b, v);
   }
 };
+
+// Telemetry (xla_fp4_qdq_stats): each thread compares its block's q * scale with the block's x (reloaded, the RHT
+// applied) and adds to counts[7] (amax bits by max; nonzero, underflow, kept elements; live, zero-scale and clipped
+// blocks) and energies[2] (x², error²). Counts are exact and order-free; the energies' order follows the atomics
+// (float rounding only).
+template <typename T>
+struct StatsSink {
+  const T* x;
+  Recipe r;
+  unsigned long long* counts;
+  double* energies;
+  __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
+                             const float* q, float amax) const {
+    float v[kBlock];
+    LoadBlock(x, g, b, v);
+    if (r.rht) Rht16(v, r.signs.sign_quarter);
+    unsigned long long nonzero = 0, underflow = 0, kept = 0;
+    uint32_t m = 0;
+    double energy = 0, error = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      const float qs = q[j] * bs.scale, e = v[j] - qs * ts.s_dec;
+      m = max(m, MagnitudeBits(v[j]));
+      nonzero += v[j] != 0.0f;
+      underflow += v[j] != 0.0f && qs == 0.0f;
+      kept += qs != 0.0f;
+      energy += static_cast<double>(v[j] * v[j]);
+      error += static_cast<double>(e * e);
+    }
+    const bool live = amax > 0.0f;  // the block's amax as the quantizer saw it (a 2D tile's: the tile's)
+    atomicMax(&counts[0], static_cast<unsigned long long>(m));
+    atomicAdd(&counts[1], nonzero);
+    atomicAdd(&counts[2], underflow);
+    atomicAdd(&counts[3], kept);
+    if (live) {
+      atomicAdd(&counts[4], 1ull);
+      if (bs.code == 0) atomicAdd(&counts[5], 1ull);
+      if (amax * ts.s_enc_over_6 >= 464.0f) atomicAdd(&counts[6], 1ull);  // numerics/telemetry.py _CLIPPED
+    }
+    atomicAdd(&energies[0], energy);
+    atomicAdd(&energies[1], error);
+  }
+};
+
+// The FIELDS row from the accumulators, on the device.
+__global__ void StatsFinishKernel(const unsigned long long* counts, const double* energies, const float* s_dec,
+                                  float elements, float* row) {
+  row[0] = __uint_as_float(static_cast<uint32_t>(counts[0]));  // MagnitudeBits: NaN counted as +Inf
+  row[1] = *s_dec;
+  row[2] = elements;
+  for (int i = 1; i < 4; ++i) row[2 + i] = static_cast<float>(counts[i]);
+  row[6] = static_cast<float>(energies[0]);
+  row[7] = static_cast<float>(energies[1]);
+  for (int i = 4; i < 7; ++i) row[4 + i] = static_cast<float>(counts[i]);
+}
 
 template <typename T>
 __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
@@ -144,6 +198,38 @@ ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   });
 }
 
+ffi::Error QdqStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
+                    ffi::AnyBuffer key, ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis, bool block_2d,
+                    bool stochastic, bool rht, int64_t rht_seed) {
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckAxis(x.dimensions(), axis, &shape));
+  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
+  XLA_FP4_RETURN_IF_ERROR(CheckCounterRange(stochastic, shape.size(), x.dimensions()));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
+  if (stats->element_count() != 11) return InvalidArgument("xla_fp4_qdq_stats returns float32[11]");
+  constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double);
+  std::optional<void*> words = scratch.Allocate(kBytes, alignof(double));
+  if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the stats");
+  auto* counts = static_cast<unsigned long long*>(*words);
+  auto* energies = reinterpret_cast<double*>(counts + 7);
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(counts, 0, kBytes, stream), "cudaMemsetAsync"));
+  const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const float* s = static_cast<const float*>(s_dec.untyped_data());
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    if (g.Threads() > 0) {
+      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+          xp, g, r, s, static_cast<const uint32_t*>(key.untyped_data()), StatsSink<T>{xp, r, counts, energies});
+      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats kernel"));
+    }
+    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s, static_cast<float>(shape.size()), stats->typed_data());
+    return LaunchStatus("xla_fp4_qdq_stats finish kernel");
+  });
+}
+
 ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t axis,
                int64_t rht_seed) {
   AxisShape shape;
@@ -202,6 +288,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCuda, xla_fp4::cuda::QdqWithScal
                                   .Ret<xla::ffi::AnyBuffer>()              // y: q * scale, x's shape and dtype
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_dec (float32 scalar)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCuda, xla_fp4::cuda::QdqStats,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x
+                                  .Arg<xla::ffi::AnyBuffer>()              // s_dec (float32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()              // key (uint32 scalar)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCuda, xla_fp4::cuda::Rht,
                               xla::ffi::Ffi::Bind()

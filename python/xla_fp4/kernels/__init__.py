@@ -24,6 +24,10 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       = max |rht(x) if rht else x| with NaN counted as +Inf; key = salt, xor'ed with the wrapping uint32 sum of x's
       element bits when stochastic (numerics.tensor_digest), so that the rounding differs every step. For tensors
       that are whole on one device: a partitioned program needs the global amax, i.e. a reduction XLA can partition.
+  xla_fp4_qdq_stats(x: f32|bf16|f16[...], s_dec: f32[], key: u32[]) -> f32[11]
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64
+      the statistics of xla_fp4_qdq's q * scale on x (numerics/telemetry.py FIELDS, == numerics.telemetry.qdq_stats:
+      counts exactly, energies to float rounding), from the same quantizer, reading x once. Whole tensors only.
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
   xla_fp4_block_amax(x: f32|bf16|f16[...]) -> f32[x.shape, axis / 16]; attrs axis: i64, rht: bool, rht_seed: i64
       the max |v| of every 1x16 block (v = its RHT when rht), NaN as +Inf     (== numerics.block_amax); block-local,
@@ -34,6 +38,13 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
   xla_fp4_dequantize_packed(data: u8[rows, K/2], scales: u8[...], s_dec: f32[]) -> f32|bf16|f16[rows, K]; no attrs
   xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[...], b_data: u8[N, K/2], b_scales: u8[...], alpha: f32[])
       -> f32|bf16|f16[M, N]; no attrs. C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
+  xla_fp4_telemetry_step(block: i32[]) -> i32[]; attrs module: i64, site: i64, every: i64     (side effect)
+      counts this call per (module, site, block, device): the n-th call (from 0) returns n where n % every == 0, else
+      -1 (not recorded). Every device counts the same sequence.
+  xla_fp4_telemetry_record(stats: f32[rows, FIELDS], step: i32[], block: i32[]) -> i32[] (step); attrs module: i64,
+      site: i64, strict_row: i64                                                          (side effect)
+      puts the rows (numerics.telemetry.FIELDS) in the process's sink (telemetry_sink.h), one device's per GEMM;
+      fails with FAILED_PRECONDITION when row strict_row (>= 0) has nonzero elements and none quantized nonzero.
 
 Contraction sizes must be multiples of 16; a violated contract fails the call with an INVALID_ARGUMENT error that says
 what was wrong. Loading and registration: registry.py; one record per target: targets.py.
@@ -109,6 +120,12 @@ def _call(target, operands, dtype=None, **attrs):
   results = target.results(operands, typed, dtype)
   call = jax.ffi.ffi_call(target.name, results if len(results) > 1 else results[0])
   return call(*operands, **typed)
+
+
+def qdq_stats(x, s_dec, key=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """The telemetry statistics (numerics/telemetry.py FIELDS) of qdq(x, s_dec, key) with the C++ kernel."""
+  return _call(targets.QDQ_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)], axis=axis,
+               block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
 
 
 def _u8_scales(scales):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xla_fp4.numerics import kernel_twins
+from xla_fp4.numerics import telemetry
 from xla_fp4.numerics.formats import BLOCK
 from xla_fp4.numerics.packing import padded_scale_shape
 
@@ -119,6 +120,10 @@ QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bo
               block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True))
 QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
                          twin=kernel_twins.qdq_with_scale, twin_operands=("salt",))
+# Telemetry: what xla_fp4_qdq does to x, as the FIELDS row of numerics/telemetry.py (whole tensors only).
+QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE},
+                    lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)],
+                    twin=telemetry.qdq_stats)
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
@@ -135,6 +140,6 @@ TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, 
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
        TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

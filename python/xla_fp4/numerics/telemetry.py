@@ -40,6 +40,23 @@ def _count(mask):
   return jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32)
 
 
+def _element_sums(x32, q32, s_dec):
+  """(amax, nonzero, underflow, quantized nonzero, energy, error energy) of x32 and q32 · s_dec in one pass: one
+  variadic reduction, which XLA runs as one loop over both tensors (separate reductions would read them once each)."""
+  zero, one = jnp.int32(0), jnp.int32(1)
+  nonzero = x32 != 0
+  error = x32 - q32 * s_dec
+  operands = (jnp.abs(x32), jnp.where(nonzero, one, zero), jnp.where(nonzero & (q32 == 0), one, zero),
+              jnp.where(q32 != 0, one, zero), x32 * x32, error * error)
+  inits = (jnp.float32(0), zero, zero, zero, jnp.float32(0), jnp.float32(0))
+
+  def step(a, b):
+    return (jnp.maximum(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5])
+
+  flat = tuple(o.reshape(-1) for o in operands)
+  return jax.lax.reduce(flat, inits, step, (0,))
+
+
 def operand_stats(x, q, s_dec, *, axis, block_2d, rht, rht_seed):
   """The FIELDS row of operand x quantized along `axis` to q (q·scale, x's shape) with decode scale s_dec."""
   x32 = x.astype(jnp.float32)
@@ -49,12 +66,10 @@ def operand_stats(x, q, s_dec, *, axis, block_2d, rht, rht_seed):
   _, block_amax, wanted = nvfp4.block_scales(x32, axis, block_2d, s_dec)
   live = block_amax > 0
   scales = formats.round_e4m3(wanted).astype(jnp.float32)
-  q32 = q.astype(jnp.float32)
-  nonzero = x32 != 0
-  return jnp.stack([
-      jnp.max(jnp.abs(x32)), s_dec, jnp.float32(x.size), _count(nonzero), _count(nonzero & (q32 == 0)),
-      _count(q32 != 0), jnp.sum(x32 * x32), jnp.sum(jnp.square(x32 - q32 * s_dec)),
-      _count(live), _count(live & (scales == 0)), _count(live & (wanted >= _CLIPPED))])
+  amax, nonzero, underflow, kept, energy, error = _element_sums(x32, q.astype(jnp.float32), s_dec)
+  f = lambda v: v.astype(jnp.float32)  # noqa: E731
+  return jnp.stack([amax, s_dec, jnp.float32(x.size), f(nonzero), f(underflow), f(kept), energy, error,
+                    _count(live), _count(live & (scales == 0)), _count(live & (wanted >= _CLIPPED))])
 
 
 def combine(rows):
@@ -73,17 +88,20 @@ def sliced_stats(x, q, s_dec, *, groups, axis, block_2d, rht, rht_seed):
   return combine(rows)
 
 
-def requantized_stats(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
-  """The row of x quantized as the packed kernels quantize it (same scale, key and values: kernel_twins), for the
-  native forms, whose q·scale never exists as a tensor."""
-  q, s_dec = kernel_twins.qdq_with_scale(x, salt, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
-                                         rht_seed=rht_seed)
+def qdq_stats(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
+  """The row of x quantized as xla_fp4_qdq quantizes it with s_dec and key: the twin of xla_fp4_qdq_stats."""
+  q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
   return operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
 
 
 def output_zeros(y):
   """A row for a GEMM's output: (exact zeros, elements, 0, ...): a wgrad's zero weight-gradient elements."""
   return jnp.zeros(len(FIELDS), jnp.float32).at[0].set(_count(y == 0)).at[1].set(jnp.float32(y.size))
+
+
+def scaled_output_zeros(acc, alpha, *, dtype):
+  """output_zeros of an emulated GEMM's output, convert(acc * alpha) to `dtype`, made from its f32 accumulator."""
+  return output_zeros((acc * alpha).astype(dtype))
 
 
 def summary(row):

@@ -61,6 +61,7 @@ class Emitter:
     self.seed = seed
     self.probes = probes  # probes.Probes where the telemetry option is on
     self._measures = None  # while a GEMM with probes is emitted: its operands' probes.Measures
+    self._output = None  # ... and the emulated GEMM's (f32 accumulator, alpha), from which its output is made
     # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
     # matrices (dims.as_matrices) they run.
@@ -90,10 +91,10 @@ class Emitter:
     branch that runs the NVFP4 pattern holds them, and `select` is None)."""
     if self.probes is None:
       return build()
-    self._measures = ([], [])
+    self._measures, self._output = ([], []), None
     y = build()
-    measures, self._measures = self._measures, None
-    self.probes.emit(plan, measures, y, block_value, select)
+    measures, output, self._measures, self._output = self._measures, self._output, None, None
+    self.probes.emit(plan, measures, output or y, block_value, select)
     return y
 
   def _measure(self, i, **measure):
@@ -168,6 +169,8 @@ class Emitter:
   def _emulated(self, plan, select):
     dot = plan.record.op
     acc, alpha = self._emulated_gemm(plan, select)
+    if self._measures is not None:
+      self._output = (acc, alpha)
     out_type = tensor_type(dot.results[0])
     y = hlo.MulOp(acc, broadcast(alpha, tensor_type(acc))).result  # fold both s_dec into the f32 output
     if out_type.element_type != f32():
@@ -203,7 +206,8 @@ class Emitter:
       operand = plan.operands[i]
       quantized[i] = self._operand(values[i], axes[i], operand, dot, plan.form, select,
                                    after if operand.after_gradient else None)
-      self._measure(i, x=values[i], axis=axes[i], recipe=operand.recipe, q=quantized[i][0], s_dec=quantized[i][1])
+      self._measure(i, x=values[i], axis=axes[i], recipe=operand.recipe, salt=self._salt(operand), q=quantized[i][0],
+                    s_dec=quantized[i][1])
       if operand.kind is Operand.GRADIENT:
         after = quantized[i][1]
     (qa, sa), (qb, sb) = quantized
@@ -245,8 +249,8 @@ class Emitter:
     b = dims.matrix(dims.canonical(rhs, (), rc))  # (N, K)
     pa, sa = self._packed(a, plan.operands[0])
     pb, sb = self._packed(b, plan.operands[1])
-    for i, v in enumerate((a, b)):
-      self._measure(i, x=v, axis=1, recipe=plan.operands[i].recipe, salt=self._salt(plan.operands[i]))
+    for i, (v, s_dec) in enumerate(((a, sa), (b, sb))):
+      self._measure(i, x=v, axis=1, recipe=plan.operands[i].recipe, salt=self._salt(plan.operands[i]), s_dec=s_dec)
     alpha = hlo.MulOp(sa, sb).result
     m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
     return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], {},
@@ -316,7 +320,7 @@ class Emitter:
                                  axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
                                  stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed)
       self._measure(i, x=x, axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
-                    recipe=recipe, q=q, s_dec=s_dec, groups=tuple(group_dims[i]))
+                    recipe=recipe, salt=None, q=q, s_dec=s_dec, groups=tuple(group_dims[i]))
       if select is not None:
         q = hlo.SelectOp(select, x, q).result
         s_dec = hlo.SelectOp(select, broadcast(const(1.0, f32()), scale_type), s_dec).result
