@@ -12,11 +12,11 @@
 #define XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
 #define XLA_FP4_QDQ_STATS_ATTRIBUTES(A) \
-  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
 #define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
 #define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed)
 #define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
-#define XLA_FP4_TELEMETRY_STEP_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, every)
+#define XLA_FP4_TELEMETRY_STEP_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, every) A(int64_t, calls)
 #define XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, strict_row)
 #define XLA_FP4_NO_ATTRIBUTES(A)
 
@@ -26,6 +26,7 @@
   X(kQdqTarget, Qdq, XLA_FP4_QDQ_ATTRIBUTES)                                     \
   X(kQdqWithScaleTarget, QdqWithScale, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)        \
   X(kQdqStatsTarget, QdqStats, XLA_FP4_QDQ_STATS_ATTRIBUTES)                     \
+  X(kOutputStatsTarget, OutputStats, XLA_FP4_NO_ATTRIBUTES)                      \
   X(kRhtTarget, Rht, XLA_FP4_RHT_ATTRIBUTES)                                     \
   X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
   X(kQuantizePackedTarget, QuantizePacked, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)   \
@@ -43,6 +44,7 @@ namespace xla_fp4 {
 inline constexpr char kQdqTarget[] = "xla_fp4_qdq";
 inline constexpr char kQdqWithScaleTarget[] = "xla_fp4_qdq_with_scale";
 inline constexpr char kQdqStatsTarget[] = "xla_fp4_qdq_stats";
+inline constexpr char kOutputStatsTarget[] = "xla_fp4_output_stats";
 inline constexpr char kRhtTarget[] = "xla_fp4_rht";
 inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";
 inline constexpr char kQuantizePackedTarget[] = "xla_fp4_quantize_packed";

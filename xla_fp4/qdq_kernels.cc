@@ -4,7 +4,7 @@
 //   xla_fp4_qdq_with_scale(x) -> (y, s_dec)
 //                                      the same, measuring s_dec (and the stochastic-rounding key) from x itself
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
-//   xla_fp4_qdq_stats(x, s_dec, key) -> stats (float32[11])
+//   xla_fp4_qdq_stats(x, s_dec, step) -> stats (float32[11])
 //                                      what xla_fp4_qdq does to x, as numerics/telemetry.py FIELDS (the telemetry)
 #include <vector>
 
@@ -280,28 +280,34 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
   });
 }
 
-// Telemetry: the statistics of xla_fp4_qdq's result on x, from the same tile walker (bit-identical q), in one read.
-ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+// Telemetry: the statistics of xla_fp4_qdq's result on x, from the same tile walker (bit-identical q), in one read;
+// in a step that is not recorded (step < 0) zeros, without reading x.
+ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::Buffer<ffi::S32> step,
                        ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
-                       int64_t rht_seed) {
+                       int64_t rht_seed, int64_t salt) {
   Geometry g;
   if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed),
                                  CheckCounterRange(stochastic, g.size(), x.dimensions()),
-                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
-                                 CheckScalar(key, ffi::DataType::U32, "key")});
+                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"), CheckU32Attribute(salt, "salt")});
       e.failure()) {
     return e;
   }
   if (stats->element_type() != ffi::DataType::F32 || stats->element_count() != 11) {
     return ffi::Error::InvalidArgument("the statistics result must be float32[11] (numerics/telemetry.py FIELDS)");
   }
+  if (step.typed_data()[0] < 0) {  // not a recorded step: no work
+    std::fill_n(static_cast<float*>(stats->untyped_data()), 11, 0.0f);
+    return ffi::Error::Success();
+  }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed);
-  const float scale = *static_cast<const float*>(s_dec.untyped_data());
-  const TensorParams tensor = MakeTensorParams(scale, *static_cast<const uint32_t*>(key.untyped_data()));
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    QdqStatsImpl(pool, static_cast<const T*>(x.untyped_data()), g, recipe, tensor,
-                 static_cast<float*>(stats->untyped_data()));
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    // The key as the GEMM's quantizer made it: the salt, xor'ed with x's digest when stochastic.
+    const uint32_t digest = stochastic ? MeasureTensor(pool, xp, g, nullptr, true).digest : 0u;
+    const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
+                                                 digest ^ static_cast<uint32_t>(salt));
+    QdqStatsImpl(pool, xp, g, recipe, tensor, static_cast<float*>(stats->untyped_data()));
     return ffi::Error::Success();
   });
 }
@@ -403,8 +409,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCpu, xla_fp4::cpu::QdqStatsFfi,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // s_dec
-                                  .Arg<ffi::AnyBuffer>()  // key
-                                  .Ret<ffi::AnyBuffer>()  // statistics, float32[11]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded, no work)
+                                  .Ret<ffi::AnyBuffer>()  // statistics, float32[11] (zeros when not recorded)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCpu, xla_fp4::cpu::RhtFfi,

@@ -1,9 +1,13 @@
-// The CPU handlers of the telemetry targets (ffi_targets.h): numbering a GEMM's executions and recording its
-// statistics on the host (telemetry_sink.h). Neither touches the program's values.
+// The CPU handlers of the telemetry targets (ffi_targets.h): numbering a GEMM's executions, recording its statistics
+// on the host (telemetry_sink.h), and a GEMM output's zeros. None touches the program's values; in a step that is not
+// recorded (step -1) each returns at once.
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
 #include "xla_fp4/ffi_targets.h"
 #include "xla_fp4/telemetry_sink.h"
@@ -14,9 +18,9 @@ namespace {
 namespace ffi = xla::ffi;
 using telemetry::Sink;
 
-ffi::Error TelemetryStep(int32_t device, ffi::Buffer<ffi::S32> block, ffi::ResultBuffer<ffi::S32> step, int64_t module,
-                         int64_t site, int64_t every) {
-  step->typed_data()[0] = Sink::Get().Step(module, site, block.typed_data()[0], device, every);
+ffi::Error TelemetryStep(int32_t device, ffi::ResultBuffer<ffi::S32> step, int64_t module, int64_t site, int64_t every,
+                         int64_t calls) {
+  step->typed_data()[0] = Sink::Get().Step(module, site, device, every, calls);
   return ffi::Error::Success();
 }
 
@@ -34,6 +38,32 @@ ffi::Error TelemetryRecord(int32_t device, ffi::Buffer<ffi::F32> stats, ffi::Buf
   return ffi::Error::Success();
 }
 
+// (exact zeros, elements, 0, ...) of y, a GEMM's output (numerics/telemetry.py output_stats); zeros when step < 0.
+template <typename T>
+int64_t CountZeros(ffi::ThreadPool& pool, const T* y, int64_t n) {
+  std::atomic<int64_t> zeros{0};
+  ParallelFor(pool, n, 1, [&](int64_t begin, int64_t end) {
+    int64_t z = 0;
+    for (int64_t i = begin; i < end; ++i) z += Load(y + i) == 0.0f;
+    zeros.fetch_add(z, std::memory_order_relaxed);
+  });
+  return zeros.load();
+}
+
+ffi::Error OutputStats(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> step,
+                       ffi::ResultBuffer<ffi::F32> row) {
+  float* out = row->typed_data();
+  std::fill(out, out + row->element_count(), 0.0f);
+  if (step.typed_data()[0] < 0 || row->element_count() < 2) return ffi::Error::Success();
+  const int64_t n = static_cast<int64_t>(y.element_count());
+  return DispatchFloat(y.element_type(), "y", [&](auto tag) {
+    using T = decltype(tag);
+    out[0] = static_cast<float>(CountZeros(pool, static_cast<const T*>(y.untyped_data()), n));
+    out[1] = static_cast<float>(n);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace xla_fp4::cpu
 
@@ -42,7 +72,6 @@ namespace ffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryStepCpu, xla_fp4::cpu::TelemetryStep,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // block: the scanned stack's iteration, or -1
                                   .Ret<ffi::Buffer<ffi::S32>>()  // step: this call's, or -1 (not recorded)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_TELEMETRY_STEP_ATTRIBUTES));
 
@@ -54,3 +83,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCpu, xla_fp4::cpu::TelemetryR
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block
                                   .Ret<ffi::Buffer<ffi::S32>>()  // the step, passed through
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4OutputStatsCpu, xla_fp4::cpu::OutputStats,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // y: a GEMM's output
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // (zeros, elements, 0, ...)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_NO_ATTRIBUTES));

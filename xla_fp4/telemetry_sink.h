@@ -2,9 +2,10 @@
 // statistics recorded since the last drain. One Sink per extension module (the CPU and the CUDA handlers each have
 // theirs; Python drains both). Thread-safe: XLA runs the calls of several devices at once.
 //
-// xla_fp4_telemetry_step (ffi_targets.h) numbers the executions of one GEMM per (module, site, block, device): a
-// scanned GEMM runs once per block and step, so every block counts its own steps, and every device counts the same
-// sequence, which keeps the devices' decisions to record (and the all-reduces of the statistics) in step.
+// xla_fp4_telemetry_step (ffi_targets.h) decides on the host, when XLA runs (CPU) or enqueues (CUDA) the call, whether
+// this step of a GEMM is recorded: its calls are counted per (module, site, device), `calls` of them per step (a scanned
+// stack's GEMM runs once per layer), so every device takes the same decisions, and the record and statistics calls
+// after it can skip their work without reading anything back from a device.
 #ifndef XLA_FP4_TELEMETRY_SINK_H_
 #define XLA_FP4_TELEMETRY_SINK_H_
 
@@ -36,10 +37,20 @@ class Sink {
   }
 
   // The step this call belongs to, or -1 where it is not recorded (every `every`-th step is, from the first).
-  int32_t Step(int64_t module, int64_t site, int32_t block, int32_t device, int64_t every) {
+  int32_t Step(int64_t module, int64_t site, int32_t device, int64_t every, int64_t calls) {
     std::lock_guard<std::mutex> lock(mu_);
-    int64_t n = counts_[std::make_tuple(module, site, block, device)]++;
-    return every > 0 && n % every == 0 ? static_cast<int32_t>(n) : -1;
+    const auto key = std::make_tuple(module, site, device);
+    const int64_t step = counts_[key]++ / (calls > 0 ? calls : 1);
+    const int32_t out = every > 0 && step % every == 0 ? static_cast<int32_t>(step) : -1;
+    last_[key] = out;
+    return out;
+  }
+
+  // The latest decision of Step for a GEMM on a device (what its record call belongs to), -1 before any.
+  int32_t LastStep(int64_t module, int64_t site, int32_t device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = last_.find(std::make_tuple(module, site, device));
+    return it == last_.end() ? -1 : it->second;
   }
 
   // Keeps the records of one device per GEMM (the first that records it): the statistics are of the whole tensor,
@@ -70,7 +81,8 @@ class Sink {
 
  private:
   std::mutex mu_;
-  std::map<std::tuple<int64_t, int64_t, int32_t, int32_t>, int64_t> counts_;
+  std::map<std::tuple<int64_t, int64_t, int32_t>, int64_t> counts_;
+  std::map<std::tuple<int64_t, int64_t, int32_t>, int32_t> last_;
   std::map<std::pair<int64_t, int64_t>, int32_t> owners_;
   std::map<std::pair<int64_t, int64_t>, std::string> labels_;
   std::vector<Record> records_;

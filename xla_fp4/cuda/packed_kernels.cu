@@ -18,6 +18,7 @@ struct PackSink {
   uint8_t* data;
   uint8_t* scales;
   int64_t padded_cols;
+  __device__ bool Skip() const { return false; }
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale&,
                              const float* q, float /*amax*/) const {
     uint64_t packed = 0;

@@ -21,6 +21,7 @@ template <typename T>
 struct DequantizeSink {
   T* y;
   bool apply_global_scale;
+  __device__ bool Skip() const { return false; }
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
                              const float* q, float /*amax*/) const {
     const float s_dec = apply_global_scale ? ts.s_dec : 1.0f;
@@ -38,8 +39,10 @@ template <typename T>
 struct StatsSink {
   const T* x;
   Recipe r;
+  const int32_t* step;  // -1: not a recorded step, nothing to do
   unsigned long long* counts;
   double* energies;
+  __device__ bool Skip() const { return *step < 0; }
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
                              const float* q, float amax) const {
     float v[kBlock];
@@ -74,7 +77,11 @@ struct StatsSink {
 
 // The FIELDS row from the accumulators, on the device.
 __global__ void StatsFinishKernel(const unsigned long long* counts, const double* energies, const float* s_dec,
-                                  float elements, float* row) {
+                                  const int32_t* step, float elements, float* row) {
+  if (*step < 0) {
+    for (int i = 0; i < 11; ++i) row[i] = 0.0f;
+    return;
+  }
   row[0] = __uint_as_float(static_cast<uint32_t>(counts[0]));  // MagnitudeBits: NaN counted as +Inf
   row[1] = *s_dec;
   row[2] = elements;
@@ -198,34 +205,55 @@ ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
   });
 }
 
+// The stochastic-rounding key as the GEMM's quantizer made it (salt ^ x's digest), in a recorded step only.
+template <typename T>
+__global__ void StatsKeyKernel(const T* x, int64_t n, const int32_t* step, uint32_t* digest) {
+  if (*step < 0) return;
+  uint32_t s = 0;
+  for (int64_t i = ThreadIndex(); i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) s += RawBits(x[i]);
+  atomicAdd(digest, s);  // wrapping and order-free
+}
+
+__global__ void SaltKeyKernel(uint32_t* key, uint32_t salt) { *key ^= salt; }
+
 ffi::Error QdqStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
-                    ffi::AnyBuffer key, ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis, bool block_2d,
-                    bool stochastic, bool rht, int64_t rht_seed) {
+                    ffi::Buffer<ffi::S32> step, ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis,
+                    bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckAxis(x.dimensions(), axis, &shape));
   XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
   XLA_FP4_RETURN_IF_ERROR(CheckCounterRange(stochastic, shape.size(), x.dimensions()));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
+  XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
   if (stats->element_count() != 11) return InvalidArgument("xla_fp4_qdq_stats returns float32[11]");
-  constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double);
+  constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double) + sizeof(uint64_t);
   std::optional<void*> words = scratch.Allocate(kBytes, alignof(double));
   if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the stats");
   auto* counts = static_cast<unsigned long long*>(*words);
   auto* energies = reinterpret_cast<double*>(counts + 7);
+  auto* key = reinterpret_cast<uint32_t*>(energies + 2);
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(counts, 0, kBytes, stream), "cudaMemsetAsync"));
   const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
   const Recipe r(block_2d, stochastic, rht, rht_seed);
   const float* s = static_cast<const float*>(s_dec.untyped_data());
+  const int64_t n = shape.size();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
+    if (stochastic && n > 0) {
+      const unsigned blocks = GridSize(n) < 1024u ? GridSize(n) : 1024u;
+      StatsKeyKernel<<<blocks, kThreadsPerBlock, 0, stream>>>(xp, n, step.typed_data(), key);
+      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats key kernel"));
+    }
+    SaltKeyKernel<<<1, 1, 0, stream>>>(key, static_cast<uint32_t>(salt));
+    XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats salt kernel"));
     if (g.Threads() > 0) {
       QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
-          xp, g, r, s, static_cast<const uint32_t*>(key.untyped_data()), StatsSink<T>{xp, r, counts, energies});
+          xp, g, r, s, key, StatsSink<T>{xp, r, step.typed_data(), counts, energies});
       XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats kernel"));
     }
-    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s, static_cast<float>(shape.size()), stats->typed_data());
+    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s, step.typed_data(), static_cast<float>(n),
+                                           stats->typed_data());
     return LaunchStatus("xla_fp4_qdq_stats finish kernel");
   });
 }
@@ -295,7 +323,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCuda, xla_fp4::cuda::QdqStats,
                                   .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Arg<xla::ffi::AnyBuffer>()              // s_dec (float32 scalar)
-                                  .Arg<xla::ffi::AnyBuffer>()              // key (uint32 scalar)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded, no work)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
 

@@ -1,19 +1,23 @@
-// The telemetry targets on CUDA (ffi_targets.h; the host side is telemetry_sink.h). Neither synchronizes the stream:
-// - xla_fp4_telemetry_step counts on the device, one counter per (module, site, device) and block, because the
-//   block index (a scanned stack's iteration) lives on the device;
-// - xla_fp4_telemetry_record copies the statistics into pinned host memory and hands them to the sink from a host
-//   function queued behind the copy. Only XLA_FP4_STRICT=1 (`strict_row` >= 0) waits for the copy, to fail the step.
+// The telemetry targets on CUDA (ffi_targets.h; the host side is telemetry_sink.h). None synchronizes the stream:
+// - xla_fp4_telemetry_step decides on the host, when XLA enqueues it (telemetry_sink.h Sink::Step), and writes the
+//   step (or -1) to the device with a one-thread kernel;
+// - xla_fp4_telemetry_record, in a recorded step only, copies the statistics into pinned host memory and hands them
+//   to the sink from a host function queued behind the copy. Only XLA_FP4_STRICT=1 (`strict_row` >= 0) waits for the
+//   copy, to fail the step;
+// - xla_fp4_output_stats counts a GEMM output's zeros, on the device, when the step (read there) is recorded.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_fp4/cuda/block_kernel.cuh"
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/cuda/cuda_util.h"
 #include "xla_fp4/ffi_targets.h"
@@ -24,35 +28,50 @@ namespace {
 
 using telemetry::Sink;
 
-constexpr int32_t kMaxBlocks = 4096;  // counters per GEMM: blocks -1 .. kMaxBlocks - 2; later ones share the last
+__global__ void SetKernel(int32_t value, int32_t* out) { *out = value; }
 
-__global__ void StepKernel(const int32_t* block, int64_t* counters, int64_t every, int32_t* step) {
-  int32_t slot = *block + 1;
-  slot = slot < 0 ? 0 : (slot >= kMaxBlocks ? kMaxBlocks - 1 : slot);
-  const int64_t n = counters[slot]++;  // one thread: a GEMM's calls on one device run in stream order
-  *step = every > 0 && n % every == 0 ? static_cast<int32_t>(n) : -1;
-}
-
-// Device counters, allocated at a GEMM's first call on a device (zeroed in stream order).
-int64_t* Counters(cudaStream_t stream, int64_t module, int64_t site, int32_t device, ffi::Error* error) {
-  static std::mutex mu;
-  static std::map<std::tuple<int64_t, int64_t, int32_t>, int64_t*> counters;
-  std::lock_guard<std::mutex> lock(mu);
-  int64_t*& slot = counters[std::make_tuple(module, site, device)];
-  if (slot == nullptr) {
-    *error = CudaStatus(cudaMalloc(&slot, kMaxBlocks * sizeof(int64_t)), "telemetry counters");
-    if (error->success()) *error = CudaStatus(cudaMemsetAsync(slot, 0, kMaxBlocks * sizeof(int64_t), stream), "memset");
-  }
-  return slot;
-}
-
-ffi::Error TelemetryStep(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> block,
-                         ffi::ResultBuffer<ffi::S32> step, int64_t module, int64_t site, int64_t every) {
-  ffi::Error error = ffi::Error::Success();
-  int64_t* counters = Counters(stream, module, site, device, &error);
-  if (error.failure()) return error;
-  StepKernel<<<1, 1, 0, stream>>>(block.typed_data(), counters, every, step->typed_data());
+ffi::Error TelemetryStep(cudaStream_t stream, int32_t device, ffi::ResultBuffer<ffi::S32> step, int64_t module,
+                         int64_t site, int64_t every, int64_t calls) {
+  SetKernel<<<1, 1, 0, stream>>>(Sink::Get().Step(module, site, device, every, calls), step->typed_data());
   return LaunchStatus("telemetry step");
+}
+
+// (exact zeros, elements, 0, ...) of y (xla_fp4_output_stats); the zeros are counted only when *step >= 0.
+template <typename T>
+__global__ void CountZerosKernel(const T* y, int64_t n, const int32_t* step, unsigned long long* zeros) {
+  if (*step < 0) return;
+  unsigned long long z = 0;
+  for (int64_t i = ThreadIndex(); i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) z += ToFloat(y[i]) == 0.0f;
+  atomicAdd(zeros, z);
+}
+
+__global__ void OutputRowKernel(const unsigned long long* zeros, const int32_t* step, float elements, float* row,
+                                int64_t width) {
+  for (int64_t i = 0; i < width; ++i) row[i] = 0.0f;
+  if (*step < 0) return;
+  row[0] = static_cast<float>(*zeros);
+  row[1] = elements;
+}
+
+ffi::Error OutputStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer y,
+                       ffi::Buffer<ffi::S32> step, ffi::ResultBuffer<ffi::F32> row) {
+  std::optional<void*> word = scratch.Allocate(sizeof(unsigned long long), alignof(unsigned long long));
+  if (!word.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for 8 bytes");
+  auto* zeros = static_cast<unsigned long long*>(*word);
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(zeros, 0, sizeof(*zeros), stream), "cudaMemsetAsync"));
+  const int64_t n = static_cast<int64_t>(y.element_count());
+  return DispatchFloat(y.element_type(), "y", [&](auto tag) {
+    using T = decltype(tag);
+    if (n > 0) {
+      const unsigned blocks = GridSize(n) < 1024u ? GridSize(n) : 1024u;
+      CountZerosKernel<<<blocks, kThreadsPerBlock, 0, stream>>>(static_cast<const T*>(y.untyped_data()), n,
+                                                                step.typed_data(), zeros);
+      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_output_stats kernel"));
+    }
+    OutputRowKernel<<<1, 1, 0, stream>>>(zeros, step.typed_data(), static_cast<float>(n), row->typed_data(),
+                                         static_cast<int64_t>(row->element_count()));
+    return LaunchStatus("xla_fp4_output_stats row kernel");
+  });
 }
 
 // A pinned staging buffer for one record: the statistics, then step and block.
@@ -100,6 +119,8 @@ ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(done->typed_data(), step.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToDevice, stream),
       "copy"));
+  // The step call of this GEMM decided on the host, when XLA enqueued it: a step that is not recorded costs nothing.
+  if (Sink::Get().LastStep(module, site, device) < 0) return ffi::Error::Success();
   const size_t n = stats.element_count();
   Staging* s = nullptr;
   XLA_FP4_RETURN_IF_ERROR(Acquire(n + 2, &s));
@@ -128,7 +149,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryStepCuda, xla_fp4::cuda::TelemetryS
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // step, or -1
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_TELEMETRY_STEP_ATTRIBUTES));
 
@@ -141,3 +161,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCuda, xla_fp4::cuda::Telemetr
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // block
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // the step, passed through
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4OutputStatsCuda, xla_fp4::cuda::OutputStats,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // y: a GEMM's output
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // (zeros, elements, 0, ...)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_NO_ATTRIBUTES));

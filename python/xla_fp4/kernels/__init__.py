@@ -24,10 +24,14 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       = max |rht(x) if rht else x| with NaN counted as +Inf; key = salt, xor'ed with the wrapping uint32 sum of x's
       element bits when stochastic (numerics.tensor_digest), so that the rounding differs every step. For tensors
       that are whole on one device: a partitioned program needs the global amax, i.e. a reduction XLA can partition.
-  xla_fp4_qdq_stats(x: f32|bf16|f16[...], s_dec: f32[], key: u32[]) -> f32[11]
-      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64
-      the statistics of xla_fp4_qdq's q * scale on x (numerics/telemetry.py FIELDS, == numerics.telemetry.qdq_stats:
-      counts exactly, energies to float rounding), from the same quantizer, reading x once. Whole tensors only.
+  xla_fp4_qdq_stats(x: f32|bf16|f16[...], s_dec: f32[], step: i32[]) -> f32[11]
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, salt: i64
+      the statistics of xla_fp4_qdq's q * scale on x with key = salt (^ x's digest when stochastic)
+      (numerics/telemetry.py FIELDS, == numerics.telemetry.qdq_stats: counts exactly, energies to float rounding),
+      from the same quantizer, reading x once (twice when stochastic); zeros, reading nothing, where step < 0.
+      Whole tensors only.
+  xla_fp4_output_stats(y: f32|bf16|f16[...], step: i32[]) -> f32[11]; no attrs
+      (exact zeros of y, elements, 0, ...), or zeros where step < 0          (== numerics.telemetry.output_stats)
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
   xla_fp4_block_amax(x: f32|bf16|f16[...]) -> f32[x.shape, axis / 16]; attrs axis: i64, rht: bool, rht_seed: i64
       the max |v| of every 1x16 block (v = its RHT when rht), NaN as +Inf     (== numerics.block_amax); block-local,
@@ -38,9 +42,9 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
   xla_fp4_dequantize_packed(data: u8[rows, K/2], scales: u8[...], s_dec: f32[]) -> f32|bf16|f16[rows, K]; no attrs
   xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[...], b_data: u8[N, K/2], b_scales: u8[...], alpha: f32[])
       -> f32|bf16|f16[M, N]; no attrs. C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
-  xla_fp4_telemetry_step(block: i32[]) -> i32[]; attrs module: i64, site: i64, every: i64     (side effect)
-      counts this call per (module, site, block, device): the n-th call (from 0) returns n where n % every == 0, else
-      -1 (not recorded). Every device counts the same sequence.
+  xla_fp4_telemetry_step() -> i32[]; attrs module: i64, site: i64, every: i64, calls: i64     (side effect)
+      counts this call per (module, site, device), on the host: the n-th call (from 0) is in step n // calls, which it
+      returns where step % every == 0, else -1 (not recorded). Every device counts the same sequence.
   xla_fp4_telemetry_record(stats: f32[rows, FIELDS], step: i32[], block: i32[]) -> i32[] (step); attrs module: i64,
       site: i64, strict_row: i64                                                          (side effect)
       puts the rows (numerics.telemetry.FIELDS) in the process's sink (telemetry_sink.h), one device's per GEMM;
@@ -122,10 +126,15 @@ def _call(target, operands, dtype=None, **attrs):
   return call(*operands, **typed)
 
 
-def qdq_stats(x, s_dec, key=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
-  """The telemetry statistics (numerics/telemetry.py FIELDS) of qdq(x, s_dec, key) with the C++ kernel."""
-  return _call(targets.QDQ_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)], axis=axis,
-               block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+def qdq_stats(x, s_dec, salt=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """The telemetry statistics (numerics/telemetry.py FIELDS) of x's quantization with the C++ kernel."""
+  return _call(targets.QDQ_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(step, jnp.int32)], axis=axis,
+               block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed, salt=salt)
+
+
+def output_stats(y, step=0):
+  """(zeros of y, elements, 0, ...) with the C++ kernel."""
+  return _call(targets.OUTPUT_STATS, [jnp.asarray(y), _scalar(step, jnp.int32)])
 
 
 def _u8_scales(scales):

@@ -120,10 +120,12 @@ QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bo
               block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True))
 QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
                          twin=kernel_twins.qdq_with_scale, twin_operands=("salt",))
-# Telemetry: what xla_fp4_qdq does to x, as the FIELDS row of numerics/telemetry.py (whole tensors only).
-QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE},
-                    lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)],
-                    twin=telemetry.qdq_stats)
+# Telemetry (whole tensors only): what xla_fp4_qdq does to x, and a GEMM output's zeros, as FIELDS rows of
+# numerics/telemetry.py; zeros, without work, where the step operand (int32) is -1.
+_ROW = lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)]  # noqa: E731
+QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE, "salt": int}, _ROW, twin=telemetry.qdq_stats,
+                    twin_operands=("salt",))
+OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats)
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
@@ -131,15 +133,15 @@ QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", dict(_QUANTIZE), _packed)
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 GEMM_PACKED = _target("xla_fp4_gemm_packed", {}, _product)
 
-# Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (-1: not recorded), from the
-# block index (int32 scalar, -1 outside a scanned stack); the GEMM's statistics (float32 rows of
-# numerics/telemetry.py FIELDS), with that step and block, whose result is the step passed through (XLA's partitioner
-# needs a result to give a side-effecting op its sharding). The statistics are whole tensors', replicated.
-TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, "every": int},
+# Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (int32; -1: not recorded),
+# decided on the host (`calls` calls per step); the GEMM's statistics (float32 rows of numerics/telemetry.py FIELDS),
+# with that step and the block index, whose result is the step passed through (XLA's partitioner needs a result to give
+# a side-effecting op its sharding). The statistics are whole tensors', replicated.
+TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, "every": int, "calls": int},
                          lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, QDQ_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
        TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

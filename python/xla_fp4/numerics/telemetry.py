@@ -88,10 +88,13 @@ def sliced_stats(x, q, s_dec, *, groups, axis, block_2d, rht, rht_seed):
   return combine(rows)
 
 
-def qdq_stats(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
-  """The row of x quantized as xla_fp4_qdq quantizes it with s_dec and key: the twin of xla_fp4_qdq_stats."""
+def qdq_stats(x, s_dec, step, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+  """The twin of xla_fp4_qdq_stats: the row of x quantized as the GEMM's quantizer does with s_dec and the key it
+  makes from `salt` (kernel_twins.stochastic_key); zeros where `step` is negative (not a recorded step)."""
+  key = kernel_twins.stochastic_key(x, salt) if stochastic else salt
   q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
-  return operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
+  row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
+  return jnp.where(step >= 0, row, 0)
 
 
 def output_zeros(y):
@@ -99,9 +102,19 @@ def output_zeros(y):
   return jnp.zeros(len(FIELDS), jnp.float32).at[0].set(_count(y == 0)).at[1].set(jnp.float32(y.size))
 
 
+def scaled_output(acc, alpha, *, dtype):
+  """An emulated GEMM's output from its f32 accumulator: convert(acc * alpha) to `dtype`, as the pass makes it."""
+  return (acc * alpha).astype(dtype)
+
+
 def scaled_output_zeros(acc, alpha, *, dtype):
-  """output_zeros of an emulated GEMM's output, convert(acc * alpha) to `dtype`, made from its f32 accumulator."""
-  return output_zeros((acc * alpha).astype(dtype))
+  """output_zeros of an emulated GEMM's output, made from its f32 accumulator."""
+  return output_zeros(scaled_output(acc, alpha, dtype=dtype))
+
+
+def output_stats(y, step):
+  """The twin of xla_fp4_output_stats: output_zeros(y), or zeros where `step` is negative."""
+  return jnp.where(step >= 0, output_zeros(y), 0)
 
 
 def summary(row):

@@ -206,8 +206,8 @@ class Emitter:
       operand = plan.operands[i]
       quantized[i] = self._operand(values[i], axes[i], operand, dot, plan.form, select,
                                    after if operand.after_gradient else None)
-      self._measure(i, x=values[i], axis=axes[i], recipe=operand.recipe, salt=self._salt(operand), q=quantized[i][0],
-                    s_dec=quantized[i][1])
+      self._measure(i, x=values[i], axis=axes[i], recipe=operand.recipe, salt=self._salt_value(operand),
+                    q=quantized[i][0], s_dec=quantized[i][1])
       if operand.kind is Operand.GRADIENT:
         after = quantized[i][1]
     (qa, sa), (qb, sb) = quantized
@@ -250,7 +250,8 @@ class Emitter:
     pa, sa = self._packed(a, plan.operands[0])
     pb, sb = self._packed(b, plan.operands[1])
     for i, (v, s_dec) in enumerate(((a, sa), (b, sb))):
-      self._measure(i, x=v, axis=1, recipe=plan.operands[i].recipe, salt=self._salt(plan.operands[i]), s_dec=s_dec)
+      self._measure(i, x=v, axis=1, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
+                    s_dec=s_dec)
     alpha = hlo.MulOp(sa, sb).result
     m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
     return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], {},
@@ -292,8 +293,12 @@ class Emitter:
 
   # -- expert GEMMs (Form.GROUPED) -------------------------------------------------------------------------------
 
+  def _salt_value(self, operand):
+    """The operand's stochastic-rounding salt: the seed folded with its site's salt id."""
+    return formats.fold_in_int(self.seed, operand.salt_id)
+
   def _salt(self, operand):
-    return const(formats.fold_in_int(self.seed, operand.salt_id), u32())
+    return const(self._salt_value(operand), u32())
 
   def _slices(self, plan, select):
     """A dot_general with group dims (Grouping.SLICES): every slice quantized with its own scale (slice_qdq); a ragged

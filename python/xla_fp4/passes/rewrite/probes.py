@@ -29,7 +29,6 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
-from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics import telemetry as stats
 from xla_fp4.passes.analysis.records import Role
 from xla_fp4.passes.policy import Operand
@@ -66,8 +65,8 @@ class Probes:
 
   def emit(self, plan, measures, output, block_value, select):
     """Probes for `plan`'s GEMM, whose operands were quantized as `measures` ([lhs Measures], [rhs Measures]) and
-    whose result is `output`: the value, or an emulated GEMM's (f32 accumulator, alpha), from which the branch makes
-    it (so that the result itself is not held for the branch, where XLA would otherwise fuse it into its readers);
+    whose result is `output`: the value, or an emulated GEMM's (f32 accumulator, alpha), from which the statistics
+    make it (so that the result itself is not held for them, where XLA would otherwise fuse it into its readers);
     `block_value`: the stack's iteration (or None), `select`: true in kept iterations."""
     if not all(measures):
       return  # a form whose quantized values stay inside one twin (a chlo.ragged_dot's)
@@ -81,59 +80,86 @@ class Probes:
     else:
       block = const(-1 if site.block is None else site.block, i32)
     attrs = dict(module=self.settings.module, site=site.index)
-    step = self.kernels.call(targets.TELEMETRY_STEP, [block], dict(attrs, every=self.settings.every))[0]
-    record = hlo.CompareOp(step, const(0, i32), hlo.ComparisonDirectionAttr.get("GE")).result
-    if select is not None:
-      record = hlo.AndOp(record, hlo.NotOp(select).result).result
-    # The case holds no side effect: it computes the statistics (zeros in unrecorded steps) and the record call, after
-    # it, drops rows whose step is -1. A side-effecting op inside the case made XLA CPU order the case, and with it
-    # the tensors it reads, among the program's other side effects: 5% of the step time in unrecorded steps, measured.
-    table_type = ir.RankedTensorType.get([len(measures) + 1, _ROW], f32())
-    case = hlo.CaseOp([table_type], hlo.SelectOp(record, const(1, i32), const(0, i32)).result, 2)
-    with ir.InsertionPoint(case.regions[0].blocks.append()):
-      hlo.ReturnOp([hlo.ConstantOp(ir.DenseElementsAttr.get_splat(table_type, ir.FloatAttr.get(f32(), 0.0))).result])
-    with ir.InsertionPoint(case.regions[1].blocks.append()):
-      rows = [self._row(m) for m in measures] + [self._output_row(plan, output)]
-      row_type = ir.RankedTensorType.get([1, _ROW], f32())
-      hlo.ReturnOp([hlo.ConcatenateOp([hlo.ReshapeOp(row_type, r).result for r in rows], 0).result])
+    calls = (site.num_stacked or 1) if block_value is not None else 1  # a scanned GEMM runs once per layer and step
+    step = self.kernels.call(targets.TELEMETRY_STEP, [], dict(attrs, every=self.settings.every, calls=calls))[0]
+    if select is not None:  # a kept iteration records nothing
+      step = hlo.SelectOp(select, const(-1, i32), step).result
+    if self.kernels.partitioned or any(m.groups is not None for ms in measures for m in ms):
+      table = self._computed_in_case(plan, measures, output, step)
+    else:
+      rows = [self._kernel_row(ms, step) for ms in measures] + [self._output_row(plan, output, step)]
+      table = _stacked(rows)
     gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
     strict_row = gradients[0] if self.settings.strict and gradients else -1
-    self.kernels.call(targets.TELEMETRY_RECORD, [case.results[0], step, block], dict(attrs, strict_row=strict_row))
+    self.kernels.call(targets.TELEMETRY_RECORD, [table, step, block], dict(attrs, strict_row=strict_row))
     self.measured.append(plan)
 
-  def _row(self, measures):
-    rows = [self._one_row(m) for m in measures]
-    if len(rows) == 1:
-      return rows[0]
-    row_type = ir.RankedTensorType.get([1, _ROW], f32())
-    table = hlo.ConcatenateOp([hlo.ReshapeOp(row_type, r).result for r in rows], 0).result
-    return self.twins.call(stats.combine, [table], [_row_type()])[0]
+  def _kernel_row(self, measures, step):
+    """An operand's row from the quantizer itself (xla_fp4_qdq_stats: x requantized with the GEMM's scale and key,
+    bit-identical, one read of x; nothing in an unrecorded step). Several Measures (per expert): one row."""
+    rows = []
+    for m in measures:
+      attrs = dict(axis=m.axis, block_2d=m.recipe.block_2d, stochastic=m.recipe.stochastic, rht=m.recipe.rht,
+                   rht_seed=self.seed, salt=m.salt)
+      rows.append(self.kernels.call(targets.QDQ_STATS, [m.x, m.s_dec, step], attrs)[0])
+    return rows[0] if len(rows) == 1 else self.twins.call(stats.combine, [_stacked(rows)], [_row_type()])[0]
 
-  def _one_row(self, m):
-    """The FIELDS row of one Measure: from the quantizer itself (xla_fp4_qdq_stats, which requantizes x in one read,
-    bit-identical to the q the GEMM reads) where x is whole on the device; in a partitioned program from the twins,
-    whose reductions XLA partitions (the statistics of the whole tensor)."""
-    recipe = dict(block_2d=m.recipe.block_2d, rht=m.recipe.rht, rht_seed=self.seed)
-    if m.groups is not None:
-      return self.twins.call(stats.sliced_stats, [m.x, m.q, m.s_dec], [_row_type()], groups=m.groups, axis=m.axis,
-                             **recipe)[0]
-    key = m.salt
-    if m.recipe.stochastic:
-      key = self.twins.call(kernel_twins.stochastic_key, [m.x, m.salt], [scalar_type(u32())])[0]
-    quantizer = dict(axis=m.axis, stochastic=m.recipe.stochastic, **recipe)
-    if not self.kernels.partitioned:
-      return self.kernels.call(targets.QDQ_STATS, [m.x, m.s_dec, key], quantizer)[0]
-    if m.q is not None:
-      return self.twins.call(stats.operand_stats, [m.x, m.q, m.s_dec], [_row_type()], axis=m.axis, **recipe)[0]
-    return self.twins.call(stats.qdq_stats, [m.x, m.s_dec, key], [_row_type()], **quantizer)[0]
-
-  def _output_row(self, plan, output):
+  def _output_row(self, plan, output, step):
     if plan.site.role is not Role.WGRAD:
-      return hlo.ConstantOp(ir.DenseElementsAttr.get_splat(_row_type(), ir.FloatAttr.get(f32(), 0.0))).result
-    if isinstance(output, tuple):
+      return _zeros(_row_type())
+    if isinstance(output, tuple):  # an emulated GEMM's (acc, alpha): its output, made where it is measured
       dtype = targets.shape_dtype(plan.record.op.results[0].type).dtype.name
-      return self.twins.call(stats.scaled_output_zeros, list(output), [_row_type()], dtype=dtype)[0]
-    return self.twins.call(stats.output_zeros, [output], [_row_type()])[0]
+      output = self.twins.call(stats.scaled_output, list(output), [plan.record.op.results[0].type], dtype=dtype)[0]
+    return self.kernels.call(targets.OUTPUT_STATS, [output, step], {})[0]
+
+  def _computed_in_case(self, plan, measures, output, step):
+    """The rows from the twins (plain JAX reductions, which XLA partitions: a sharded tensor's statistics are the
+    whole tensor's), inside a stablehlo.case on the step, which computes nothing in an unrecorded step. (Its captures
+    cost XLA CPU 5% of an unrecorded step, measured: the kernels' path has no case.)"""
+    i32 = ir.IntegerType.get_signless(32)
+    recorded = hlo.CompareOp(step, const(0, i32), hlo.ComparisonDirectionAttr.get("GE")).result
+    table_type = ir.RankedTensorType.get([len(measures) + 1, _ROW], f32())
+    case = hlo.CaseOp([table_type], hlo.SelectOp(recorded, const(1, i32), const(0, i32)).result, 2)
+    with ir.InsertionPoint(case.regions[0].blocks.append()):
+      hlo.ReturnOp([_zeros(table_type)])
+    with ir.InsertionPoint(case.regions[1].blocks.append()):
+      rows = [self._twin_row(ms) for ms in measures]
+      if plan.site.role is Role.WGRAD:
+        if isinstance(output, tuple):
+          dtype = targets.shape_dtype(plan.record.op.results[0].type).dtype.name
+          rows.append(self.twins.call(stats.scaled_output_zeros, list(output), [_row_type()], dtype=dtype)[0])
+        else:
+          rows.append(self.twins.call(stats.output_zeros, [output], [_row_type()])[0])
+      else:
+        rows.append(_zeros(_row_type()))
+      hlo.ReturnOp([_stacked(rows)])
+    return case.results[0]
+
+  def _twin_row(self, measures):
+    rows = []
+    for m in measures:
+      recipe = dict(block_2d=m.recipe.block_2d, rht=m.recipe.rht, rht_seed=self.seed)
+      if m.groups is not None:
+        rows.append(self.twins.call(stats.sliced_stats, [m.x, m.q, m.s_dec], [_row_type()], groups=m.groups,
+                                    axis=m.axis, **recipe)[0])
+      elif m.q is not None:
+        rows.append(self.twins.call(stats.operand_stats, [m.x, m.q, m.s_dec], [_row_type()], axis=m.axis,
+                                    **recipe)[0])
+      else:
+        i32 = ir.IntegerType.get_signless(32)
+        rows.append(self.twins.call(stats.qdq_stats, [m.x, m.s_dec, const(0, i32), const(m.salt, u32())],
+                                    [_row_type()], axis=m.axis, stochastic=m.recipe.stochastic, **recipe)[0])
+    return rows[0] if len(rows) == 1 else self.twins.call(stats.combine, [_stacked(rows)], [_row_type()])[0]
+
+
+def _stacked(rows):
+  """[n, FIELDS] from n FIELDS rows."""
+  row_type = ir.RankedTensorType.get([1, _ROW], f32())
+  return hlo.ConcatenateOp([hlo.ReshapeOp(row_type, r).result for r in rows], 0).result
+
+
+def _zeros(tensor_type_):
+  return hlo.ConstantOp(ir.DenseElementsAttr.get_splat(tensor_type_, ir.FloatAttr.get(f32(), 0.0))).result
 
 
 def _row_type():
