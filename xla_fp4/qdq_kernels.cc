@@ -82,14 +82,14 @@ XLA_FP4_VECTOR_CLONES TileStats MeasureTile(const T* x, const View& view, const 
       error += e * e;
     }
   }
-  for (int i = 0; i < nl; ++i) {
-    for (int j = 0; j < nc; ++j) {
-      const int b = BlockOf<kBlocks>(i, j);
-      const bool is_live = am[b] != 0u;
-      live += is_live;
-      scale_zero += is_live & (code[b] == 0);
-      clipped += is_live & (AmaxFromBits(am[b]) * scale.s_enc_over_6 >= kClippedScale);
-    }
+  // Per block, weighted by its elements in this tile: a row (kRow), a column (kCol) or the whole tile (kTile).
+  const int per_block = kBlocks == Blocks::kRow ? nc : (kBlocks == Blocks::kCol ? nl : nl * nc);
+  const int blocks = kBlocks == Blocks::kRow ? nl : (kBlocks == Blocks::kCol ? nc : 1);
+  for (int b = 0; b < blocks; ++b) {
+    const bool is_live = am[b] != 0u;
+    live += is_live * per_block;
+    scale_zero += (is_live & (code[b] == 0)) * per_block;
+    clipped += (is_live & (AmaxFromBits(am[b]) * scale.s_enc_over_6 >= kClippedScale)) * per_block;
   }
   TileStats s;
   s.amax_bits = amax;
