@@ -25,6 +25,7 @@
 #define XLA_FP4_FOR_EACH_TARGET(X)                                               \
   X(kQdqTarget, Qdq, XLA_FP4_QDQ_ATTRIBUTES)                                     \
   X(kQdqWithScaleTarget, QdqWithScale, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)        \
+  X(kQdqWithScaleStatsTarget, QdqWithScaleStats, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES) \
   X(kQdqStatsTarget, QdqStats, XLA_FP4_QDQ_STATS_ATTRIBUTES)                     \
   X(kOutputStatsTarget, OutputStats, XLA_FP4_NO_ATTRIBUTES)                      \
   X(kRhtTarget, Rht, XLA_FP4_RHT_ATTRIBUTES)                                     \
@@ -43,6 +44,7 @@ namespace xla_fp4 {
 
 inline constexpr char kQdqTarget[] = "xla_fp4_qdq";
 inline constexpr char kQdqWithScaleTarget[] = "xla_fp4_qdq_with_scale";
+inline constexpr char kQdqWithScaleStatsTarget[] = "xla_fp4_qdq_with_scale_stats";
 inline constexpr char kQdqStatsTarget[] = "xla_fp4_qdq_stats";
 inline constexpr char kOutputStatsTarget[] = "xla_fp4_output_stats";
 inline constexpr char kRhtTarget[] = "xla_fp4_rht";

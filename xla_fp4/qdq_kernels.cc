@@ -4,6 +4,8 @@
 //   xla_fp4_qdq_with_scale(x) -> (y, s_dec)
 //                                      the same, measuring s_dec (and the stochastic-rounding key) from x itself
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
+//   xla_fp4_qdq_with_scale_stats(x, step) -> (y, s_dec, stats)
+//                                      the same, and the quantization's statistics from the same pass (telemetry)
 //   xla_fp4_qdq_stats(x, s_dec, step) -> stats (float32[11])
 //                                      what xla_fp4_qdq does to x, as numerics/telemetry.py FIELDS (the telemetry)
 #include <vector>
@@ -20,21 +22,26 @@ namespace {
 // With apply_global_scale off the result is q * scale, exact in every float dtype: the emulated GEMM then folds
 // both tensors' s_dec into its float32 output, as cuBLASLt's alpha does (docs/design.md §2).
 template <typename T>
+void StoreTile(T* y, const View& view, const TilePos& p, const float (&q)[kBlock][kBlock]) {
+  if (p.full) {
+    for (int i = 0; i < kBlock; ++i) {
+      T* out = y + p.base + i * view.cols;
+      for (int j = 0; j < kBlock; ++j) Store(out + j, q[i][j]);
+    }
+  } else {
+    for (int i = 0; i < p.nl; ++i) {
+      for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, q[i][j]);
+    }
+  }
+}
+
+template <typename T>
 void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const TensorParams& tensor,
              bool apply_global_scale) {
   const float decode_scale = apply_global_scale ? tensor.scale.s_dec : 1.0f;
   ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor, decode_scale,
                        [&](auto, const View& view, const TilePos& p, float (&q)[kBlock][kBlock], const uint8_t*) {
-    if (p.full) {
-      for (int i = 0; i < kBlock; ++i) {
-        T* out = y + p.base + i * view.cols;
-        for (int j = 0; j < kBlock; ++j) Store(out + j, q[i][j]);
-      }
-    } else {
-      for (int i = 0; i < p.nl; ++i) {
-        for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, q[i][j]);
-      }
-    }
+    StoreTile(y, view, p, q);
   });
 }
 
@@ -100,10 +107,11 @@ XLA_FP4_VECTOR_CLONES TileStats MeasureTile(const T* x, const View& view, const 
   return s;
 }
 
-// -> the FIELDS row of xla_fp4_qdq's result on x (q * scale from the same walker: bit-identical).
+// -> the FIELDS row of xla_fp4_qdq's result on x (q * scale from the same walker: bit-identical), and with y that
+// result itself (apply_global_scale false), from the same pass.
 template <typename T>
 void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, const TensorParams& tensor,
-                  float* row) {
+                  float* row, T* y = nullptr) {
   const RhtSigns* rht = r.rht_signs();
   const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
   const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
@@ -114,6 +122,7 @@ void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Re
                        [&](auto blocks_c, const View& view, const TilePos& p, float (&v)[kBlock][kBlock],
                            const uint8_t* code) {
     const int64_t t = p.base / view.cols / kBlock * col_groups + p.base % view.cols / kBlock;
+    if (y != nullptr) StoreTile(y, view, p, v);
     WithRht(RhtDirection(g, rht), [&](auto along) {
       tiles[t] = MeasureTile<decltype(along)::value, decltype(blocks_c)::value>(x, view, p, sq, v, code, tensor.scale);
       return 0;
@@ -316,12 +325,37 @@ ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_
 // of from reductions emitted around the call (the same numbers as the partitioned pattern's: kernel_twins.decode_scale
 // over xla_fp4_block_amax, and kernel_twins.stochastic_key), which keeps XLA's compile time and the step's memory
 // traffic close to the baseline's.
+ffi::Error QdqWithScaleImpl(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer& y, ffi::AnyBuffer& s_dec,
+                            float* stats_row, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
+                            int64_t salt);
+
 ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> s_dec, int64_t axis, bool block_2d, bool stochastic, bool rht,
                            int64_t rht_seed, int64_t salt) {
+  return QdqWithScaleImpl(pool, x, *y, *s_dec, nullptr, axis, block_2d, stochastic, rht, rht_seed, salt);
+}
+
+// Telemetry's xla_fp4_qdq_with_scale: the same results, and in a recorded step (step >= 0) the statistics of the
+// quantization (numerics/telemetry.py FIELDS) from the same pass over x; zeros otherwise.
+ffi::Error QdqWithScaleStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> step,
+                                ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> s_dec,
+                                ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic,
+                                bool rht, int64_t rht_seed, int64_t salt) {
+  if (stats->element_type() != ffi::DataType::F32 || stats->element_count() != 11) {
+    return ffi::Error::InvalidArgument("the statistics result must be float32[11] (numerics/telemetry.py FIELDS)");
+  }
+  float* row = static_cast<float*>(stats->untyped_data());
+  std::fill_n(row, 11, 0.0f);
+  return QdqWithScaleImpl(pool, x, *y, *s_dec, step.typed_data()[0] >= 0 ? row : nullptr, axis, block_2d, stochastic,
+                          rht, rht_seed, salt);
+}
+
+ffi::Error QdqWithScaleImpl(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer& y, ffi::AnyBuffer& s_dec,
+                            float* stats_row, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
+                            int64_t salt) {
   Geometry g;
-  if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
-                                 CheckScalar(*s_dec, ffi::DataType::F32, "the s_dec result"),
+  if (ffi::Error e = FirstError({CheckQdq(x, y, axis, stochastic, rht_seed, &g),
+                                 CheckScalar(s_dec, ffi::DataType::F32, "the s_dec result"),
                                  CheckU32Attribute(salt, "salt")});
       e.failure()) {
     return e;
@@ -333,9 +367,13 @@ ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<f
     const TensorStats stats = MeasureTensor(pool, xp, g, recipe.rht_signs(), stochastic);
     const float scale = GlobalDecodeScale(stats.amax_bits);
     const uint32_t key = (stochastic ? stats.digest : 0u) ^ static_cast<uint32_t>(salt);
-    *static_cast<float*>(s_dec->untyped_data()) = scale;
-    QdqImpl(pool, xp, static_cast<T*>(y->untyped_data()), g, recipe, MakeTensorParams(scale, key),
-            /*apply_global_scale=*/false);
+    *static_cast<float*>(s_dec.untyped_data()) = scale;
+    T* yp = static_cast<T*>(y.untyped_data());
+    if (stats_row != nullptr) {
+      QdqStatsImpl(pool, xp, g, recipe, MakeTensorParams(scale, key), stats_row, yp);
+    } else {
+      QdqImpl(pool, xp, yp, g, recipe, MakeTensorParams(scale, key), /*apply_global_scale=*/false);
+    }
     return ffi::Error::Success();
   });
 }
@@ -402,6 +440,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu, xla_fp4::cpu::QdqWithScaleF
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // y: q * scale, x's shape and dtype
                                   .Ret<ffi::AnyBuffer>()  // s_dec (float32 scalar)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleStatsCpu, xla_fp4::cpu::QdqWithScaleStatsFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded)
+                                  .Ret<ffi::AnyBuffer>()         // y: q * scale, x's shape and dtype
+                                  .Ret<ffi::AnyBuffer>()         // s_dec (float32 scalar)
+                                  .Ret<ffi::AnyBuffer>()         // statistics, float32[11] (zeros when not recorded)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCpu, xla_fp4::cpu::QdqStatsFfi,

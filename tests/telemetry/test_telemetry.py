@@ -278,3 +278,35 @@ def test_overhead_benchmark_runs_and_records(tmp_path):
     assert row["records"]["off"] == 0 and per_step > 0 and row["records"]["every_1"] == per_step * steps
     assert row["records"]["every_10"] == per_step * len(range(0, steps, 10))
     assert all(t > 0 for t in row["step_s"].values())
+
+
+STATS_CASES = [((64, 128), 1, False, False, False, jnp.float32), ((128, 64), 0, True, False, False, jnp.bfloat16),
+               ((96, 48), 0, False, True, True, jnp.float32), ((3, 32, 40), 1, True, True, False, jnp.bfloat16),
+               ((40, 32), 1, True, False, True, jnp.float16)]
+
+
+@pytest.mark.parametrize("shape,axis,block_2d,stochastic,rht,dtype", STATS_CASES)
+def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, dtype):
+  """xla_fp4_qdq_with_scale_stats and xla_fp4_qdq_stats against numerics.telemetry (partial tiles, 2D tiles, the
+  RHT, stochastic rounding, a zero column): counts exactly, energies to float rounding; zeros in unrecorded steps."""
+  from xla_fp4 import kernels
+  from xla_fp4.kernels import targets
+  from xla_fp4.numerics import telemetry as st
+  x = (jax.random.normal(jax.random.PRNGKey(1), shape) * 3).astype(dtype).at[..., 0].set(0)
+  recipe = dict(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=3)
+  want_q, want_s, want = jax.jit(lambda x: st.qdq_with_scale_stats(x, jnp.int32(4), jnp.uint32(77), **recipe))(x)
+  q, s_dec, row = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(4)], salt=77, **recipe)
+  assert_same_bits(q, want_q)
+  assert_same_bits(s_dec, want_s)
+  again = kernels.qdq_stats(x, s_dec, 77, step=4, **recipe)
+  for got in (np.asarray(row), np.asarray(again)):
+    counts = [i for i, f in enumerate(st.FIELDS) if f not in ("energy", "error_energy")]
+    np.testing.assert_array_equal(got[counts], np.asarray(want)[counts])
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5)
+  assert not np.asarray(kernels.qdq_stats(x, s_dec, 77, step=-1, **recipe)).any()
+  _, _, skipped = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(-1)], salt=77, **recipe)
+  assert not np.asarray(skipped).any()
+  y = x.at[:2].set(0)
+  np.testing.assert_array_equal(np.asarray(kernels.output_stats(y, 0)), np.asarray(st.output_stats(y, 0)))
+  assert np.asarray(kernels.output_stats(y, 0))[0] >= 2 * np.prod(shape[1:])
+  assert not np.asarray(kernels.output_stats(y, -1)).any()

@@ -45,6 +45,10 @@ struct StatsSink {
   __device__ bool Skip() const { return *step < 0; }
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
                              const float* q, float amax) const {
+    Measure(g, b, bs, ts, q, amax);
+  }
+  __device__ void Measure(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
+                          const float* q, float amax) const {
     float v[kBlock];
     LoadBlock(x, g, b, v);
     if (r.rht) Rht16(v, r.signs.sign_quarter);
@@ -72,6 +76,19 @@ struct StatsSink {
     }
     atomicAdd(&energies[0], energy);
     atomicAdd(&energies[1], error);
+  }
+};
+
+// xla_fp4_qdq_with_scale_stats: the dequantized block, and in a recorded step its statistics.
+template <typename T>
+struct DequantizeStatsSink {
+  DequantizeSink<T> dequantize;
+  StatsSink<T> stats;
+  __device__ bool Skip() const { return false; }
+  __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
+                             const float* q, float amax) const {
+    dequantize(g, b, bs, ts, q, amax);
+    if (!stats.Skip()) stats.Measure(g, b, bs, ts, q, amax);
   }
 };
 
@@ -173,18 +190,44 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
   });
 }
 
+// With `step` (telemetry), also the statistics of the quantization into `row`, in a recorded step.
+ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer x, ffi::AnyBuffer& y,
+                            ffi::Buffer<ffi::F32>& s_dec, const int32_t* step, float* row, int64_t axis,
+                            bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt);
+
 ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> s_dec, int64_t axis,
                         bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
+  return QdqWithScaleImpl(stream, scratch, x, *y, *s_dec, nullptr, nullptr, axis, block_2d, stochastic, rht, rht_seed,
+                          salt);
+}
+
+ffi::Error QdqWithScaleStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                             ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y,
+                             ffi::Result<ffi::Buffer<ffi::F32>> s_dec, ffi::Result<ffi::Buffer<ffi::F32>> stats,
+                             int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
+  if (stats->element_count() != 11) return InvalidArgument("xla_fp4_qdq_with_scale_stats returns float32[11]");
+  return QdqWithScaleImpl(stream, scratch, x, *y, *s_dec, step.typed_data(), stats->typed_data(), axis, block_2d,
+                          stochastic, rht, rht_seed, salt);
+}
+
+ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer x, ffi::AnyBuffer& y,
+                            ffi::Buffer<ffi::F32>& s_dec, const int32_t* step, float* row, int64_t axis,
+                            bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
   AxisShape shape;
-  XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, *y, axis, stochastic, rht_seed, &shape));
+  XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, y, axis, stochastic, rht_seed, &shape));
   const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
   XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
-  if (s_dec->element_count() != 1) return InvalidArgument("xla_fp4_qdq_with_scale returns a float32 scalar s_dec");
-  std::optional<void*> words = scratch.Allocate(3 * sizeof(uint32_t), alignof(uint32_t));
-  if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for 12 bytes");
-  uint32_t* stats = static_cast<uint32_t*>(*words);  // amax bits, digest, key
-  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(stats, 0, 2 * sizeof(uint32_t), stream), "cudaMemsetAsync"));
+  if (s_dec.element_count() != 1) return InvalidArgument("xla_fp4_qdq_with_scale returns a float32 scalar s_dec");
+  // amax bits, digest, key; then (telemetry) 7 counts and 2 energies
+  constexpr size_t kScaleBytes = 4 * sizeof(uint32_t), kStatsBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double);
+  std::optional<void*> words = scratch.Allocate(kScaleBytes + (step ? kStatsBytes : 0), alignof(double));
+  if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the scale");
+  uint32_t* stats = static_cast<uint32_t*>(*words);
+  auto* counts = reinterpret_cast<unsigned long long*>(stats + 4);
+  auto* energies = reinterpret_cast<double*>(counts + 7);
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(
+      cudaMemsetAsync(stats, 0, kScaleBytes + (step ? kStatsBytes : 0), stream), "cudaMemsetAsync"));
   const Recipe r(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
@@ -194,14 +237,24 @@ ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
       MeasureKernel<<<GridSize(measured.Threads()), kThreadsPerBlock, 0, stream>>>(xp, measured, r, stats);
       XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale measure kernel"));
     }
-    FinishScaleKernel<<<1, 1, 0, stream>>>(stats, stochastic, static_cast<uint32_t>(salt), s_dec->typed_data(),
+    FinishScaleKernel<<<1, 1, 0, stream>>>(stats, stochastic, static_cast<uint32_t>(salt), s_dec.typed_data(),
                                            stats + 2);
     XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale scale kernel"));
     const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
-    if (g.Threads() == 0) return ffi::Error::Success();
-    QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
-        xp, g, r, s_dec->typed_data(), stats + 2, DequantizeSink<T>{static_cast<T*>(y->untyped_data()), false});
-    return LaunchStatus("xla_fp4_qdq_with_scale kernel");
+    const DequantizeSink<T> dequantize{static_cast<T*>(y.untyped_data()), false};
+    if (g.Threads() > 0 && step == nullptr) {
+      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(xp, g, r, s_dec.typed_data(), stats + 2,
+                                                                             dequantize);
+    } else if (g.Threads() > 0) {
+      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+          xp, g, r, s_dec.typed_data(), stats + 2,
+          DequantizeStatsSink<T>{dequantize, StatsSink<T>{xp, r, step, counts, energies}});
+    }
+    XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale kernel"));
+    if (step == nullptr) return ffi::Error::Success();
+    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s_dec.typed_data(), step, static_cast<float>(shape.size()),
+                                           row);
+    return LaunchStatus("xla_fp4_qdq_with_scale_stats finish kernel");
   });
 }
 
@@ -315,6 +368,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCuda, xla_fp4::cuda::QdqWithScal
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Ret<xla::ffi::AnyBuffer>()              // y: q * scale, x's shape and dtype
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_dec (float32 scalar)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleStatsCuda, xla_fp4::cuda::QdqWithScaleStats,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded)
+                                  .Ret<xla::ffi::AnyBuffer>()              // y: q * scale, x's shape and dtype
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_dec (float32 scalar)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCuda, xla_fp4::cuda::QdqStats,

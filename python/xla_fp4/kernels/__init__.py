@@ -24,6 +24,9 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       = max |rht(x) if rht else x| with NaN counted as +Inf; key = salt, xor'ed with the wrapping uint32 sum of x's
       element bits when stochastic (numerics.tensor_digest), so that the rounding differs every step. For tensors
       that are whole on one device: a partitioned program needs the global amax, i.e. a reduction XLA can partition.
+  xla_fp4_qdq_with_scale_stats(x: f32|bf16|f16[...], step: i32[]) -> (x's type, s_dec: f32[], stats: f32[11])
+      attrs as xla_fp4_qdq_with_scale's: its results, and where step >= 0 the statistics of that quantization
+      (xla_fp4_qdq_stats's row) from the same pass over x, else zeros   (== numerics.telemetry.qdq_with_scale_stats)
   xla_fp4_qdq_stats(x: f32|bf16|f16[...], s_dec: f32[], step: i32[]) -> f32[11]
       attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, salt: i64
       the statistics of xla_fp4_qdq's q * scale on x with key = salt (^ x's digest when stochastic)

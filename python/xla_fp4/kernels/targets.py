@@ -123,6 +123,10 @@ QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "s
 # Telemetry (whole tensors only): what xla_fp4_qdq does to x, and a GEMM output's zeros, as FIELDS rows of
 # numerics/telemetry.py; zeros, without work, where the step operand (int32) is -1.
 _ROW = lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)]  # noqa: E731
+QDQ_WITH_SCALE_STATS = _target("xla_fp4_qdq_with_scale_stats", {"axis": int, **_QUANTIZE, "salt": int},
+                               lambda operands, attrs, dtype: _with_scale(operands, attrs, dtype) + _ROW(
+                                   operands, attrs, dtype), twin=telemetry.qdq_with_scale_stats,
+                               twin_operands=("salt",))
 QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE, "salt": int}, _ROW, twin=telemetry.qdq_stats,
                     twin_operands=("salt",))
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats)
@@ -142,6 +146,6 @@ TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, 
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
        TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

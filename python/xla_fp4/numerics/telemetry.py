@@ -102,6 +102,15 @@ def output_zeros(y):
   return jnp.zeros(len(FIELDS), jnp.float32).at[0].set(_count(y == 0)).at[1].set(jnp.float32(y.size))
 
 
+def qdq_with_scale_stats(x, step, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+  """The twin of xla_fp4_qdq_with_scale_stats: kernel_twins.qdq_with_scale's (q·scale, s_dec), and the statistics of
+  that quantization (zeros where `step` is negative)."""
+  q, s_dec = kernel_twins.qdq_with_scale(x, salt, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
+                                         rht_seed=rht_seed)
+  row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
+  return q, s_dec, jnp.where(step >= 0, row, 0)
+
+
 def scaled_output(acc, alpha, *, dtype):
   """An emulated GEMM's output from its f32 accumulator: convert(acc * alpha) to `dtype`, as the pass makes it."""
   return (acc * alpha).astype(dtype)

@@ -62,6 +62,8 @@ class Emitter:
     self.probes = probes  # probes.Probes where the telemetry option is on
     self._measures = None  # while a GEMM with probes is emitted: its operands' probes.Measures
     self._output = None  # ... and the emulated GEMM's (f32 accumulator, alpha), from which its output is made
+    self._step = None  # ... and its telemetry step (int32: -1 where not recorded)
+    self._stats = {}  # q·scale value -> the statistics row its quantizer computed with it (telemetry)
     # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
     # matrices (dims.as_matrices) they run.
@@ -75,26 +77,29 @@ class Emitter:
       select = None
       if keep_blocks and block_value is not None:
         select = self.reuse.selector(block_value, keep_blocks, dot, lambda: _kept(block_value, keep_blocks))
-      probed = lambda build, select=None: self._probed(plan, build, block_value, select)  # noqa: E731
+      # Telemetry: the step is taken here, before the operands are quantized (whose kernels measure in recorded steps)
+      # and outside a kept-iteration case (so that every iteration counts).
+      step = None if self.probes is None else self.probes.begin(plan, block_value, select)
+      probed = lambda build: self._probed(plan, build, step)  # noqa: E731
       if plan.form is Form.PACKED_GROUPED:
         return self._in_case(select, dot, lambda: probed(lambda: self._native_per_expert(plan)))
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
-        return probed(lambda: self._slices(plan, select), select)
+        return probed(lambda: self._slices(plan, select))
       if plan.form is Form.GROUPED:
-        return self._in_case(select, dot, lambda: probed(lambda: self._ragged(plan)))
+        return self._in_case(select, dot, lambda: self._ragged(plan))
       if plan.form is not Form.PACKED:
-        return probed(lambda: self._emulated(plan, select), select)
+        return probed(lambda: self._emulated(plan, select))
       return self._in_case(select, dot, lambda: probed(lambda: self._native_gemm(plan)))
 
-  def _probed(self, plan, build, block_value, select):
-    """`build()`, followed by the telemetry probes of its GEMM where they are on (inside a kept-iteration case, the
-    branch that runs the NVFP4 pattern holds them, and `select` is None)."""
-    if self.probes is None:
+  def _probed(self, plan, build, step):
+    """`build()`, followed by the telemetry probes of its GEMM (probes.py) where `step` (Probes.begin) is given."""
+    if step is None:
       return build()
-    self._measures, self._output = ([], []), None
+    self._measures, self._output, self._step = ([], []), None, step
     y = build()
-    measures, output, self._measures, self._output = self._measures, self._output, None, None
-    self.probes.emit(plan, measures, output or y, block_value, select)
+    measures, output = self._measures, self._output
+    self._measures, self._output, self._step = None, None, None
+    self.probes.emit(plan, measures, output or y, step)
     return y
 
   def _measure(self, i, **measure):
@@ -151,9 +156,14 @@ class Emitter:
     recipe = operand.recipe
     attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
                  rht_seed=self.seed)
+    if form is Form.WHOLE_TENSOR and self._step is not None:
+      # Telemetry: the quantizer also measures what it does, in the same pass, in recorded steps.
+      q, s_dec, row = self.kernels.call(targets.QDQ_WITH_SCALE_STATS, [x, self._step],
+                                        dict(attrs, salt=self._salt_value(operand)))
+      self._stats[q] = row
+      return q, s_dec
     if form is Form.WHOLE_TENSOR:
-      q, s_dec = self.kernels.call(targets.QDQ_WITH_SCALE, [x],
-                                   dict(attrs, salt=formats.fold_in_int(self.seed, operand.salt_id)))
+      q, s_dec = self.kernels.call(targets.QDQ_WITH_SCALE, [x], dict(attrs, salt=self._salt_value(operand)))
       return q, s_dec
     s_dec, key = self._scale_and_key(x, axis, operand)
     if after is not None and not recipe.stochastic:
@@ -207,7 +217,7 @@ class Emitter:
       quantized[i] = self._operand(values[i], axes[i], operand, dot, plan.form, select,
                                    after if operand.after_gradient else None)
       self._measure(i, x=values[i], axis=axes[i], recipe=operand.recipe, salt=self._salt_value(operand),
-                    q=quantized[i][0], s_dec=quantized[i][1])
+                    q=quantized[i][0], s_dec=quantized[i][1], row=self._stats.get(quantized[i][0]))
       if operand.kind is Operand.GRADIENT:
         after = quantized[i][1]
     (qa, sa), (qb, sb) = quantized

@@ -1,25 +1,26 @@
 """Telemetry probes: what the pass adds to an NVFP4 GEMM when the `telemetry` option is on (docs/design.md §7).
 
-The emitter hands over, per operand, what it quantized (`Measure`s: the operand as quantized, its q·scale and decode
-scale where they exist as tensors); `Probes.emit` then adds, after the GEMM's pattern:
+Before the GEMM's operands are quantized, `Probes.begin`:
+  %step  = stablehlo.custom_call @xla_fp4_telemetry_step() {module, site, every, calls}   (-1: not recorded)
+           (decided on the host; `calls`: a scanned stack's GEMM runs once per layer and step; -1 in kept iterations)
+The emitter then quantizes with the step at hand and hands over, per operand, what it quantized (`Measure`s), and
+`Probes.emit` adds after the GEMM's pattern:
+  %rows  = f32[3, FIELDS] (numerics/telemetry.py): a row per operand and one for a wgrad's output zeros
+  stablehlo.custom_call @xla_fp4_telemetry_record(%rows, %step, %block) {module, site, strict_row}
+where the rows come, in a program whose tensors are whole on the device, from the kernels, which do nothing in an
+unrecorded step:
+  - the quantizer itself: %q, %s_dec, %row = xla_fp4_qdq_with_scale_stats(%x, %step) (the emulated GEMM's whole-tensor
+    form: the statistics from the same pass over x that quantizes it);
+  - else xla_fp4_qdq_stats(%x, %s_dec, %step) {salt}: the quantizer run again on x with the GEMM's scale and key
+    (bit-identical q; the native forms, whose q·scale never exists as a tensor);
+  - xla_fp4_output_stats(%y, %step) for a wgrad's output;
+and in a partitioned program (or for per-slice expert operands) from the twins inside a stablehlo.case on the step:
+plain JAX reductions, which XLA partitions, so a sharded tensor's statistics are the whole tensor's. (On XLA CPU such
+a case costs about 5% of an unrecorded step, as it holds the tensors it reads; the kernels' path has none.)
 
-  %block = the global block index (a scanned stack's iteration + its first block), else the static block or -1
-  %step  = stablehlo.custom_call @xla_fp4_telemetry_step(%block) {module, site, every}   (-1: not recorded)
-  %rows = stablehlo.case (%step >= 0 [and not a kept iteration]) {
-    ^skip: stablehlo.return zeros
-    ^record:
-      one FIELDS row per operand (numerics/telemetry.py) and one for a wgrad's output (output_zeros),
-               f32[3, FIELDS]: xla_fp4_qdq_stats(x, s_dec, key), the quantizer run again on x with the GEMM's own
-               scale and key (bit-identical q, one read of x, no write); in a partitioned program the twins
-               (operand_stats on x and the GEMM's q·scale), whose reductions XLA partitions; grouped operands:
-               sliced_stats
-  }
-  stablehlo.custom_call @xla_fp4_telemetry_record(%rows, %step, %block) {module, site, strict_row}   (step -1: drops)
-
-Nothing the program computes reads either call: its values are those of the run without telemetry, bit for bit. The
-statistics are computed only in recorded steps (the case) and reach the host through the record call (no
-synchronisation on CUDA: telemetry_kernels.cu). The twins are plain JAX reductions, so XLA's partitioner reduces a
-sharded tensor's statistics across its shards; every device records the same rows.
+Nothing the program computes reads the statistics or either call: its values are those of the run without
+telemetry, bit for bit. The rows reach the host through the record call, with no synchronisation on CUDA
+(telemetry_kernels.cu); every device records the same rows.
 """
 
 import dataclasses
@@ -30,7 +31,7 @@ from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
 from xla_fp4.numerics import telemetry as stats
-from xla_fp4.passes.analysis.records import Role
+from xla_fp4.passes.analysis.records import Grouping, Role
 from xla_fp4.passes.policy import Operand
 from xla_fp4.passes.rewrite.values import const, f32, scalar_type, tensor_type, u32
 
@@ -49,6 +50,7 @@ class Measure:
   s_dec: Any
   q: Any = None
   groups: Optional[tuple] = None
+  row: Any = None  # the FIELDS row the quantizer itself computed (xla_fp4_qdq_with_scale_stats), where it did
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +64,15 @@ class Probes:
   def __init__(self, kernels, twins, seed, settings):
     self.kernels, self.twins, self.seed, self.settings = kernels, twins, seed, settings
     self.measured = []  # the sites that got probes
+    self._blocks = {}  # step value -> the block index begin() made with it
 
-  def emit(self, plan, measures, output, block_value, select):
-    """Probes for `plan`'s GEMM, whose operands were quantized as `measures` ([lhs Measures], [rhs Measures]) and
-    whose result is `output`: the value, or an emulated GEMM's (f32 accumulator, alpha), from which the statistics
-    make it (so that the result itself is not held for them, where XLA would otherwise fuse it into its readers);
-    `block_value`: the stack's iteration (or None), `select`: true in kept iterations."""
-    if not all(measures):
-      return  # a form whose quantized values stay inside one twin (a chlo.ragged_dot's)
+  def begin(self, plan, block_value, select):
+    """The telemetry step of `plan`'s GEMM (int32: -1 where not recorded), taken before its operands are quantized;
+    None for a form whose quantized values stay inside one twin (a chlo.ragged_dot's), which is not measured.
+    `block_value`: a scanned stack's iteration (or None), `select`: true in kept iterations, which record nothing."""
     site = plan.site
+    if site.groups is not None and site.groups.kind is not Grouping.SLICES:
+      return None
     i32 = ir.IntegerType.get_signless(32)
     if block_value is not None:
       block = block_value
@@ -79,11 +81,22 @@ class Probes:
       block = hlo.AddOp(block, const(site.block_offset or 0, i32)).result
     else:
       block = const(-1 if site.block is None else site.block, i32)
-    attrs = dict(module=self.settings.module, site=site.index)
     calls = (site.num_stacked or 1) if block_value is not None else 1  # a scanned GEMM runs once per layer and step
-    step = self.kernels.call(targets.TELEMETRY_STEP, [], dict(attrs, every=self.settings.every, calls=calls))[0]
-    if select is not None:  # a kept iteration records nothing
+    step = self.kernels.call(targets.TELEMETRY_STEP, [], dict(module=self.settings.module, site=site.index,
+                                                              every=self.settings.every, calls=calls))[0]
+    if select is not None:
       step = hlo.SelectOp(select, const(-1, i32), step).result
+    self._blocks[step] = block
+    return step
+
+  def emit(self, plan, measures, output, step):
+    """The statistics and the record of `plan`'s GEMM in step `step` (begin), whose operands were quantized as
+    `measures` ([lhs Measures], [rhs Measures]) and whose result is `output`: the value, or an emulated GEMM's (f32
+    accumulator, alpha), from which the statistics make it (so that the result itself is not held for them, where
+    XLA would otherwise fuse it into its readers)."""
+    site = plan.site
+    attrs = dict(module=self.settings.module, site=site.index)
+    block = self._blocks[step]
     if self.kernels.partitioned or any(m.groups is not None for ms in measures for m in ms):
       table = self._computed_in_case(plan, measures, output, step)
     else:
@@ -99,6 +112,9 @@ class Probes:
     bit-identical, one read of x; nothing in an unrecorded step). Several Measures (per expert): one row."""
     rows = []
     for m in measures:
+      if m.row is not None:
+        rows.append(m.row)
+        continue
       attrs = dict(axis=m.axis, block_2d=m.recipe.block_2d, stochastic=m.recipe.stochastic, rht=m.recipe.rht,
                    rht_seed=self.seed, salt=m.salt)
       rows.append(self.kernels.call(targets.QDQ_STATS, [m.x, m.s_dec, step], attrs)[0])
