@@ -232,9 +232,10 @@ Target: every 10 steps within {goal:.0%} of the step without telemetry: at most 
 {table(["dtype", "step without telemetry", "every step", "every 10 steps", "records (every step)",
         "records (every 10)"], rows)}
 
-A recorded step computes each quantized operand's statistics beside its quantization (one more read of the operand
-and its quantized values, fused reductions on CPU); an unrecorded step calls the step counter once per GEMM and skips
-the rest. The records reach the host from the kernels' sinks without a synchronisation (docs/design.md §7).
+The ratios are medians of each round's ratio to the step without telemetry in the same round. In a recorded step
+the quantizer measures each operand in the pass in which it quantizes it (xla_fp4_qdq_with_scale_stats); in an
+unrecorded step each GEMM takes its step on the host and the measuring kernels return at once. The records reach the
+host from the kernels' sinks without a synchronisation (docs/design.md §7).
 """
   return text, [["telemetry, train step with records every step / every 10 steps, against none",
                  " / ".join(f"{r['dtype']} {x(r['ratio']['every_1'])} / {x(r['ratio']['every_10'], 3)}"

@@ -172,6 +172,29 @@ def test_scanned_stack_reports_per_block(tmp_path):
     assert amax[b] == pytest.approx(float(jnp.abs(ws[b]).max()), rel=1e-6)
 
 
+def test_remat_scanned_stack_records_every_block_and_changes_nothing(tmp_path):
+  """jax.checkpoint around each layer of a scanned stack: the backward pass recomputes the forward (its GEMMs are
+  probed too, as fprops of the same layers); records per block, results bit for bit those without telemetry."""
+  layers, d = 4, 64
+  ws = jax.random.normal(jax.random.PRNGKey(1), (layers, d, d)) * 0.1
+  x = jax.random.normal(jax.random.PRNGKey(2), (32, d))
+
+  def loss(ws, x):
+    body = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None))
+    h, _ = jax.lax.scan(body, x, ws)
+    return jnp.mean(h ** 2)
+
+  options = dict(keep_first=0, keep_last=0, stochastic_rounding=False)
+  xla_fp4.enable(**options)
+  plain = jax.block_until_ready(jax.jit(jax.grad(loss))(ws, x))
+  probed, records = _run(tmp_path, jax.jit(jax.grad(loss)), (ws, x), steps=2, **options)
+  assert_same_bits(probed, plain)
+  for role in ("fprop", "dgrad", "wgrad"):
+    for step in (0, 1):
+      blocks = {r["block"] for r in records if r["role"] == role and r["step"] == step}
+      assert blocks == set(range(layers)), (role, step, blocks)
+
+
 def test_kept_blocks_record_nothing(tmp_path):
   layers, d = 6, 64
   ws = jax.random.normal(jax.random.PRNGKey(1), (layers, d, d)) * 0.1
