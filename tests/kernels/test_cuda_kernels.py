@@ -149,6 +149,33 @@ def test_qdq_with_scale_matches_the_cpu_kernel(gpu, dtype, block_2d, stochastic,
     assert i or np.isinf(got[1])
 
 
+@pytest.mark.parametrize("block_2d,stochastic,rht", [(False, False, False), (True, False, False), (False, True, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_telemetry_kernels_match_the_cpu_kernels(gpu, dtype, block_2d, stochastic, rht):
+  """xla_fp4_qdq_with_scale_stats, xla_fp4_qdq_stats and xla_fp4_output_stats on the device: the quantized values
+  bit for bit, the counts exactly and the energies to float rounding (the device sums in another order) against the
+  CPU kernels; zeros in an unrecorded step."""
+  from xla_fp4.kernels import targets
+  from xla_fp4.numerics import telemetry
+  flags = dict(block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=RHT_SEED)
+  counts = [i for i, f in enumerate(telemetry.FIELDS) if f not in ("energy", "error_energy")]
+  for i, (shape, axis) in enumerate(SHAPES):
+    x = _data(shape, dtype, seed=i)
+    for step in (3, -1):
+      with_stats = lambda x: kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(step)], salt=7,  # noqa: E731
+                                           axis=axis, **flags)
+      got, want = _run(gpu, with_stats, x), _run(_cpu(), with_stats, x)
+      assert_same_bits(got[0], want[0])
+      assert_same_bits(got[1], want[1])
+      stats = lambda x, s: kernels.qdq_stats(x, s, 7, step=step, axis=axis, **flags)  # noqa: E731
+      zeros = lambda x: kernels.output_stats(x, step)  # noqa: E731
+      for a, b in ((got[2], want[2]), (_run(gpu, stats, x, want[1]), _run(_cpu(), stats, x, want[1])),
+                   (_run(gpu, zeros, x), _run(_cpu(), zeros, x))):
+        np.testing.assert_array_equal(a[counts], b[counts])
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+        assert step >= 0 or not a.any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_rht_matches_reference(gpu, dtype):
   for shape, axis in SHAPES:

@@ -14,6 +14,7 @@ from xla_fp4.sharding import partition
 
 X = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
 SCALAR_F32, SCALAR_U32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.uint32)
+SCALAR_I32 = jax.ShapeDtypeStruct((), jnp.int32)
 QUANTIZE = dict(block_2d=False, stochastic=True, rht=True, rht_seed=3)
 
 
@@ -28,7 +29,10 @@ def _twin_results(target, operands, attrs):
 def test_twins_return_what_the_records_say(axis):
   cases = [(targets.QDQ, [X, SCALAR_F32, SCALAR_U32], dict(axis=axis, **QUANTIZE, apply_global_scale=False)),
            (targets.QDQ_WITH_SCALE, [X], dict(axis=axis, **QUANTIZE, salt=5)),
-           (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=False, rht_seed=0))]
+           (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=False, rht_seed=0)),
+           (targets.QDQ_WITH_SCALE_STATS, [X, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
+           (targets.QDQ_STATS, [X, SCALAR_F32, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
+           (targets.OUTPUT_STATS, [X, SCALAR_I32], {})]
   assert {t for t, _, _ in cases} == {t for t in targets.ALL if t.twin is not None}
   for target, operands, attrs in cases:
     assert _twin_results(target, operands, attrs) == target.results(operands, attrs, None), target.name

@@ -196,7 +196,10 @@ def test_gpu_check_runs_with_the_cpu_standing_in(tmp_path):
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   result = json.loads(out.read_text())
   assert result["ok"] and set(result["checks"]) == {"device runs the xla_fp4 targets", "device == CPU emulation",
-                                                    "expert layer on the device == grouped reference"}
+                                                    "expert layer on the device == grouped reference",
+                                                    "telemetry on the device == CPU, outputs unchanged"}
+  telemetry = result["checks"]["telemetry on the device == CPU, outputs unchanged"]
+  assert telemetry["outputs_unchanged"] and telemetry["records"] > 0
   experts = result["checks"]["expert layer on the device == grouped reference"]
   assert max(experts["rel_l2"].values()) <= experts["tolerance"] < min(experts["rel_l2_unquantized"].values())
   assert "xla_fp4_qdq_with_scale" in result["checks"]["device runs the xla_fp4 targets"]["targets"]
