@@ -4,7 +4,8 @@ with telemetry every step and every 10 steps (XLA_FP4_TELEMETRY_EVERY), on CPU.
   python benchmarks/telemetry.py [--small] [--out benchmarks/results/telemetry.json]
 
 The program is a residual MLP train step (`x = x + gelu(x @ w1) @ w2` per layer, `jax.jit(jax.grad(loss))`, the
-default recipe). Each mode runs 10 steps per round, one mode after the other, and a round's ratio is a mode's mean
+default recipe), on one device, and under FSDP on 8 host devices (weights and tokens sharded over all 8), where the
+statistics are computed by reductions that XLA partitions, inside a conditional on the step (docs/design.md §7). Each mode runs 10 steps per round, one mode after the other, and a round's ratio is a mode's mean
 step time over the round's step time without telemetry: the ratio reported is the median over rounds, so a machine
 that other work slows down for a while (this project's machines are shared) moves both sides of a ratio alike. A
 round of every-10 holds exactly one recorded step. The writer thread that drains the sinks runs as it does for a
@@ -45,8 +46,12 @@ def train_step(layers, d_model, d_ff, tokens, dtype):
   return jax.grad(loss), (params, x)
 
 
-def measure(dtype, sizes, steps, rounds):
+def measure(layout, dtype, sizes, steps, rounds):
   fn, args = train_step(*sizes, dtype)
+  if layout == "fsdp":
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((8,), ("d",))
+    args = jax.device_put(args, NamedSharding(mesh, P("d")))
   compiled, dirs = {}, {}
   for mode, every in MODES:
     dirs[mode] = tempfile.mkdtemp(prefix=f"xla_fp4_telemetry_{mode}_") if every else ""
@@ -68,7 +73,7 @@ def measure(dtype, sizes, steps, rounds):
     if d:
       shutil.rmtree(d)
   median = {mode: statistics.median(t) for mode, t in times.items()}
-  return {"dtype": jnp.dtype(dtype).name,
+  return {"layout": layout, "dtype": jnp.dtype(dtype).name,
           "step_s": median,
           "ratio": {mode: statistics.median(r) for mode, r in ratios.items()},
           "ratio_per_round": {mode: [round(v, 4) for v in r] for mode, r in ratios.items()},
@@ -83,7 +88,8 @@ def main(argv=None):
   # (layers, d_model, d_ff, tokens)
   sizes = (2, 64, 128, 64) if args.small else (4, 256, 1024, 1024)
   steps, rounds = (10, 2) if args.small else (10, 15)
-  rows = [measure(dt, sizes, steps, rounds) for dt in (jnp.float32, jnp.bfloat16)]
+  rows = [measure(layout, dt, sizes, steps, rounds) for layout in ("one_device", "fsdp")
+          for dt in (jnp.float32, jnp.bfloat16)]
   write_result({"benchmark": "telemetry", "sizes": dict(zip(("layers", "d_model", "d_ff", "tokens"), sizes)),
                 "steps_per_round": steps, "rounds": rounds, "jax": jax.__version__, "machine": platform.machine(),
                 "cpus": os.cpu_count(), "rows": rows}, args.out)

@@ -294,7 +294,8 @@ def test_overhead_benchmark_runs_and_records(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   result = json.loads(out.read_text())
   rows = result["rows"]
-  assert [row["dtype"] for row in rows] == ["float32", "bfloat16"]
+  assert [(row["layout"], row["dtype"]) for row in rows] == [
+      ("one_device", "float32"), ("one_device", "bfloat16"), ("fsdp", "float32"), ("fsdp", "bfloat16")]
   steps = 1 + result["rounds"] * result["steps_per_round"]  # the warm-up step, then the timed ones
   for row in rows:  # the same GEMMs recorded in every step, or in steps 0, 10, 20, ...
     per_step = row["records"]["every_1"] // steps
