@@ -30,6 +30,10 @@ the select, for every dot that reads it (a case around the whole dot made each d
 branch: MaxText under FSDP moved 1.27x the bytes, measured). The packed form holds the original dot and the FP4
 GEMM in the two branches of a `stablehlo.case`.
 
+With the `telemetry` option (probes.py) the emitter takes each GEMM's step first, quantizes the whole-tensor form with
+xla_fp4_qdq_with_scale_stats (the same values, and the statistics of the quantization in recorded steps), and hands the
+probes what it quantized (probes.Measure).
+
 Operands follow their OperandPlan: quantized in the plan's order; `after_gradient` operands take the gradient's
 decode scale, bitcast to uint32, as their key: a nearest-rounded qdq never reads its key, so this orders the call
 after the gradient without changing a number (StableHLO has no control dependency). `fresh` operands are never
@@ -146,7 +150,10 @@ class Emitter:
         return found
     q, s_dec = self._quantize(x, axis, operand, form, after)
     if select is not None:
+      measured = self._stats.get(q)
       q = hlo.SelectOp(select, x, q).result
+      if measured is not None:  # telemetry measures the quantization, in the iterations that run it
+        self._stats[q] = measured
       s_dec = hlo.SelectOp(select, const(1.0, f32()), s_dec).result
     if reusable:
       self.reuse.remember(x, blocks, select, q, s_dec)
