@@ -108,8 +108,9 @@ class Probes:
     self.measured.append(plan)
 
   def _kernel_row(self, measures, step):
-    """An operand's row from the quantizer itself (xla_fp4_qdq_stats: x requantized with the GEMM's scale and key,
-    bit-identical, one read of x; nothing in an unrecorded step). Several Measures (per expert): one row."""
+    """An operand's row from the kernels, which do nothing in an unrecorded step: the quantizer's own (Measure.row,
+    from xla_fp4_qdq_with_scale_stats), else xla_fp4_qdq_stats (x requantized with the GEMM's scale and key:
+    bit-identical, one more read of x). Several Measures (per expert): one row."""
     rows = []
     for m in measures:
       if m.row is not None:
