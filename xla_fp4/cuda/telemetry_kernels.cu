@@ -108,7 +108,7 @@ void Deliver(void* data) {  // a host function: no CUDA calls
   std::memcpy(s->record.values.data(), s->host, n * sizeof(float));
   std::memcpy(&s->record.step, s->host + n, sizeof(int32_t));
   std::memcpy(&s->record.block, s->host + n + 1, sizeof(int32_t));
-  Sink::Get().Add(s->record);
+  if (s->record.step >= 0) Sink::Get().Add(s->record);  // -1: a kept iteration of a recorded step
   std::lock_guard<std::mutex> lock(pool_mu);
   pool.push_back(s);
 }
