@@ -10,6 +10,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_fp4/nvfp4_format.h"
+#include "xla_fp4/telemetry_fields.h"
 
 namespace xla_fp4 {
 
@@ -123,6 +124,13 @@ inline ffi::Error CheckCounterRange(bool stochastic, int64_t elements, ffi::Span
 
 // What both qdq targets check on every platform: x's axis and blocks, the seed, a result of x's shape and dtype, and
 // the stochastic-rounding counter range.
+// A telemetry kernel's result: one float32 row of the statistics (telemetry_fields.h).
+inline ffi::Error CheckStatsRow(int64_t elements, ffi::DataType dtype, const char* target) {
+  if (dtype == ffi::DataType::F32 && elements == telemetry::kNumFields) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(target) + " returns float32[" + std::to_string(telemetry::kNumFields) +
+                                     "], the statistics of numerics/telemetry.py FIELDS");
+}
+
 inline ffi::Error CheckQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int64_t axis, bool stochastic,
                            int64_t rht_seed, AxisShape* shape) {
   if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, shape), CheckSeed(rht_seed),

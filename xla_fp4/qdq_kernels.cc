@@ -137,11 +137,18 @@ void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Re
     for (int i = 0; i < 6; ++i) counts[i] += c[i];
     energy += s.energy, error += s.error;
   }
-  const float out[11] = {AmaxFromBits(amax_bits), tensor.scale.s_dec, static_cast<float>(g.size()),
-                         static_cast<float>(counts[0]), static_cast<float>(counts[1]), static_cast<float>(counts[2]),
-                         static_cast<float>(energy), static_cast<float>(error), static_cast<float>(counts[3] / kBlock),
-                         static_cast<float>(counts[4] / kBlock), static_cast<float>(counts[5] / kBlock)};
-  std::copy(out, out + 11, row);
+  using namespace telemetry;  // NOLINT: the field names
+  row[kAmax] = AmaxFromBits(amax_bits);
+  row[kDecodeScale] = tensor.scale.s_dec;
+  row[kElements] = static_cast<float>(g.size());
+  row[kNonzero] = static_cast<float>(counts[0]);
+  row[kUnderflow] = static_cast<float>(counts[1]);
+  row[kQuantizedNonzero] = static_cast<float>(counts[2]);
+  row[kEnergy] = static_cast<float>(energy);
+  row[kErrorEnergy] = static_cast<float>(error);
+  row[kLiveBlocks] = static_cast<float>(counts[3] / kBlock);
+  row[kScaleUnderflow] = static_cast<float>(counts[4] / kBlock);
+  row[kScaleSaturated] = static_cast<float>(counts[5] / kBlock);
 }
 
 struct TensorStats {
@@ -301,11 +308,11 @@ ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_
       e.failure()) {
     return e;
   }
-  if (stats->element_type() != ffi::DataType::F32 || stats->element_count() != 11) {
-    return ffi::Error::InvalidArgument("the statistics result must be float32[11] (numerics/telemetry.py FIELDS)");
+  if (ffi::Error e = CheckStatsRow(stats->element_count(), stats->element_type(), "xla_fp4_qdq_stats"); e.failure()) {
+    return e;
   }
   if (step.typed_data()[0] < 0) {  // not a recorded step: no work
-    std::fill_n(static_cast<float*>(stats->untyped_data()), 11, 0.0f);
+    std::fill_n(static_cast<float*>(stats->untyped_data()), telemetry::kNumFields, 0.0f);
     return ffi::Error::Success();
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed);
@@ -341,11 +348,12 @@ ffi::Error QdqWithScaleStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buf
                                 ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> s_dec,
                                 ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic,
                                 bool rht, int64_t rht_seed, int64_t salt) {
-  if (stats->element_type() != ffi::DataType::F32 || stats->element_count() != 11) {
-    return ffi::Error::InvalidArgument("the statistics result must be float32[11] (numerics/telemetry.py FIELDS)");
+  if (ffi::Error e = CheckStatsRow(stats->element_count(), stats->element_type(), "xla_fp4_qdq_with_scale_stats");
+      e.failure()) {
+    return e;
   }
   float* row = static_cast<float*>(stats->untyped_data());
-  std::fill_n(row, 11, 0.0f);
+  std::fill_n(row, telemetry::kNumFields, 0.0f);
   return QdqWithScaleImpl(pool, x, *y, *s_dec, step.typed_data()[0] >= 0 ? row : nullptr, axis, block_2d, stochastic,
                           rht, rht_seed, salt);
 }

@@ -52,12 +52,16 @@ int64_t CountZeros(ffi::ThreadPool& pool, const T* y, int64_t n) {
 
 ffi::Error OutputStats(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> step,
                        ffi::ResultBuffer<ffi::F32> row) {
+  if (ffi::Error e = CheckStatsRow(row->element_count(), ffi::DataType::F32, "xla_fp4_output_stats"); e.failure()) {
+    return e;
+  }
   float* out = row->typed_data();
-  std::fill(out, out + row->element_count(), 0.0f);
-  if (step.typed_data()[0] < 0 || row->element_count() < 2) return ffi::Error::Success();
+  std::fill(out, out + telemetry::kNumFields, 0.0f);
+  if (step.typed_data()[0] < 0) return ffi::Error::Success();
   const int64_t n = static_cast<int64_t>(y.element_count());
   return DispatchFloat(y.element_type(), "y", [&](auto tag) {
     using T = decltype(tag);
+    // A GEMM output's row (numerics/telemetry.py output_zeros): its zeros and elements in the first two fields.
     out[0] = static_cast<float>(CountZeros(pool, static_cast<const T*>(y.untyped_data()), n));
     out[1] = static_cast<float>(n);
     return ffi::Error::Success();

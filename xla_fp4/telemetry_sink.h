@@ -17,11 +17,9 @@
 #include <utility>
 #include <vector>
 
-namespace xla_fp4::telemetry {
+#include "xla_fp4/telemetry_fields.h"
 
-// The statistics of one quantized operand, in the order of numerics/telemetry.py FIELDS.
-enum Field : int { kAmax, kDecodeScale, kElements, kNonzero, kUnderflow, kQuantizedNonzero, kEnergy, kErrorEnergy,
-                   kLiveBlocks, kScaleUnderflow, kScaleSaturated, kNumFields };
+namespace xla_fp4::telemetry {
 
 struct Record {
   int64_t module, site;

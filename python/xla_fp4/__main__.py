@@ -38,7 +38,7 @@ def main(argv=None):
       print(f"error: {e}", file=sys.stderr)
       return 2
     if args.json:
-      print(json.dumps([{k: ("inf" if v == float("inf") else v) for k, v in r.items()} for r in records]))
+      print(json.dumps([telemetry.jsonable(r) for r in records]))
       return 0
     telemetry.print_worst(records, args.top)
     if not args.no_plots and records:

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import threading
+import time
 import warnings
 
 from xla_fp4 import state
@@ -75,10 +76,9 @@ def _start():
   with current.lock:
     if current.telemetry.writer is not None:
       return
-    stop = threading.Event()
-
     def loop():
-      while not stop.wait(_FLUSH_SECONDS):
+      while True:
+        time.sleep(_FLUSH_SECONDS)
         flush()
 
     current.telemetry.writer = threading.Thread(target=loop, name="xla_fp4 telemetry", daemon=True)
@@ -133,8 +133,9 @@ def _describe(record):
           f"at step {record['step']}" for a in record["alerts"]]
 
 
-def _json(record):
-  return json.dumps({k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in record.items()})
+def jsonable(record):
+  """The record as JSON takes it: an exact quantization's SNR (inf) as "inf"; `load` reads it back."""
+  return {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in record.items()}
 
 
 def flush():
@@ -149,7 +150,7 @@ def flush():
       sites = dict(current.telemetry.sites)
     writes, alerts, new = {}, {}, []
     for site, record in records(raw, sites):
-      writes.setdefault(site.directory, []).append(_json(record))
+      writes.setdefault(site.directory, []).append(json.dumps(jsonable(record)))
       for alert, message in zip(record["alerts"], _describe(record)):
         key = (site.module, record["layer"], record["role"], record["operand"], record["block"], alert)
         if current.first_time(("telemetry",) + key):
@@ -192,9 +193,13 @@ def load(directory):
   return out
 
 
-def _gemm(record):
+def _layer(record):
   block = "" if record["block"] is None else f"[{record['block']}]"
-  return f"{record['module']}:{record['layer'] or '?'}{block} {record['role']} {record['operand']}"
+  return f"{record['module']}:{record['layer'] or '?'}{block}"
+
+
+def _gemm(record):
+  return f"{_layer(record)} {record['role']} {record['operand']}"
 
 
 def worst(records, n=10):
@@ -251,12 +256,13 @@ def plot(records, directory):
     fig, axes = plt.subplots(1, max(len(roles), 1), figsize=(6 * max(len(roles), 1), 0.5 + 0.22 * max(
         len({_gemm(r) for r in records if r["role"] == role}) for role in roles or ["fprop"]) + 1.5), squeeze=False)
     for ax, role in zip(axes[0], roles):
-      names = sorted({_gemm(r).rsplit(" ", 2)[0] + " " + r["operand"] for r in records if r["role"] == role})
+      operand = lambda r: f"{_layer(r)} {r['operand']}"  # noqa: E731  (the panel is the role)
+      names = sorted({operand(r) for r in records if r["role"] == role})
       row = {n: i for i, n in enumerate(names)}
       grid = np.full((len(names), len(steps)), np.nan)
       for r in records:
         if r["role"] == role and r[key] is not None:
-          grid[row[_gemm(r).rsplit(" ", 2)[0] + " " + r["operand"]], column[r["step"]]] = min(r[key], 99.0)
+          grid[row[operand(r)], column[r["step"]]] = min(r[key], 99.0)
       image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap,
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5) if steps else None)
       ax.set_yticks(range(len(names)), names, fontsize=6)

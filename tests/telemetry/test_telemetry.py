@@ -316,6 +316,7 @@ def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, 
   from xla_fp4 import kernels
   from xla_fp4.kernels import targets
   from xla_fp4.numerics import telemetry as st
+  assert extension_or_skip().TELEMETRY_FIELDS == len(st.FIELDS)  # telemetry_fields.h; the order: the rows below
   x = (jax.random.normal(jax.random.PRNGKey(1), shape) * 3).astype(dtype).at[..., 0].set(0)
   recipe = dict(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=3)
   want_q, want_s, want = jax.jit(lambda x: st.qdq_with_scale_stats(x, jnp.int32(4), jnp.uint32(77), **recipe))(x)

@@ -95,17 +95,22 @@ struct DequantizeStatsSink {
 // The FIELDS row from the accumulators, on the device.
 __global__ void StatsFinishKernel(const unsigned long long* counts, const double* energies, const float* s_dec,
                                   const int32_t* step, float elements, float* row) {
+  using namespace telemetry;  // NOLINT: the field names
   if (*step < 0) {
-    for (int i = 0; i < 11; ++i) row[i] = 0.0f;
+    for (int i = 0; i < kNumFields; ++i) row[i] = 0.0f;
     return;
   }
-  row[0] = __uint_as_float(static_cast<uint32_t>(counts[0]));  // MagnitudeBits: NaN counted as +Inf
-  row[1] = *s_dec;
-  row[2] = elements;
-  for (int i = 1; i < 4; ++i) row[2 + i] = static_cast<float>(counts[i]);
-  row[6] = static_cast<float>(energies[0]);
-  row[7] = static_cast<float>(energies[1]);
-  for (int i = 4; i < 7; ++i) row[4 + i] = static_cast<float>(counts[i]);
+  row[kAmax] = __uint_as_float(static_cast<uint32_t>(counts[0]));  // MagnitudeBits: NaN counted as +Inf
+  row[kDecodeScale] = *s_dec;
+  row[kElements] = elements;
+  row[kNonzero] = static_cast<float>(counts[1]);
+  row[kUnderflow] = static_cast<float>(counts[2]);
+  row[kQuantizedNonzero] = static_cast<float>(counts[3]);
+  row[kEnergy] = static_cast<float>(energies[0]);
+  row[kErrorEnergy] = static_cast<float>(energies[1]);
+  row[kLiveBlocks] = static_cast<float>(counts[4]);
+  row[kScaleUnderflow] = static_cast<float>(counts[5]);
+  row[kScaleSaturated] = static_cast<float>(counts[6]);
 }
 
 template <typename T>
@@ -206,7 +211,7 @@ ffi::Error QdqWithScaleStats(cudaStream_t stream, ffi::ScratchAllocator scratch,
                              ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::Buffer<ffi::F32>> s_dec, ffi::Result<ffi::Buffer<ffi::F32>> stats,
                              int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
-  if (stats->element_count() != 11) return InvalidArgument("xla_fp4_qdq_with_scale_stats returns float32[11]");
+  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_qdq_with_scale_stats"));
   return QdqWithScaleImpl(stream, scratch, x, *y, *s_dec, step.typed_data(), stats->typed_data(), axis, block_2d,
                           stochastic, rht, rht_seed, salt);
 }
@@ -278,7 +283,7 @@ ffi::Error QdqStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   XLA_FP4_RETURN_IF_ERROR(CheckCounterRange(stochastic, shape.size(), x.dimensions()));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
   XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
-  if (stats->element_count() != 11) return InvalidArgument("xla_fp4_qdq_stats returns float32[11]");
+  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_qdq_stats"));
   constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double) + sizeof(uint64_t);
   std::optional<void*> words = scratch.Allocate(kBytes, alignof(double));
   if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the stats");

@@ -45,9 +45,8 @@ __global__ void CountZerosKernel(const T* y, int64_t n, const int32_t* step, uns
   atomicAdd(zeros, z);
 }
 
-__global__ void OutputRowKernel(const unsigned long long* zeros, const int32_t* step, float elements, float* row,
-                                int64_t width) {
-  for (int64_t i = 0; i < width; ++i) row[i] = 0.0f;
+__global__ void OutputRowKernel(const unsigned long long* zeros, const int32_t* step, float elements, float* row) {
+  for (int i = 0; i < telemetry::kNumFields; ++i) row[i] = 0.0f;
   if (*step < 0) return;
   row[0] = static_cast<float>(*zeros);
   row[1] = elements;
@@ -55,6 +54,7 @@ __global__ void OutputRowKernel(const unsigned long long* zeros, const int32_t* 
 
 ffi::Error OutputStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer y,
                        ffi::Buffer<ffi::S32> step, ffi::ResultBuffer<ffi::F32> row) {
+  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(row->element_count(), ffi::F32, "xla_fp4_output_stats"));
   std::optional<void*> word = scratch.Allocate(sizeof(unsigned long long), alignof(unsigned long long));
   if (!word.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for 8 bytes");
   auto* zeros = static_cast<unsigned long long*>(*word);
@@ -68,8 +68,7 @@ ffi::Error OutputStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
                                                                 step.typed_data(), zeros);
       XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_output_stats kernel"));
     }
-    OutputRowKernel<<<1, 1, 0, stream>>>(zeros, step.typed_data(), static_cast<float>(n), row->typed_data(),
-                                         static_cast<int64_t>(row->element_count()));
+    OutputRowKernel<<<1, 1, 0, stream>>>(zeros, step.typed_data(), static_cast<float>(n), row->typed_data());
     return LaunchStatus("xla_fp4_output_stats row kernel");
   });
 }

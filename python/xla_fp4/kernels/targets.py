@@ -146,6 +146,6 @@ TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, 
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED, DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP,
-       TELEMETRY_RECORD)
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
+       DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

@@ -295,23 +295,24 @@ _registered = []
 
 def register():
   """Install the partitioners with XLA, for the built-in backends now and for plugin backends (GPU) as they load."""
-  from jax._src import xla_bridge
   with _lock:
     if _registered:
       return
     for target in PARTITIONED:
-      callbacks = dict(prop_user_sharding=functools.partial(_propagate_user_sharding, target),
-                       partition=functools.partial(_partition, target),
-                       infer_sharding_from_operands=functools.partial(_infer_from_operands, target))
-      xc.register_custom_call_partitioner(target, **callbacks)
-      xla_bridge.register_plugin_callbacks(functools.partial(xc.register_custom_call_partitioner, target, **callbacks))
-      _registered.append(target)
+      _install(target, prop_user_sharding=functools.partial(_propagate_user_sharding, target),
+               partition=functools.partial(_partition, target),
+               infer_sharding_from_operands=functools.partial(_infer_from_operands, target))
     for target in SIDE_EFFECTS:
       # Side-effecting calls must be told apart from ones XLA may replicate: each device runs these on its own.
-      callbacks = dict(prop_user_sharding=lambda *a: xc.HloSharding.replicate(),
-                       partition=functools.partial(_replicated, target),
-                       infer_sharding_from_operands=lambda *a: xc.HloSharding.replicate(),
-                       can_side_effecting_have_replicated_sharding=True)
-      xc.register_custom_call_partitioner(target, **callbacks)
-      xla_bridge.register_plugin_callbacks(functools.partial(xc.register_custom_call_partitioner, target, **callbacks))
-      _registered.append(target)
+      _install(target, prop_user_sharding=lambda *a: xc.HloSharding.replicate(),
+               partition=functools.partial(_replicated, target),
+               infer_sharding_from_operands=lambda *a: xc.HloSharding.replicate(),
+               can_side_effecting_have_replicated_sharding=True)
+
+
+def _install(target, **callbacks):
+  """Register `target`'s partitioner with XLA, now and for plugin backends (GPU) as they load."""
+  from jax._src import xla_bridge
+  xc.register_custom_call_partitioner(target, **callbacks)
+  xla_bridge.register_plugin_callbacks(functools.partial(xc.register_custom_call_partitioner, target, **callbacks))
+  _registered.append(target)

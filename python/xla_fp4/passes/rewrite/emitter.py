@@ -83,8 +83,8 @@ class Emitter:
         select = self.reuse.selector(block_value, keep_blocks, dot, lambda: _kept(block_value, keep_blocks))
       # Telemetry: the step is taken here, before the operands are quantized (whose kernels measure in recorded steps)
       # and outside a kept-iteration case (so that every iteration counts).
-      step = None if self.probes is None else self.probes.begin(plan, block_value, select)
-      probed = lambda build: self._probed(plan, build, step)  # noqa: E731
+      probe = None if self.probes is None else self.probes.begin(plan, block_value, select)
+      probed = lambda build: self._probed(plan, build, probe)  # noqa: E731
       if plan.form is Form.PACKED_GROUPED:
         return self._in_case(select, dot, lambda: probed(lambda: self._native_per_expert(plan)))
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
@@ -95,15 +95,15 @@ class Emitter:
         return probed(lambda: self._emulated(plan, select))
       return self._in_case(select, dot, lambda: probed(lambda: self._native_gemm(plan)))
 
-  def _probed(self, plan, build, step):
-    """`build()`, followed by the telemetry probes of its GEMM (probes.py) where `step` (Probes.begin) is given."""
-    if step is None:
+  def _probed(self, plan, build, probe):
+    """`build()`, followed by the telemetry probes of its GEMM (probes.py) where `probe` (Probes.begin) is given."""
+    if probe is None:
       return build()
-    self._measures, self._output, self._step = ([], []), None, step
+    self._measures, self._output, self._step = ([], []), None, probe.value
     y = build()
     measures, output = self._measures, self._output
     self._measures, self._output, self._step = None, None, None
-    self.probes.emit(plan, measures, output or y, step)
+    self.probes.emit(plan, measures, output or y, probe)
     return y
 
   def _measure(self, i, **measure):

@@ -24,6 +24,7 @@ telemetry, bit for bit. The rows reach the host through the record call, with no
 """
 
 import dataclasses
+import typing
 from typing import Any, Optional
 
 from jax._src.lib.mlir import ir
@@ -53,6 +54,13 @@ class Measure:
   row: Any = None  # the FIELDS row the quantizer itself computed (xla_fp4_qdq_with_scale_stats), where it did
 
 
+class Step(typing.NamedTuple):
+  """A GEMM's telemetry step (Probes.begin): `value`, int32 (-1 where not recorded), and the global block index
+  (int32: a scanned stack's iteration + its first block, else the static block or -1)."""
+  value: Any
+  block: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
   module: int  # the module's key in the host's registry (xla_fp4/telemetry.py)
@@ -64,11 +72,9 @@ class Probes:
   def __init__(self, kernels, twins, seed, settings):
     self.kernels, self.twins, self.seed, self.settings = kernels, twins, seed, settings
     self.measured = []  # the sites that got probes
-    self._blocks = {}  # step value -> the block index begin() made with it
 
   def begin(self, plan, block_value, select):
-    """The telemetry step of `plan`'s GEMM (int32: -1 where not recorded), taken before its operands are quantized;
-    None for a form whose quantized values stay inside one twin (a chlo.ragged_dot's), which is not measured.
+    """The telemetry Step of `plan`'s GEMM, taken before its operands are quantized; None for a form whose quantized values stay inside one twin (a chlo.ragged_dot's), which is not measured.
     `block_value`: a scanned stack's iteration (or None), `select`: true in kept iterations, which record nothing."""
     site = plan.site
     if site.groups is not None and site.groups.kind is not Grouping.SLICES:
@@ -86,17 +92,15 @@ class Probes:
                                                               every=self.settings.every, calls=calls))[0]
     if select is not None:
       step = hlo.SelectOp(select, const(-1, i32), step).result
-    self._blocks[step] = block
-    return step
+    return Step(step, block)
 
-  def emit(self, plan, measures, output, step):
-    """The statistics and the record of `plan`'s GEMM in step `step` (begin), whose operands were quantized as
+  def emit(self, plan, measures, output, probe):
+    """The statistics and the record of `plan`'s GEMM in the Step `probe` (begin), whose operands were quantized as
     `measures` ([lhs Measures], [rhs Measures]) and whose result is `output`: the value, or an emulated GEMM's (f32
     accumulator, alpha), from which the statistics make it (so that the result itself is not held for them, where
     XLA would otherwise fuse it into its readers)."""
-    site = plan.site
+    site, step = plan.site, probe.value
     attrs = dict(module=self.settings.module, site=site.index)
-    block = self._blocks[step]
     if self.kernels.partitioned or any(m.groups is not None for ms in measures for m in ms):
       table = self._computed_in_case(plan, measures, output, step)
     else:
@@ -104,7 +108,7 @@ class Probes:
       table = _stacked(rows)
     gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
     strict_row = gradients[0] if self.settings.strict and gradients else -1
-    self.kernels.call(targets.TELEMETRY_RECORD, [table, step, block], dict(attrs, strict_row=strict_row))
+    self.kernels.call(targets.TELEMETRY_RECORD, [table, step, probe.block], dict(attrs, strict_row=strict_row))
     self.measured.append(plan)
 
   def _kernel_row(self, measures, step):
