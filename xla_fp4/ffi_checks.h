@@ -70,15 +70,12 @@ inline ffi::Error FirstError(std::initializer_list<ffi::Error> errors) {
 
 // Packed scales: uint8 E4M3 codes in the swizzled layout (numerics.padded_scale_shape).
 inline ffi::Error CheckPackedScales(const ffi::AnyBuffer& scales, int64_t rows, int64_t k, const std::string& what) {
-  const int64_t want = PaddedScaleCount(rows, k);
-  if (scales.element_type() != ffi::DataType::U8 || static_cast<int64_t>(scales.element_count()) != want) {
-    return ffi::Error::InvalidArgument(what + " must be uint8 with " + std::to_string(want) +
-                                       " elements (the swizzled layout of " + std::to_string(rows) + " rows and K = " +
-                                       std::to_string(k) + "), got dtype code " +
+  if (scales.element_type() != ffi::DataType::U8 || scales.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument(what + " must be a uint8 matrix (rows, K/16), got dtype code " +
                                        std::to_string(static_cast<int>(scales.element_type())) + " and shape " +
                                        ShapeString(scales.dimensions()));
   }
-  return ffi::Error::Success();
+  return CheckShape(scales.dimensions(), {rows, k / kBlock}, what);
 }
 
 // A tensor viewed around its quantization axis (numerics/nvfp4.py canonical_axis): (outer, K, inner).

@@ -16,6 +16,10 @@
 #define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
 #define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed)
 #define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
+// emulate: how XLA's partitioner runs the GEMM on shards (sharding/partition.py): the dequantized operands through
+// XLA's dot (the emulate backend of a partitioned program) instead of the FP4 GEMM. The handlers compute the same
+// numbers either way.
+#define XLA_FP4_GEMM_PACKED_ATTRIBUTES(A) A(bool, emulate)
 #define XLA_FP4_TELEMETRY_STEP_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, every) A(int64_t, calls)
 #define XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, strict_row)
 #define XLA_FP4_NO_ATTRIBUTES(A)
@@ -32,7 +36,7 @@
   X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
   X(kQuantizePackedTarget, QuantizePacked, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)   \
   X(kDequantizePackedTarget, DequantizePacked, XLA_FP4_NO_ATTRIBUTES)            \
-  X(kGemmPackedTarget, GemmPacked, XLA_FP4_NO_ATTRIBUTES)                      \
+  X(kGemmPackedTarget, GemmPacked, XLA_FP4_GEMM_PACKED_ATTRIBUTES)             \
   X(kTelemetryStepTarget, TelemetryStep, XLA_FP4_TELEMETRY_STEP_ATTRIBUTES)      \
   X(kTelemetryRecordTarget, TelemetryRecord, XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)
 

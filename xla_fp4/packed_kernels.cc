@@ -1,6 +1,6 @@
 // Packed NVFP4 (the native backend's storage, numerics/packing.py) and the CPU reference FP4 GEMM.
 //
-//   xla_fp4_quantize_packed(x (rows, K), s_dec, key) -> data u8 (rows, K/2), scales u8 (swizzled, zero padded)
+//   xla_fp4_quantize_packed(x (rows, K), s_dec, key) -> data u8 (rows, K/2), scales u8 (rows, K/16)
 //   xla_fp4_dequantize_packed(data, scales, s_dec) -> x (rows, K) in the result's float dtype
 //   xla_fp4_gemm_packed(a_data (M, K/2), a_scales, b_data (N, K/2), b_scales, alpha) -> C (M, N)   ("TN": K-major)
 #include <cstring>
@@ -18,8 +18,6 @@ namespace {
 template <typename T>
 void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t k, const Recipe& r,
                         const TensorParams& tensor, uint8_t* data, uint8_t* scales) {
-  std::memset(scales, 0, PaddedScaleCount(rows, k));  // the padding must be zero
-  const int64_t padded_cols = PaddedScaleCols(k);
   // x is (rows, K), the axis last: every tile line is 16 consecutive elements of one row and one block, and data is
   // the row-major elements two to a byte (the even one in the low nibble).
   ForEachQuantizedTile</*kDecode=*/false>(pool, x, Geometry{{rows, k, 1}}, r, tensor, /*decode_scale=*/1.0f,
@@ -27,7 +25,7 @@ void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t
                            const uint8_t* code) {
     for (int i = 0; i < p.nl; ++i) {
       const int64_t e = p.base + i * view.cols;  // the line's first element, row-major
-      scales[SwizzledScaleIndex(e / k, e % k / kBlock, padded_cols)] = code[BlockOf<decltype(blocks)::value>(i, 0)];
+      scales[e / kBlock] = code[BlockOf<decltype(blocks)::value>(i, 0)];  // (row, block) row-major
       uint8_t* out = data + e / 2;
       for (int j = 0; j < kBlock / 2; ++j) {
         out[j] = static_cast<uint8_t>(E2M1Code(q[i][2 * j]) | (E2M1Code(q[i][2 * j + 1]) << 4));
@@ -40,11 +38,10 @@ void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t
 template <typename T>
 void DequantizePackedImpl(ffi::ThreadPool& pool, const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k,
                           float s_dec, T* out) {
-  const int64_t padded_cols = PaddedScaleCols(k);
   ParallelFor(pool, rows, k, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t kb = 0; kb < k / kBlock; ++kb) {
-        const float scale = E4M3Decode(scales[SwizzledScaleIndex(row, kb, padded_cols)]);
+        const float scale = E4M3Decode(scales[row * (k / kBlock) + kb]);
         const uint8_t* in = data + row * (k / 2) + kb * (kBlock / 2);
         T* o = out + row * k + kb * kBlock;
         for (int i = 0; i < kBlock / 2; ++i) {
@@ -116,7 +113,8 @@ ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::A
 }
 
 ffi::Error GemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data,
-                         ffi::AnyBuffer b_scales, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c) {
+                         ffi::AnyBuffer b_scales, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
+                         bool /*emulate: this reference GEMM is the emulation*/) {
   if (ffi::Error e = FirstError({CheckPackedData(a_data, "a_data"), CheckPackedData(b_data, "b_data")}); e.failure()) {
     return e;
   }
@@ -176,4 +174,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4GemmPackedCpu, xla_fp4::cpu::GemmPackedFfi,
                                   .Arg<ffi::AnyBuffer>()  // b_data
                                   .Arg<ffi::AnyBuffer>()  // b_scales
                                   .Arg<ffi::AnyBuffer>()  // alpha
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_GEMM_PACKED_ATTRIBUTES));

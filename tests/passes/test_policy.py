@@ -252,8 +252,16 @@ def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
                                     policy.Form.PACKED]
   assert native[1][3] == ("the packed GEMM takes no batch dims: emulated",)
   assert native[2][3] == ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",)
-  partitioned_native = forms(partitioned=True, native=True, cuda=False)
-  assert all(f[1] is policy.Form.PARTITIONED and "no partitioner" in f[3][-1] for f in partitioned_native)
+  # Partitioned, the packed form partitions (sharding/packed.py): the same forms as on one device, with the
+  # partitioned qdq where the one device quantizes whole tensors.
+  partitioned_native = [f[1] for f in forms(partitioned=True, native=True, cuda=False)]
+  assert partitioned_native == [policy.Form.PARTITIONED if f[1] is policy.Form.WHOLE_TENSOR else f[1]
+                                for f in forms(partitioned=False, native=True, cuda=False)]
+  assert policy.Form.PACKED in partitioned_native
+  # The emulate backend moves packed operands with packed_gathers, except where kept blocks select per iteration.
+  emulate_packed = forms(partitioned=True, native=False, cuda=False, packed=True)
+  assert emulate_packed[0][1] is policy.Form.PACKED
+  assert emulate_packed[2][1:3] == (policy.Form.PARTITIONED, BlockIndex.PASSED_IN)
 
 
 def test_operand_plans_say_what_each_operand_is_and_in_which_order_it_is_quantized():
@@ -299,7 +307,7 @@ def test_expert_gemms_take_the_grouped_forms():
   assert plans(partitioned=False, native=True, cuda=True)[0] == (
       G, ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",))
   assert plans(partitioned=True, native=True, cuda=False)[0] == (
-      G, ("partitioned program: the packed kernels have no partitioner: emulated",))
+      G, ("partitioned program: the per-expert FP4 GEMM is not partitioned yet: emulated",))
   wgrad = policy.plan(_analysis(sites), decided, partitioned=False, native=False, cuda=False)[1]
   A, Gr = policy.Operand.ACTIVATION, policy.Operand.GRADIENT
   assert [o.kind for o in wgrad.operands] == [A, Gr] and wgrad.order == (1, 0)

@@ -3,6 +3,9 @@
 #ifndef XLA_FP4_CUDA_CUDA_HANDLERS_H_
 #define XLA_FP4_CUDA_CUDA_HANDLERS_H_
 
+#include <cuda_runtime.h>
+
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -26,6 +29,10 @@ namespace xla_fp4::cuda {
 // (true, "") when cuBLASLt's FP4 GEMM can run on every visible device: cuBLASLt >= 12.8 and compute capability 10.x.
 // Otherwise (false, why not).
 std::pair<bool, std::string> Fp4GemmSupported();
+
+// `out` (numerics/packing.py's swizzled layout, PaddedScaleCount(rows, k) bytes) = the (rows, K/16) scales laid out as
+// cuBLASLt's FP4 GEMM reads them: 128x4 tiles, the padding zero. Enqueued on `stream`.
+xla::ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out);
 
 }  // namespace xla_fp4::cuda
 

@@ -1,7 +1,8 @@
 // xla_fp4_gemm_packed on CUDA: C = (Σ_k (q_a·scale_a)(q_b·scale_b)) · alpha through cuBLASLt's block-scaled FP4 GEMM.
 //
 // Operands are packed as numerics/packing.py lays them out: a_data (M, K/2) and b_data (N, K/2), both K-major, with
-// VEC16_UE4M3 scales in the 128x4 swizzled tile layout; alpha = s_dec_a·s_dec_b is a device scalar (no host sync).
+// VEC16_UE4M3 scales (M, K/16) and (N, K/16), which the handler swizzles into cuBLASLt's 128x4 tile layout in scratch
+// memory (cuda/packed_kernels.cu SwizzleScales); alpha = s_dec_a·s_dec_b is a device scalar (no host sync).
 // cuBLASLt is column-major, so the row-major C (M, N) is computed as the column-major Cᵀ (N, M) = op(B)·A with
 // cuBLASLt's "A" = our b (transposed: TN, the only layout FP4 supports) and cuBLASLt's "B" = our a.
 //
@@ -25,6 +26,8 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/cuda/cuda_util.h"
+#include "xla_fp4/ffi_targets.h"
+#include "xla_fp4/nvfp4_format.h"
 
 namespace xla_fp4::cuda {
 namespace {
@@ -169,7 +172,8 @@ class PlanCache {
 
 ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
                       ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data, ffi::AnyBuffer b_scales,
-                      ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out) {
+                      ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out,
+                      bool /*emulate: partitioned shards use XLA's dot instead; the numbers are the same*/) {
   auto a_dims = a_data.dimensions(), b_dims = b_data.dimensions(), c_dims = out->dimensions();
   if (a_data.element_type() != ffi::U8 || b_data.element_type() != ffi::U8 || a_dims.size() != 2 ||
       b_dims.size() != 2 || c_dims.size() != 2 || a_dims[1] != b_dims[1]) {
@@ -195,12 +199,24 @@ ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   cublasLtHandle_t handle = nullptr;
   const Plan* plan = nullptr;
   XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup({device, m, n, k, out_type}, stream, handle, plan));
+  // The operands' (rows, K/16) scales, laid out as cuBLASLt reads them (128x4 tiles), in scratch memory.
+  const int64_t a_swizzled_bytes = PaddedScaleCount(m, k), b_swizzled_bytes = PaddedScaleCount(n, k);
+  std::optional<void*> swizzled = scratch.Allocate(a_swizzled_bytes + b_swizzled_bytes, 256);
+  if (!swizzled) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "xla_fp4_gemm_packed: no memory for the swizzled scales");
+  }
+  uint8_t* a_swizzled = static_cast<uint8_t*>(*swizzled);
+  uint8_t* b_swizzled = a_swizzled + a_swizzled_bytes;
+  XLA_FP4_RETURN_IF_ERROR(
+      SwizzleScales(stream, static_cast<const uint8_t*>(a_scales.untyped_data()), m, k, a_swizzled));
+  XLA_FP4_RETURN_IF_ERROR(
+      SwizzleScales(stream, static_cast<const uint8_t*>(b_scales.untyped_data()), n, k, b_swizzled));
   MatmulDesc desc;
   XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                  static_cast<const void*>(b_scales.untyped_data())));
+                                  static_cast<const void*>(b_swizzled)));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                  static_cast<const void*>(a_scales.untyped_data())));
+                                  static_cast<const void*>(a_swizzled)));
   void* workspace = nullptr;
   if (plan->workspace_bytes > 0) {
     std::optional<void*> allocated = scratch.Allocate(plan->workspace_bytes, 256);
@@ -248,8 +264,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4GemmPackedCuda, xla_fp4::cuda::GemmPacked,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()  // a_data, uint8 (M, K/2)
-                                  .Arg<xla::ffi::AnyBuffer>()  // a_scales, uint8, swizzled
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_scales, uint8 (M, K/16)
                                   .Arg<xla::ffi::AnyBuffer>()  // b_data, uint8 (N, K/2)
-                                  .Arg<xla::ffi::AnyBuffer>()  // b_scales, uint8, swizzled
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_scales, uint8 (N, K/16)
                                   .Arg<xla::ffi::AnyBuffer>()  // alpha = s_dec_a * s_dec_b (float32 scalar)
-                                  .Ret<xla::ffi::AnyBuffer>());  // C (M, N), float32, bfloat16 or float16
+                                  .Ret<xla::ffi::AnyBuffer>()  // C (M, N), float32, bfloat16 or float16
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_GEMM_PACKED_ATTRIBUTES));

@@ -1,5 +1,6 @@
 // xla_fp4_quantize_packed and xla_fp4_dequantize_packed on CUDA: the storage numerics/packing.py defines (two E2M1
-// codes per byte, even element in the low nibble; E4M3 scales in cuBLASLt's swizzled 128x4 tiles, padding zero).
+// codes per byte, even element in the low nibble; E4M3 scales (rows, K/16) row-major), and SwizzleScales, which lays
+// such scales out as cuBLASLt's FP4 GEMM reads them (128x4 tiles, padding zero).
 #include <cstdint>
 #include <string>
 
@@ -17,24 +18,23 @@ namespace {
 struct PackSink {
   uint8_t* data;
   uint8_t* scales;
-  int64_t padded_cols;
   __device__ bool Skip() const { return false; }
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale&,
                              const float* q, float /*amax*/) const {
     uint64_t packed = 0;
     for (int j = 0; j < kBlock; ++j) packed |= static_cast<uint64_t>(E2M1Code(q[j])) << (4 * j);
     reinterpret_cast<uint64_t*>(data)[(b.o * g.k + b.kb * kBlock) / kBlock] = packed;  // little-endian: even = low
-    scales[SwizzledScaleIndex(b.o, b.kb, padded_cols)] = bs.code;
+    scales[b.o * (g.k / kBlock) + b.kb] = bs.code;
   }
 };
 
 template <typename T>
 __global__ void DequantizePackedKernel(const uint8_t* data, const uint8_t* scales, const float* s_dec, BlockGrid g,
-                                       int64_t padded_cols, T* y) {
+                                       T* y) {
   const BlockIndex b = g.Locate(ThreadIndex());
   if (!b.active) return;
   const uint64_t packed = reinterpret_cast<const uint64_t*>(data)[(b.o * g.k + b.kb * kBlock) / kBlock];
-  const float scale = E4M3Decode(scales[SwizzledScaleIndex(b.o, b.kb, padded_cols)]);
+  const float scale = E4M3Decode(scales[b.o * (g.k / kBlock) + b.kb]);
   float v[kBlock];
   for (int j = 0; j < kBlock; ++j) v[j] = DecodeElement(E2M1Decode((packed >> (4 * j)) & 15u), scale, *s_dec);
   StoreBlock(y, g, b, v);
@@ -46,15 +46,10 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           bool stochastic, bool rht, int64_t rht_seed) {
   int64_t rows = 0, k = 0;
   XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k));
-  if (scales->element_count() != static_cast<size_t>(rows * (k / kBlock))) {  // zero the padding the kernel skips
-    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(scales->untyped_data(), 0, scales->size_bytes(), stream),
-                                       "cudaMemsetAsync(scales)"));
-  }
   const BlockGrid g = BlockGrid::Make(rows, k, 1, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
   const Recipe r(block_2d, stochastic, rht, rht_seed);
-  const PackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data()),
-                      PaddedScaleCols(k)};
+  const PackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data())};
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
@@ -74,12 +69,31 @@ ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBu
     using T = decltype(tag);
     DequantizePackedKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
         static_cast<const uint8_t*>(data.untyped_data()), static_cast<const uint8_t*>(scales.untyped_data()),
-        static_cast<const float*>(s_dec.untyped_data()), g, PaddedScaleCols(k), static_cast<T*>(y->untyped_data()));
+        static_cast<const float*>(s_dec.untyped_data()), g, static_cast<T*>(y->untyped_data()));
     return LaunchStatus("xla_fp4_dequantize_packed kernel");
   });
 }
 
+// One thread per entry of the padded tile grid: the scale of (row, block), or zero in the padding.
+__global__ void SwizzleScalesKernel(const uint8_t* scales, int64_t rows, int64_t cols, int64_t padded_rows,
+                                    int64_t padded_cols, uint8_t* out) {
+  const int64_t i = ThreadIndex();
+  if (i >= padded_rows * padded_cols) return;
+  const int64_t row = i / padded_cols, block = i % padded_cols;
+  out[SwizzledScaleIndex(row, block, padded_cols)] = row < rows && block < cols ? scales[row * cols + block] : 0;
+}
+
 }  // namespace
+
+ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out) {
+  const int64_t padded_cols = PaddedScaleCols(k), padded_rows = PaddedScaleCount(rows, k) / padded_cols;
+  const int64_t threads = padded_rows * padded_cols;
+  if (threads == 0) return ffi::Error::Success();
+  SwizzleScalesKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(scales, rows, k / kBlock, padded_rows,
+                                                                          padded_cols, out);
+  return LaunchStatus("xla_fp4 scale swizzle kernel");
+}
+
 }  // namespace xla_fp4::cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda, xla_fp4::cuda::QuantizePacked,
@@ -89,13 +103,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda, xla_fp4::cuda::QuantizeP
                                   .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
                                   .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
                                   .Ret<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scales, uint8, swizzled
+                                  .Ret<xla::ffi::AnyBuffer>()  // scales, uint8 (rows, K/16)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda, xla_fp4::cuda::DequantizePacked,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2)
-                                  .Arg<xla::ffi::AnyBuffer>()  // scales, uint8, swizzled
+                                  .Arg<xla::ffi::AnyBuffer>()  // scales, uint8 (rows, K/16)
                                   .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
                                   .Ret<xla::ffi::AnyBuffer>());  // (rows, K), float32 / bfloat16 / float16

@@ -177,14 +177,14 @@ void TestPackedRoundTrip() {
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(static_cast<int>(i * 37 % 23) - 11) * 0.37f;
   const float s_dec = 0.002f;
   CHECK(Qdq(x, {rows, k}, s_dec, {}, want).ok);
-  std::vector<uint8_t> data(rows * k / 2), scales(PaddedScaleCount(rows, k), 0xAB);
+  std::vector<uint8_t> data(rows * k / 2), scales(rows * k / kBlock, 0xAB);
   const uint32_t key = 0;
   CallResult r = CallFrameBuilder()
                      .Arg(XLA_FFI_DataType_F32, x.data(), {rows, k})
                      .Arg(XLA_FFI_DataType_F32, &s_dec, {})
                      .Arg(XLA_FFI_DataType_U32, &key, {})
                      .Ret(XLA_FFI_DataType_U8, data.data(), {rows, k / 2})
-                     .Ret(XLA_FFI_DataType_U8, scales.data(), {static_cast<int64_t>(scales.size())})
+                     .Ret(XLA_FFI_DataType_U8, scales.data(), {rows, k / kBlock})
                      .Attr("block_2d", false)
                      .Attr("stochastic", false)
                      .Attr("rht", false)
@@ -199,7 +199,7 @@ void TestPackedRoundTrip() {
   std::vector<float> back(rows * k, -1.0f);
   r = CallFrameBuilder()
           .Arg(XLA_FFI_DataType_U8, data.data(), {rows, k / 2})
-          .Arg(XLA_FFI_DataType_U8, scales.data(), {static_cast<int64_t>(scales.size())})
+          .Arg(XLA_FFI_DataType_U8, scales.data(), {rows, k / kBlock})
           .Arg(XLA_FFI_DataType_F32, &s_dec, {})
           .Ret(XLA_FFI_DataType_F32, back.data(), {rows, k})
           .Call(XlaFp4DequantizePackedCpu);

@@ -40,11 +40,14 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       the max |v| of every 1x16 block (v = its RHT when rht), NaN as +Inf     (== numerics.block_amax); block-local,
       for partitioned programs: the max over the result, a plain reduction, is the global amax.
   xla_fp4_quantize_packed(x: f32|bf16|f16[rows, K], s_dec: f32[], key: u32[])
-      -> (data: u8[rows, K/2], scales: u8[prod(numerics.padded_scale_shape(rows, K))])
+      -> (data: u8[rows, K/2], scales: u8[rows, K/16])
       attrs block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64                 (== numerics.pack(quantize(...)))
-  xla_fp4_dequantize_packed(data: u8[rows, K/2], scales: u8[...], s_dec: f32[]) -> f32|bf16|f16[rows, K]; no attrs
-  xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[...], b_data: u8[N, K/2], b_scales: u8[...], alpha: f32[])
-      -> f32|bf16|f16[M, N]; no attrs. C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
+  xla_fp4_dequantize_packed(data: u8[rows, K/2], scales: u8[rows, K/16], s_dec: f32[])
+      -> f32|bf16|f16[rows, K]; no attrs
+  xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[M, K/16], b_data: u8[N, K/2], b_scales: u8[N, K/16],
+                      alpha: f32[])
+      -> f32|bf16|f16[M, N]; attrs emulate: bool (how shards run it: sharding/partition.py; the same numbers).
+      C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
   xla_fp4_telemetry_step() -> i32[]; attrs module: i64, site: i64, every: i64, calls: i64     (side effect)
       counts this call per (module, site, device), on the host: the n-th call (from 0) is in step n // calls, which it
       returns where step % every == 0, else -1 (not recorded). Every device counts the same sequence.
@@ -174,7 +177,7 @@ def block_amax(x, *, axis=-1, rht=False, rht_seed=0):
 
 
 def quantize_packed(x, s_dec, key=0, *, block_2d=False, stochastic=False, rht=False, rht_seed=0):
-  """x (rows, K) -> (data uint8 (rows, K/2), scales uint8 flat swizzled); see numerics.pack."""
+  """x (rows, K) -> (data uint8 (rows, K/2), scales uint8 (rows, K/16)); see numerics.pack."""
   x = jnp.asarray(x)
   if x.ndim != 2:
     raise ValueError(f"quantize_packed takes a matrix (rows, K) with K last, got shape {x.shape}")
@@ -183,7 +186,7 @@ def quantize_packed(x, s_dec, key=0, *, block_2d=False, stochastic=False, rht=Fa
 
 
 def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):
-  """Packed data and swizzled scales (uint8 or float8_e4m3fn) -> (rows, K) in `dtype`."""
+  """Packed data and (rows, K/16) scales (uint8 or float8_e4m3fn) -> (rows, K) in `dtype`."""
   return _call(targets.DEQUANTIZE_PACKED, [jnp.asarray(data), _u8_scales(scales), _scalar(s_dec, jnp.float32)],
                dtype=dtype)
 
@@ -191,4 +194,4 @@ def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):
 def gemm_packed(a_data, a_scales, b_data, b_scales, alpha, *, dtype=jnp.float32):
   """C (M, N) = alpha * A·Bᵀ of two packed K-major operands, float32 accumulation (the CPU reference FP4 GEMM)."""
   return _call(targets.GEMM_PACKED, [jnp.asarray(a_data), _u8_scales(a_scales), jnp.asarray(b_data),
-                                     _u8_scales(b_scales), _scalar(alpha, jnp.float32)], dtype=dtype)
+                                     _u8_scales(b_scales), _scalar(alpha, jnp.float32)], dtype=dtype, emulate=False)

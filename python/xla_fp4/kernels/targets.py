@@ -20,7 +20,6 @@ import numpy as np
 from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics import telemetry
 from xla_fp4.numerics.formats import BLOCK
-from xla_fp4.numerics.packing import padded_scale_shape
 
 _QUANTIZE = {"block_2d": bool, "stochastic": bool, "rht": bool, "rht_seed": int}
 
@@ -36,6 +35,15 @@ class BlockLocal:
   k_may_follow_dot: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """How shards run a target of packed operands (sharding/packed.py): `quantize` (x (rows, K) -> codes and scales
+  along the same dims: a shard keeps whole blocks) or `gemm` (a dot of two packed K-major operands: rows split as the
+  operands' rows, K split into f32 partial sums that an all-reduce adds)."""
+  kind: str
+  key_operand: Optional[int] = None  # the stochastic-rounding key: each shard mixes its index into it
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # one record per target: compared and hashed by identity
 class Target:
   name: str
@@ -47,6 +55,7 @@ class Target:
   twin_operands: tuple = ()  # attributes the twin takes as uint32 scalar operands, after the call's own operands
   twin_fixed: tuple = ()  # (attribute, value) pairs: the only values of those attributes the twin implements
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
+  packed: Optional[Packed] = None  # a packed target's partitioning (sharding/partition.py), or None
   side_effect: bool = False  # the call acts on the host (telemetry): XLA must neither remove nor merge it
 
   def twin_arguments(self, attrs):
@@ -98,8 +107,7 @@ def _block_maxima(operands, attrs, dtype):
 
 def _packed(operands, attrs, dtype):
   rows, k = operands[0].shape
-  return [jax.ShapeDtypeStruct((rows, k // 2), np.uint8),
-          jax.ShapeDtypeStruct((math.prod(padded_scale_shape(rows, k)),), np.uint8)]
+  return [jax.ShapeDtypeStruct((rows, k // 2), np.uint8), jax.ShapeDtypeStruct((rows, k // BLOCK), np.uint8)]
 
 
 def _unpacked(operands, attrs, dtype):
@@ -133,9 +141,12 @@ OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_s
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
-QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", dict(_QUANTIZE), _packed)
+QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", dict(_QUANTIZE), _packed,
+                          packed=Packed("quantize", key_operand=2))
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
-GEMM_PACKED = _target("xla_fp4_gemm_packed", {}, _product)
+# `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,
+# which gathers packed operands but has no FP4 GEMM); the numbers are the same.
+GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool}, _product, packed=Packed("gemm"))
 
 # Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (int32; -1: not recorded),
 # decided on the host (`calls` calls per step); the GEMM's statistics (float32 rows of numerics/telemetry.py FIELDS),

@@ -1,7 +1,10 @@
-"""Packed NVFP4 storage as cuBLASLt reads it: two E2M1 codes per byte, E4M3 scales in 128x4 swizzled tiles.
+"""Packed NVFP4 storage: two E2M1 codes per byte, one E4M3 scale per row and 16-element block of K.
 
 Rows are the non-contraction dim of a GEMM operand (M for A, N for B) and K is contiguous ("TN": both operands K-major).
-Element k of a row sits in byte k // 2, the even element in the low nibble. The scale of (row r, block c) sits at
+Element k of a row sits in byte k // 2, the even element in the low nibble. The scales are a (rows, K/16) matrix, row
+major: the same dims as the data, so a shard of rows or of whole blocks along K is the packed form of its shard of the
+tensor (sharding/packed.py). cuBLASLt's FP4 GEMM reads them swizzled, which its handler does in scratch memory
+(`swizzle_scales` specifies it): the scale of (row r, block c) sits at
   ((r // 128) * (C' / 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
 with C' = K/16 rounded up to 4 and rows padded to 128 (cuBLAS docs, "1D block scaling factors layout"); padding is zero.
 """
@@ -23,7 +26,7 @@ TILE_ROWS, TILE_COLS = 128, 4
 @dataclasses.dataclass(frozen=True)
 class PackedNVFP4:
   data: Any  # uint8 (rows, K / 2)
-  scales: Any  # float8_e4m3fn, flat swizzled, padded_rows * padded_cols entries
+  scales: Any  # float8_e4m3fn (rows, K / 16)
   global_scale: Any  # float32 scalar
   shape: tuple = dataclasses.field(metadata=dict(static=True))  # the logical shape; K is the last dim
 
@@ -70,7 +73,7 @@ def pack(t: qz.NVFP4Tensor) -> PackedNVFP4:
   rows = int(np.prod(shape[:-1], dtype=np.int64))
   codes = e2m1_codes(t.values).reshape(rows, k // 2, 2)
   data = codes[..., 0] | (codes[..., 1] << 4)
-  return PackedNVFP4(data=data, scales=swizzle_scales(t.scales.reshape(rows, k // BLOCK)),
+  return PackedNVFP4(data=data, scales=t.scales.reshape(rows, k // BLOCK),
                      global_scale=t.global_scale, shape=tuple(shape))
 
 
@@ -80,5 +83,5 @@ def unpack(p: PackedNVFP4, block_2d=False) -> qz.NVFP4Tensor:
   rows = p.data.shape[0]
   codes = jnp.stack([p.data & 15, p.data >> 4], axis=-1).reshape(shape)
   return qz.NVFP4Tensor(values=e2m1_from_codes(codes),
-                        scales=unswizzle_scales(p.scales, rows, k).reshape(shape[:-1] + (k // BLOCK,)),
+                        scales=p.scales.reshape(shape[:-1] + (k // BLOCK,)),
                         global_scale=p.global_scale, axis=len(shape) - 1, block_2d=block_2d)

@@ -83,9 +83,10 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
       partitioned = num_partitions(new) > 1
       backend = choose_backend(config, platform, new, kernels, partitioned=partitioned)
       plans = policy.plan(analysis, decided, partitioned=partitioned, native=backend.gemm == "native",
-                          cuda=is_cuda(platform))
+                          cuda=is_cuda(platform), packed=backend.kernel_set.has_packed and config.packed_gathers)
       settings = _telemetry(config, backend)
       probed = rewrite.apply(new, plans, backend.kernel_set, seed=config.seed, matrix_gemm=is_cpu(platform),
+                             emulate=backend.gemm != "native",
                              platform=lowering_platform(platform), telemetry=settings)
       for p in probed:
         telemetry.register_site(settings.module, p.site.index, telemetry.Site(

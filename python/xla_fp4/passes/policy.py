@@ -38,7 +38,7 @@ class Form(enum.StrEnum):
   """The pattern an NVFP4 dot is rewritten into (rewrite/emitter.py's docstring shows the IR)."""
   WHOLE_TENSOR = "whole_tensor"  # one kernel per operand measures it (amax, key) and returns q·scale; one device
   PARTITIONED = "partitioned"  # per-block maxima, a plain max reduction (XLA's all-reduce), then the qdq kernel
-  PACKED = "packed"  # packed FP4 operands and the FP4 GEMM (the native backend)
+  PACKED = "packed"  # packed FP4 operands and the FP4 GEMM (the native backend; emulated in partitioned programs)
   GROUPED = "grouped"  # expert GEMMs: one global decode scale per expert or group of tokens (numerics/grouped.py)
   PACKED_GROUPED = "packed_grouped"  # expert GEMMs on the native backend: the FP4 GEMM once per expert
 
@@ -267,10 +267,12 @@ def _operand_plans(site: DotSite, decision: Decision, form: Form):
   return plans, order
 
 
-def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda: bool):
+def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda: bool, packed: bool = False):
   """One Plan per NVFP4 decision, in program order. Expert GEMMs (DotSite.groups) take the grouped form. `native`:
-  the backend's GEMM is the FP4 one; a dot it cannot run, and every dot of a partitioned program (the packed kernels
-  have no partitioner), keeps the emulated GEMM, with a note saying why."""
+  the backend's GEMM is the FP4 one; a dot it cannot run keeps the emulated GEMM, with a note saying why. `packed`: the
+  kernel set runs the packed targets; then the emulate backend of a partitioned program moves packed operands too
+  (Form.PACKED, the GEMM emulated on each device: sharding/packed.py), except where kept blocks of a scanned stack
+  select per iteration (a select cannot choose between packed and wide operands)."""
   plans = []
   for d in decisions:
     if d.decision is not Verdict.NVFP4:
@@ -283,12 +285,16 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
     form = Form.GROUPED if grouped else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
     if native:
       ineligible = native_grouped_ineligible if grouped else native_ineligible
-      why = ("partitioned program: the packed kernels have no partitioner" if partitioned else
-             ineligible(record.site, cuda))
+      why = ineligible(record.site, cuda)
+      if grouped and partitioned:
+        why = "partitioned program: the per-expert FP4 GEMM is not partitioned yet"
       if why:
         notes.append(f"{why}: emulated")
       else:
         form = Form.PACKED_GROUPED if grouped else Form.PACKED
+    elif (partitioned and packed and not grouped and native_ineligible(record.site, cuda) is None
+          and (source is None or source.kind is BlockIndex.UNAVAILABLE)):
+      form = Form.PACKED
     operands, order = _operand_plans(record.site, d, form)
     plans.append(Plan(record=record, decision=d, form=form, operands=operands, order=order, block_source=source,
                       notes=tuple(notes)))

@@ -4,7 +4,8 @@ The instructions come from jaxlib's HloModule API (opcode, operands); only each 
 one-line text (`%dot.1 = f32[256,1024]{1,0} dot(...)`), which that API does not expose otherwise. (jaxlib's
 hlo_to_stablehlo drops dots of an optimized CPU module, so it cannot be used here.) Dot FLOPs are 2 x output elements x
 contracted size; collective bytes are the result bytes of every all-reduce, all-gather, reduce-scatter, all-to-all and
-collective-permute (async pairs counted once); quantized elements are the elements of the operand of every
+collective-permute (async pairs counted once); the FP4 GEMM (xla_fp4_gemm_packed) counts as a dot of its shape;
+quantized elements are the elements of the operand of every
 quantizing `xla_fp4_*` custom call (qdq, qdq_with_scale, quantize_packed; not the amax pass over the same tensor).
 Computations are followed from the entry through their call sites
 (fusions, calls, loops, reductions); a conditional counts its most expensive branch, the one work a step can run. A
@@ -23,6 +24,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_PACKED_GEMM = re.compile(r'custom_call_target="xla_fp4_gemm_packed"')
 _QUANTIZING = re.compile(r'custom_call_target="xla_fp4_(?:qdq|qdq_with_scale|quantize_packed)"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 # Collectives at most this many bytes per result are scalar reductions: the pass's global amax and digest.
@@ -66,6 +68,10 @@ def _instruction_cost(ins):
     (_, lhs), = _result_arrays(ins.operands()[0])
     contracting = [int(d) for d in _CONTRACTING.search(ins.to_string()).group(1).split(",") if d]
     return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting), 0, []
+  if op == "kCustomCall" and _PACKED_GEMM.search(ins.to_string()):  # C (M, N) of a (M, K/2) and b (N, K/2)
+    (_, out), = _result_arrays(ins)
+    (_, a), = _result_arrays(ins.operands()[0])
+    return 2 * math.prod(out) * 2 * a[1], 0, []
   if op == "kCustomCall" and _QUANTIZING.search(ins.to_string()):
     (_, dims), = _result_arrays(ins.operands()[0])
     return 0, math.prod(dims), []

@@ -214,28 +214,39 @@ def _ir_type(shape):
   return ir.RankedTensorType.get(list(shape.dimensions()), mlir.dtype_to_ir_type(np.dtype(shape.numpy_dtype())))
 
 
-def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
-  """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard; `salts` (per partition) go into the key."""
+def per_shard_module(arg_shapes, result_shapes, body):
+  """MLIR bytecode of @main(operands of `arg_shapes`) -> body(operands as a list), XLA array shapes; the per-shard
+  module a partition callback returns."""
   with _context_lock, _context(), ir.Location.unknown():
     module = ir.Module.create()
-    arg_types, result_type = [_ir_type(s) for s in arg_shapes], _ir_type(result_shape)
+    arg_types, result_types = [_ir_type(s) for s in arg_shapes], [_ir_type(s) for s in result_shapes]
     with ir.InsertionPoint(module.body):
-      main = func_dialect.FuncOp("main", ir.FunctionType.get(arg_types, [result_type]))
+      main = func_dialect.FuncOp("main", ir.FunctionType.get(arg_types, result_types))
       main.attributes["sym_visibility"] = ir.StringAttr.get("public")
       block = main.add_entry_block()
       with ir.InsertionPoint(block):
-        operands = list(block.arguments)
-        if salts is not None:
-          key_index = PARTITIONED[target].key_operand
-          u32 = ir.IntegerType.get_unsigned(32)
-          table = hlo.ConstantOp(ir.DenseElementsAttr.get(salts, type=ir.RankedTensorType.get([len(salts)], u32)))
-          salt = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
-          salt = hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result
-          operands[key_index] = hlo.XorOp(operands[key_index], salt).result
-        call = kernels.custom_call(target, [result_type], operands, kernels.backend_config_attributes(target, attrs),
-                                   has_side_effect=targets.BY_NAME[target].side_effect)
-        func_dialect.ReturnOp(call.results)
+        func_dialect.ReturnOp(list(body(list(block.arguments))))
     return mlir.module_to_bytecode(module)
+
+
+def salted(key, salts):
+  """key ^ salts[partition id]: a u32 scalar per partition (needs a context and an insertion point)."""
+  u32 = ir.IntegerType.get_unsigned(32)
+  table = hlo.ConstantOp(ir.DenseElementsAttr.get(salts, type=ir.RankedTensorType.get([len(salts)], u32)))
+  salt = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
+  return hlo.XorOp(key, hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result).result
+
+
+def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
+  """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard; `salts` (per partition) go into the key."""
+  def body(operands):
+    if salts is not None:
+      key_index = PARTITIONED[target].key_operand
+      operands[key_index] = salted(operands[key_index], salts)
+    return kernels.custom_call(target, [_ir_type(result_shape)], operands,
+                               kernels.backend_config_attributes(target, attrs),
+                               has_side_effect=targets.BY_NAME[target].side_effect).results
+  return per_shard_module(arg_shapes, [result_shape], body)
 
 
 def _result_sharding(target, shape, sharding, attrs):
@@ -308,6 +319,9 @@ def register():
                partition=functools.partial(_replicated, target),
                infer_sharding_from_operands=lambda *a: xc.HloSharding.replicate(),
                can_side_effecting_have_replicated_sharding=True)
+    from xla_fp4.sharding import packed  # it builds on this module's helpers
+    for target, callbacks in packed.callbacks().items():
+      _install(target, **callbacks)
 
 
 def _install(target, **callbacks):

@@ -28,14 +28,15 @@ from xla_fp4.passes.rewrite.probes import Probes, Settings
 __all__ = ["Emitter", "FfiKernels", "KernelSet", "ReferenceKernels", "Settings", "Twins", "apply"]
 
 
-def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, platform=None, telemetry=None):
+def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, emulate=False, platform=None, telemetry=None):
   """Rewrite every planned dot of `module` (in place, in program order) with `kernel_set`; the module must verify
-  after. `matrix_gemm`: emit emulated GEMMs as plain matrices where XLA CPU needs them (Emitter). `platform`: JAX's
-  name of the platform the twins are lowered for (Twins). `telemetry`: probes.Settings, which add the telemetry
-  probes (probes.py) to every GEMM; returns the plans that got them."""
+  after. `matrix_gemm`: emit emulated GEMMs as plain matrices where XLA CPU needs them (Emitter). `emulate`: the
+  packed GEMMs (Form.PACKED) run emulated on each device (the emulate backend of a partitioned program).
+  `platform`: JAX's name of the platform the twins are lowered for (Twins). `telemetry`: probes.Settings, which add
+  the telemetry probes (probes.py) to every GEMM; returns the plans that got them."""
   twins = Twins(module, platform)
   probes = None if telemetry is None else Probes(kernel_set, twins, seed, telemetry)
-  emitter = Emitter(kernel_set, twins, seed, matrix_gemm=matrix_gemm, probes=probes)
+  emitter = Emitter(kernel_set, twins, seed, matrix_gemm=matrix_gemm, emulate=emulate, probes=probes)
   passed_in = {}  # (function, id of the entry call) -> the block index inside the function
   for plan in plans:
     dot = plan.record.op

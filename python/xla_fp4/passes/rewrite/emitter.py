@@ -7,7 +7,10 @@ output as cuBLASLt's alpha):
                       all-reduce); %key = stochastic_key twin(%x, %salt) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
   then                %acc = dot_general(%qa, %qb) -> f32;  %y = convert(%acc * (%sa * %sb))
 Form.PACKED: operands made K-major matrices, xla_fp4_quantize_packed (codes + swizzled E4M3 scales) and
-xla_fp4_gemm_packed with alpha = s_dec_a * s_dec_b, which writes the dot's own output type.
+xla_fp4_gemm_packed with alpha = s_dec_a * s_dec_b, which writes the dot's own output type. The decode scales come as
+in Form.PARTITIONED (block maxima, then a max that XLA all-reduces), so the form partitions (sharding/packed.py): in a
+partitioned program it is also the emulate backend's form, the GEMM's `emulate` making shards dequantize and use
+XLA's dot; packed operands are what the partitioner moves between devices.
 Form.GROUPED (expert GEMMs, numerics/grouped.py's twins lowered into the program):
   a dot_general with group dims (Grouping.SLICES), e.g. on CPU a ragged dot's forward, which contracts the group dim G
   of %xg = select(%mask, broadcast(%x), 0) [G, M, K] and %w [G, K, N]:
@@ -59,7 +62,7 @@ from xla_fp4.passes.rewrite.values import broadcast, const, f32, scalar_type, te
 
 
 class Emitter:
-  def __init__(self, kernels, twins, seed, matrix_gemm=False, probes=None):
+  def __init__(self, kernels, twins, seed, matrix_gemm=False, emulate=False, probes=None):
     self.kernels = kernels  # a kernel_sets.KernelSet
     self.twins = twins  # kernel_sets.Twins of the module being rewritten
     self.seed = seed
@@ -72,6 +75,7 @@ class Emitter:
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
     # matrices (dims.as_matrices) they run.
     self.matrix_gemm = matrix_gemm
+    self.emulate = emulate  # the packed GEMM's `emulate`: shards multiply dequantized operands (sharding/packed.py)
     self.reuse = Reuse()
 
   def emit(self, plan, block_value=None):
@@ -271,7 +275,7 @@ class Emitter:
                     s_dec=s_dec)
     alpha = hlo.MulOp(sa, sb).result
     m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
-    return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], {},
+    return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], dict(emulate=self.emulate),
                              result_types=[ir.RankedTensorType.get([m, n], element_type)])[0]
 
   def _native_per_expert(self, plan):

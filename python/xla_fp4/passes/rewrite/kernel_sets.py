@@ -3,7 +3,8 @@
 Every set has one method, `call(target, operands, attrs, *, result_types=None, k_follows_dot=False)`, returning the
 call's results; the result types come from the target's record unless given.
 - `FfiKernels`: a `stablehlo.custom_call` to the compiled FFI target (C++ on CPU, CUDA on GPU), row-major layouts
-  fixed; in a partitioned program a block-local target also carries its Shardy rule (sharding/partition.py).
+  fixed; in a partitioned program a block-local or packed target also carries its Shardy rule (sharding/partition.py,
+  sharding/packed.py).
 - `ReferenceKernels`: a call to the target's pure-JAX twin, lowered into the module (`Twins`): the same numbers, for
   platforms without compiled kernels. XLA partitions the twins itself. The packed targets have no twin here.
 """
@@ -31,8 +32,8 @@ class FfiKernels:
 
   def __init__(self, partitioned=False):
     from xla_fp4 import kernels  # the compiled extension is only needed on this path
-    from xla_fp4.sharding import partition
-    self._kernels, self._partition = kernels, partition
+    from xla_fp4.sharding import packed, partition
+    self._kernels, self._partition, self._packed = kernels, partition, packed
     self.partitioned = partitioned  # block-local calls carry their Shardy rule
     self._configs = {}  # (target, attributes) -> backend_config, built once per pass run
     self._types = {}  # (target, operand types, attributes) -> result types
@@ -53,6 +54,9 @@ class FfiKernels:
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, [o.type for o in operands], types, attrs, k_follows_dot)
+    if self.partitioned and target.packed is not None:
+      op.attributes["sdy.sharding_rule"] = self._packed.sharding_rule(target.name, [o.type for o in operands], types,
+                                                                   attrs)
     if self.partitioned and target.side_effect:
       # XLA's partitioner requires a sharding on a side-effecting op: every device runs it on whole values.
       op.attributes["sdy.sharding"] = ir.Attribute.parse(

@@ -1,0 +1,302 @@
+"""How XLA's sharding runs the packed targets on shards (docs/design.md §5): quantize on the shard, move the packed
+operands (4.5 bits an element), multiply on the device.
+
+xla_fp4_quantize_packed(x [R, K], s_dec, key) -> codes [R, K/2], scales [R, K/16]: the packed form has x's dims, so a
+shard of x that holds whole blocks quantizes alone and its codes and scales are the whole tensor's shards.
+- Shardy rule: R (in 16-row groups where the weight's 16x16 tiles span rows) and K (in pairs of blocks, 32 elements:
+  cuBLASLt's FP4 GEMM takes K in multiples of 32) are shared by x, codes and scales, the within-group factors
+  need_replication. So x's sharding flows to its packed form, and where a reader needs another sharding the reshard
+  moves the packed bytes: the weight that FSDP gathers is gathered packed.
+- Partitioner: the codes' sharding, with any dim whose shards would split a group replicated; a stochastic-rounding
+  key mixed with the shard's index (as for xla_fp4_qdq).
+
+xla_fp4_gemm_packed(a codes, a scales, b codes, b scales, alpha) -> C [M, N], the dot of two K-major operands.
+- Shardy rule: M shared with a's rows, N with b's rows, K's pairs of blocks (a reduction factor) with both.
+- Partitioner: a device multiplies the shards it holds. M is split as a's rows are, N as b's rows, K where a and b split
+  it alike. Where those splits cannot hold together (FSDP's activation rows and weight rows on the same devices), the
+  smaller operand's rows are gathered (packed), as XLA's dot partitioner gathers the cheaper side. A split K gives
+  float32 partial sums, added by an all-reduce over the devices of one output tile (as XLA does for a dot), then the
+  output type. With `emulate` the device dequantizes its shards and multiplies them with XLA's dot (the emulate
+  backend: the same numbers, no FP4 GEMM).
+"""
+
+import math
+
+import numpy as np
+from jax._src.interpreters import mlir
+from jax._src.lib import xla_client as xc
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.lib.mlir.dialects import sdy
+
+from xla_fp4 import kernels
+from xla_fp4.kernels import targets
+from xla_fp4.numerics.formats import BLOCK
+from xla_fp4.sharding import partition as common
+
+K_PAIR = 2 * BLOCK  # K splits in whole pairs of blocks: cuBLASLt's FP4 GEMM takes K in multiples of 32
+PACKED = {t.name: t.packed for t in targets.ALL if t.packed is not None}
+
+
+# -- propagation: the Shardy rules ----------------------------------------------------------------------------------
+
+class _Factors:
+  def __init__(self):
+    self.sizes, self.need_replication, self.reduction = [], [], []
+
+  def new(self, size, replicate=False, reduction=False):
+    self.sizes.append(size)
+    index = len(self.sizes) - 1
+    if replicate:
+      self.need_replication.append(index)
+    if reduction:
+      self.reduction.append(index)
+    return index
+
+
+def _rows(f, rows, group):
+  """The factors of a rows dim whose shards keep whole groups of `group` rows (16 for 16x16 tiles, else 1)."""
+  if group == 1:
+    return [f.new(rows)]
+  if rows % group == 0 and rows > group:
+    return [f.new(rows // group), f.new(group, True)]
+  return [f.new(rows, True)]
+
+
+def _k(f, k, with_x=True, reduction=False):
+  """(x's K (None without x), the codes' K/2, the scales' K/16) factors: pairs of blocks may split, never a pair."""
+  if k % K_PAIR == 0 and k > K_PAIR:
+    pairs = f.new(k // K_PAIR, reduction=reduction)
+    x = [pairs, f.new(K_PAIR, True)] if with_x else None
+    return x, [pairs, f.new(K_PAIR // 2, True)], [pairs, f.new(2, True)]
+  x = [f.new(k, True)] if with_x else None
+  return x, [f.new(k // 2, True)], [f.new(k // BLOCK, True)]
+
+
+def _mapping(dims):
+  return sdy.TensorMappingAttr.get(dim_mappings=[sdy.DimMappingAttr.get(factor_indices=d) for d in dims])
+
+
+def _rule(f, operands, results):
+  return sdy.OpShardingRuleAttr.get(factor_sizes=f.sizes, operand_mappings=operands, result_mappings=results,
+                                    reduction_factors=f.reduction, need_replication_factors=f.need_replication,
+                                    is_custom=True)
+
+
+def sharding_rule(target, operand_types, result_types, attrs):
+  """The `sdy.sharding_rule` of a call to a packed target (needs an MLIR context)."""
+  shapes = [list(ir.RankedTensorType(t).shape) for t in operand_types]
+  scalar = _mapping([])
+  f = _Factors()
+  if PACKED[target].kind == "quantize":
+    rows, k = shapes[0]
+    row_dims = _rows(f, rows, BLOCK if attrs["block_2d"] else 1)
+    x_k, codes_k, scales_k = _k(f, k)
+    return _rule(f, [_mapping([row_dims, x_k]), scalar, scalar],
+                 [_mapping([row_dims, codes_k]), _mapping([row_dims, scales_k])])
+  (m, half), (n, _) = shapes[0], shapes[2]
+  m_dims, n_dims = _rows(f, m, 1), _rows(f, n, 1)
+  _, codes_k, scales_k = _k(f, 2 * half, with_x=False, reduction=True)
+  return _rule(f, [_mapping([m_dims, codes_k]), _mapping([m_dims, scales_k]), _mapping([n_dims, codes_k]),
+                   _mapping([n_dims, scales_k]), scalar], [_mapping([m_dims, n_dims])])
+
+
+# -- partitioning ---------------------------------------------------------------------------------------------------
+
+def _whole(sharding):
+  """Whether a call with this result sharding runs on its operands as they are: inside shard_map (manual) or on one
+  device (maximal; XLA's is_maximal() also holds for a replicated sharding, which is not meant here)."""
+  return sharding.is_manual() or (sharding.is_maximal() and not sharding.is_replicated())
+
+
+def _split(sharding, shape, dim, tile):
+  """(pieces, {device: piece}) of `sharding` along `dim` of `shape`; (1, {}) where it is not split or a piece would not
+  hold whole tiles of `tile` elements."""
+  if sharding is None or sharding.is_replicated() or sharding.is_manual() or sharding.is_maximal():
+    return 1, {}
+  tiles, _, _, devices = common._tiles_and_devices(sharding, len(shape))
+  pieces = tiles[dim]
+  if pieces == 1 or shape[dim] % pieces or (shape[dim] // pieces) % tile:
+    return 1, {}
+  return pieces, {int(devices[pos]): pos[dim] for pos in np.ndindex(*devices.shape)}
+
+
+def _grid(splits, num_devices):
+  """The sharding whose data dims are split by `splits` [(pieces, {device: piece})], the devices of one piece
+  replicas of it; None where the splits do not tile the devices evenly."""
+  pieces = [p for p, _ in splits]
+  cells = {}
+  for d in range(num_devices):
+    cells.setdefault(tuple(index.get(d, 0) for _, index in splits), []).append(d)
+  if len(cells) != math.prod(pieces) or len({len(v) for v in cells.values()}) != 1:
+    return None
+  if math.prod(pieces) == 1:
+    return xc.HloSharding.replicate()
+  replicas = num_devices // math.prod(pieces)
+  devices = np.zeros(pieces + [replicas], np.int64)
+  for cell, members in cells.items():
+    devices[cell] = members
+  proto = xc.OpSharding()
+  proto.type = xc.OpSharding.Type.OTHER
+  proto.tile_assignment_dimensions = pieces + ([replicas] if replicas > 1 else [])
+  proto.tile_assignment_devices = [int(v) for v in devices.reshape(-1)]
+  if replicas > 1:
+    proto.last_tile_dims = [xc.OpSharding.Type.REPLICATED]
+  return xc.HloSharding.from_proto(proto)
+
+
+def _num_devices(shardings):
+  tiled = [s for s in shardings if s is not None and not s.is_replicated() and not s.is_manual()
+           and not s.is_maximal()]
+  return max((int(np.max(s.tile_assignment_devices())) + 1 for s in tiled), default=1)
+
+
+def _quantize_sharding(x_shape, sharding, block_2d):
+  """The sharding of x, its codes and its scales (the same dims): `sharding` with the dims replicated whose shards
+  would split a group of rows (16x16 tiles) or a pair of blocks."""
+  rows, k = x_shape
+  tiles = common._tiles_and_devices(sharding, 2)[0]
+  bad = set()
+  if block_2d and tiles[0] > 1 and (rows % tiles[0] or (rows // tiles[0]) % BLOCK):
+    bad.add(0)
+  if tiles[1] > 1 and (k % tiles[1] or (k // tiles[1]) % K_PAIR):
+    bad.add(1)
+  return common._replicate_dims(sharding, 2, bad)
+
+
+def _partition_quantize(arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
+  target = targets.QUANTIZE_PACKED.name
+  attrs = common._decode_config(target, backend_config)
+  codes_sharding = result_sharding.tuple_elements()[0] if result_shape.is_tuple() else result_sharding
+  results = result_shape.tuple_shapes()
+  if _whole(codes_sharding):
+    return _module(target, attrs, arg_shapes, results, None), [codes_sharding] * len(arg_shapes), result_sharding
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), codes_sharding, attrs["block_2d"])
+  salts = None
+  if attrs["stochastic"] and not sharding.is_replicated():
+    salts = common._shard_salts(common._shard_index_table(sharding, 2, _num_devices([sharding])))
+  local_args = [sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
+  module = _module(target, attrs, local_args, [sharding.tile(r) for r in results], salts)
+  return (module, [sharding, xc.HloSharding.replicate(), xc.HloSharding.replicate()],
+          xc.HloSharding.tuple_sharding(result_shape, [sharding, sharding]))
+
+
+def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_sharding=None):
+  """How shards run C = A·Bᵀ (codes of shapes (M, K/2), (N, K/2)): the (pieces, {device: piece}) splits of M, N and
+  K, the first choice whose pieces tile the devices evenly: M and N as the result's sharding (what its readers need)
+  splits them, then the operands' own splits, then without the smaller operand's row split (its rows are gathered),
+  then without the other's; with K split as both operands split it, then whole."""
+  m, n = a_shape[0], b_shape[0]
+  mi, ni = _split(a_sharding, a_shape, 0, 1), _split(b_sharding, b_shape, 0, 1)
+  ka, kb = _split(a_sharding, a_shape, 1, K_PAIR // 2), _split(b_sharding, b_shape, 1, K_PAIR // 2)
+  whole = (1, {})
+  rows = [(mi, ni), (whole, ni), (mi, whole)] if m <= n else [(mi, ni), (mi, whole), (whole, ni)]
+  if result_sharding is not None:
+    rows.insert(0, (_split(result_sharding, [m, n], 0, 1), _split(result_sharding, [m, n], 1, 1)))
+  for k in ([ka] if ka == kb and ka[0] > 1 else []) + [whole]:
+    for mm, nn in rows + [(whole, whole)]:
+      if _grid([mm, nn, k], num_devices) is not None:
+        return mm, nn, k
+  return whole, whole, whole
+
+
+def _partition_gemm(arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
+  target = targets.GEMM_PACKED.name
+  attrs = common._decode_config(target, backend_config)
+  if _whole(result_sharding):
+    module = _gemm_module(attrs, arg_shapes, result_shape, None)
+    return module, [result_sharding] * len(arg_shapes), result_sharding
+  a_shape, b_shape = list(arg_shapes[0].dimensions()), list(arg_shapes[2].dimensions())
+  num = _num_devices([*arg_shardings, result_sharding])
+  mm, nn, kk = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, result_sharding)
+  a, b, out = _grid([mm, kk], num), _grid([nn, kk], num), _grid([mm, nn], num)
+  groups = None
+  if kk[0] > 1:  # the devices of one output tile, one per piece of K, add their partial sums
+    cells = {}
+    for d in range(num):
+      cells.setdefault((mm[1].get(d, 0), nn[1].get(d, 0)), {}).setdefault(kk[1][d], []).append(d)
+    groups = [list(g) for by_piece in cells.values() for g in zip(*[by_piece[p] for p in sorted(by_piece)])]
+  shardings = [a, a, b, b, xc.HloSharding.replicate()]
+  local = [s.tile(shape) for s, shape in zip(shardings, arg_shapes)]
+  return _gemm_module(attrs, local, out.tile(result_shape), groups), shardings, out
+
+
+def _gemm_module(attrs, arg_shapes, result_shape, groups):
+  """@main(the device's shards) -> its tile of C; `groups`: the all-reduce groups of a split K, or None."""
+  def body(operands):
+    out_type = common._ir_type(result_shape)
+    f32 = ir.F32Type.get()
+    acc_type = ir.RankedTensorType.get(out_type.shape, f32)
+    if attrs["emulate"]:
+      one = hlo.ConstantOp(ir.DenseElementsAttr.get(np.array(1.0, np.float32))).result
+      dtype = out_type.element_type
+      a, b = (kernels.custom_call(targets.DEQUANTIZE_PACKED.name, [ir.RankedTensorType.get(
+          [ir.RankedTensorType(codes.type).shape[0], 2 * ir.RankedTensorType(codes.type).shape[1]], dtype)],
+          [codes, scales, one], kernels.backend_config_attributes(targets.DEQUANTIZE_PACKED.name, {})).results[0]
+          for codes, scales in (operands[0:2], operands[2:4]))
+      numbers = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=[], rhs_batching_dimensions=[],
+                                            lhs_contracting_dimensions=[1], rhs_contracting_dimensions=[1])
+      y = hlo.DotGeneralOp(acc_type, a, b, numbers).result
+      if groups is not None:
+        y = _all_reduce(y, groups)
+      y = hlo.MulOp(y, hlo.BroadcastInDimOp(acc_type, operands[4], ir.DenseI64ArrayAttr.get([])).result).result
+    else:
+      gemm_type = acc_type if groups is not None else out_type
+      y = kernels.custom_call(targets.GEMM_PACKED.name, [gemm_type], operands,
+                              kernels.backend_config_attributes(targets.GEMM_PACKED.name, attrs)).results[0]
+      if groups is not None:
+        y = _all_reduce(y, groups)
+    if ir.RankedTensorType(y.type).element_type != out_type.element_type:
+      y = hlo.ConvertOp(out_type, y).result
+    return [y]
+  return common.per_shard_module(arg_shapes, [result_shape], body)
+
+
+def _all_reduce(x, groups):
+  """The sum of x over each group of devices (global device ids)."""
+  op = hlo.AllReduceOp([x.type], [x], ir.DenseIntElementsAttr.get(np.asarray(groups, np.int64)),
+                       channel_handle=hlo.ChannelHandle.get(1, 1), use_global_device_ids=True)
+  scalar = ir.RankedTensorType.get([], ir.RankedTensorType(x.type).element_type)
+  block = op.regions[0].blocks.append(scalar, scalar)
+  with ir.InsertionPoint(block):
+    hlo.ReturnOp([hlo.AddOp(*block.arguments).result])
+  return op.results[0]
+
+
+def _module(target, attrs, arg_shapes, result_shapes, salts):
+  """@main(shards) -> the quantize kernel on the shard; `salts` (per partition) go into the key."""
+  def body(operands):
+    if salts is not None:
+      operands[PACKED[target].key_operand] = common.salted(operands[PACKED[target].key_operand], salts)
+    return kernels.custom_call(target, [common._ir_type(s) for s in result_shapes], operands,
+                               kernels.backend_config_attributes(target, attrs)).results
+  return common.per_shard_module(arg_shapes, result_shapes, body)
+
+
+# -- GSPMD's propagation (Shardy uses the rules) ---------------------------------------------------------------------
+
+def _infer_quantize(arg_shapes, arg_shardings, result_shape, backend_config):
+  if arg_shardings[0] is None:
+    return None
+  attrs = common._decode_config(targets.QUANTIZE_PACKED.name, backend_config)
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"])
+  return xc.HloSharding.tuple_sharding(result_shape, [sharding, sharding])
+
+
+def _infer_gemm(arg_shapes, arg_shardings, result_shape, backend_config):
+  a_shape, b_shape = list(arg_shapes[0].dimensions()), list(arg_shapes[2].dimensions())
+  num = _num_devices(arg_shardings)
+  mm, nn, _ = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num)
+  return _grid([mm, nn], num)
+
+
+def callbacks():
+  """{target: the keyword arguments of xla_client.register_custom_call_partitioner}."""
+  return {
+      targets.QUANTIZE_PACKED.name: dict(
+          partition=_partition_quantize, infer_sharding_from_operands=_infer_quantize,
+          prop_user_sharding=lambda user_sharding, shape, backend_config: user_sharding),
+      targets.GEMM_PACKED.name: dict(
+          partition=_partition_gemm, infer_sharding_from_operands=_infer_gemm,
+          prop_user_sharding=lambda user_sharding, shape, backend_config: user_sharding),
+  }

@@ -1,0 +1,99 @@
+"""The packed path in sharded programs (sharding/packed.py): the native backend's FP4 GEMM runs on shards, the emulate
+backend can move packed operands (XLA_FP4_PACKED_GATHERS), and both keep one device's numbers, their work and their
+parallelism; FSDP gathers its weights packed.
+
+One subprocess (8 host devices): a residual MLP train step (float32, d_model 256, d_ff 1024, 1024 tokens), every
+layer in NVFP4 with nearest rounding, per layout and backend, costs read from the compiled HLO side by side.
+"""
+
+import json
+import textwrap
+
+import pytest
+
+from tests.sharding.test_layouts import run_python
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xla_fp4
+    from xla_fp4.sharding.cost import cost
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    k = jax.random.split(jax.random.key(0), 3)
+    w1 = jax.random.normal(k[0], (256, 1024)) * 0.06
+    w2 = jax.random.normal(k[1], (1024, 256)) * 0.03
+    x = jax.random.normal(k[2], (16, 64, 256))
+    def loss(p, x):
+      w1, w2 = p
+      return jnp.mean((x + jax.nn.gelu(x @ w1) @ w2) ** 2)
+    step = jax.jit(jax.grad(loss))
+    layouts = {"data_parallel": (P(), P(), P("d")), "fsdp": (P("d", None), P("d", None), P("d")),
+               "tensor_parallel": (P(None, "d"), P("d", None), P())}
+    rows = []
+    for layout, (s1, s2, sx) in layouts.items():
+      args = ((put(w1, s1), put(w2, s2)), put(x, sx))
+      out = {}
+      for name, options in (("none", None), ("native", dict(backend="native")),
+                            ("emulate_packed", dict(backend="emulate", packed_gathers=True))):
+        if options is None:
+          xla_fp4.disable()
+        else:
+          xla_fp4.enable(strict=True, keep_head=False, keep_first=0, keep_last=0, stochastic_rounding=False, **options)
+        compiled = step.lower(*args).compile()
+        c, text = cost(compiled), compiled.as_text()
+        grads = compiled(*args)
+        single = step((w1, w2), x)
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(grads, single))
+        wide_gathers = sum(1 for line in text.splitlines()
+                           if " all-gather(" in line and line.split("=", 1)[1].split()[0].startswith("f32["))
+        gemms = text.count('custom_call_target="xla_fp4_gemm_packed"')
+        out[name] = dict(flops=c.dot_flops, bytes=c.large_collective_bytes, gemms=gemms,
+                         quantize_packed=text.count('custom_call_target="xla_fp4_quantize_packed"'),
+                         wide_gathers=wide_gathers, temp=compiled.memory_analysis().temp_size_in_bytes,
+                         max_abs_sharded_minus_single=diff)
+      rows.append(dict(layout=layout, **out))
+    xla_fp4.disable()
+    print(json.dumps(rows))
+""")
+
+
+@pytest.fixture(scope="module")
+def rows():
+  return {r["layout"]: r for r in json.loads(run_python(["-c", SCRIPT]).strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "fsdp", "tensor_parallel"])
+def test_native_runs_every_gemm_packed_on_shards(rows, layout):
+  row = rows[layout]
+  # fprop x2, the dgrad into layer 1, wgrad x2: every GEMM of the step is the FP4 GEMM, none an XLA dot
+  assert row["native"]["gemms"] == 5, row
+  assert row["native"]["flops"] <= 1.05 * row["none"]["flops"], row
+  assert row["emulate_packed"]["flops"] <= 1.05 * row["none"]["flops"], row
+
+
+@pytest.mark.parametrize("backend", ["native", "emulate_packed"])
+@pytest.mark.parametrize("layout", ["data_parallel", "fsdp", "tensor_parallel"])
+def test_sharded_packed_step_equals_one_device(rows, layout, backend):
+  """Nearest rounding: shards quantize what one device does; a split K (the wgrad over tokens, the row-parallel layer)
+  only adds f32 partial sums in another order."""
+  row = rows[layout]
+  assert row[backend]["quantize_packed"] > 0, row
+  assert row[backend]["max_abs_sharded_minus_single"] <= 1e-5, row
+
+
+@pytest.mark.parametrize("backend", ["native", "emulate_packed"])
+def test_fsdp_gathers_weights_packed(rows, backend):
+  row = rows["fsdp"]
+  assert row["none"]["wide_gathers"] == 2, row  # the baseline gathers each f32 weight once
+  assert row[backend]["wide_gathers"] == 0, row  # the pass gathers their packed codes and scales instead
+  assert row[backend]["bytes"] <= 0.7 * row["none"]["bytes"], row
+
+
+@pytest.mark.parametrize("backend", ["native", "emulate_packed"])
+@pytest.mark.parametrize("layout", ["data_parallel", "tensor_parallel"])
+def test_data_and_tensor_parallel_move_no_more(rows, layout, backend):
+  row = rows[layout]
+  assert row[backend]["bytes"] <= 1.0 * row["none"]["bytes"] + 64, row
