@@ -9,7 +9,6 @@ shard that holds whole blocks runs the same kernel on its own elements.
 """
 
 import dataclasses
-import math
 import types
 from typing import Callable, Optional
 

@@ -23,7 +23,6 @@ xla_fp4_gemm_packed(a codes, a scales, b codes, b scales, alpha) -> C [M, N], th
 import math
 
 import numpy as np
-from jax._src.interpreters import mlir
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
