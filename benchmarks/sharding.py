@@ -146,7 +146,12 @@ def time_steps(fns, args, repeats):
   return [statistics.median(t) for t in times]
 
 
-def measure(layout, dtype, sizes, repeats):
+# backend name -> xla_fp4.enable options; "emulate" is the default recipe's emulation
+BACKENDS = {"emulate": {}, "native": {"backend": "native"}, "emulate_packed": {"packed_gathers": True}}
+
+
+def measure(layout, dtype, sizes, repeats, backends=("emulate",)):
+  """The layout's rows, one per backend (the first, emulate, also timed)."""
   spec = LAYOUTS[layout]
   scanned, constrained = spec.scanned, spec.constrained
   auto = (jax.sharding.AxisType.Auto,) * 2
@@ -168,10 +173,27 @@ def measure(layout, dtype, sizes, repeats):
   def compiled(args):
     return step_fn(scanned, args[1].sharding if constrained else None).lower(*args).compile()
 
+  n_inputs = len(jax.tree.leaves(sharded_args))
+  is_data = lambda number, dtype, dims: number == n_inputs - 1  # noqa: E731  (x: the last argument)
+
+  def costed(entry, kinds):
+    """Cost and temporary memory of the compiled programs `kinds` of `entry`."""
+    entry["cost"] = cost(entry["sharded"], is_data)
+    entry["single_cost"] = cost(entry["single"])
+    entry["temp"] = {k: entry[k].memory_analysis().temp_size_in_bytes for k in kinds}
+    entry["qdq_calls"] = entry["sharded"].as_text().count('custom_call_target="xla_fp4_qdq')
+
   # none: the unrewritten program; pass: the default recipe (stochastic rounding), timed and costed; pass_nearest:
-  # nearest rounding, compared with one device (the same quantized values).
+  # nearest rounding, compared with one device (the same quantized values). The other backends (costed, not timed):
+  # native (the FP4 GEMM on packed operands; on CPU the C++ reference GEMM, whose speed says nothing of a GPU's) and
+  # emulate with packed gathers.
+  runs = [("none", None), ("pass", {}), ("pass_nearest", {"stochastic_rounding": False})]
+  for backend in backends:
+    if backend != "emulate":
+      options = BACKENDS[backend]
+      runs += [(backend, options), (backend + "_nearest", dict(options, stochastic_rounding=False))]
   out = {}
-  for name, options in (("none", None), ("pass", {}), ("pass_nearest", {"stochastic_rounding": False})):
+  for name, options in runs:
     if options is None:
       xla_fp4.disable()
     else:
@@ -179,58 +201,79 @@ def measure(layout, dtype, sizes, repeats):
       xla_fp4.enable(strict=True, keep_head=False, keep_first=0, keep_last=0, **options)
     # Compiled executables keep the setting they were compiled with (enable/disable clear the jit caches).
     entry = out[name] = {"sharded": compiled(sharded_args), "single": compiled(single_args)}
-    if name != "pass_nearest":
+    if name in ("none", "pass"):
       entry["cores"] = compiled(cores_args)
       entry["flat_cores"] = compiled(flat_cores_args)
       entry["flat_single"] = compiled(flat_single_args)
-      entry["cost"] = cost(entry["sharded"])
-      entry["single_cost"] = cost(entry["single"])
-      # XLA's temporary buffers per device (what the step allocates beyond its arguments and results)
-      entry["temp"] = {k: entry[k].memory_analysis().temp_size_in_bytes for k in ("sharded", "single")}
-    if name != "pass":
+    if not name.endswith("_nearest"):
+      costed(entry, ("sharded", "single"))
+    if name == "none" or name.endswith("_nearest"):
       reference = entry["single"](*single_args)
-      entry["diff"], entry["rel"] = difference(entry["sharded"](*sharded_args), reference)
+      entry["grads"] = entry["sharded"](*sharded_args)
+      entry["diff"], entry["rel"] = difference(entry["grads"], reference)
       entry["scale"] = max(float(np.max(np.abs(np.asarray(g, np.float32)))) for g in jax.tree.leaves(reference))
   xla_fp4.disable()
   kinds = ("sharded", "single", "cores", "flat_cores", "flat_single")
   t = time_steps([out[n][k] for k in kinds for n in ("none", "pass")],
                  [a for a in (sharded_args, single_args, cores_args, flat_cores_args, flat_single_args)
                   for _ in range(2)], repeats)
-  none, new = out["none"]["cost"], out["pass"]["cost"]
   devices = mesh.devices.size
-  return {
-      "layout": layout, "dtype": jnp.dtype(dtype).name, "mesh": dict(zip(ALL, spec.mesh)),
-      "dot_flops": {"none": none.dot_flops, "pass": new.dot_flops, "ratio": new.dot_flops / none.dot_flops},
-      "collective_bytes": {"none": none.collective_bytes, "pass": new.collective_bytes,
-                           "ratio_excluding_scalar": new.large_collective_bytes / max(none.large_collective_bytes, 1),
-                           "scalar_pass": new.scalar_collective_bytes, "collectives_pass": new.collectives,
-                           "collectives_none": none.collectives},
-      "step_s": {"sharded_none": t[0], "sharded_pass": t[1], "single_none": t[2], "single_pass": t[3],
-                 "cores_none": t[4], "cores_pass": t[5],
-                 "sharded_ratio": t[1] / t[0], "single_ratio": t[3] / t[2], "cores_ratio": t[5] / t[4],
-                 "sharded_over_single_ratio": (t[1] / t[0]) / (t[3] / t[2]),
-                 "cores_over_single_ratio": (t[5] / t[4]) / (t[3] / t[2]),
-                 "flat_cores_none": t[6], "flat_cores_pass": t[7], "flat_single_none": t[8], "flat_single_pass": t[9],
-                 "flat_cores_ratio": t[7] / t[6], "flat_single_ratio": t[9] / t[8],
-                 "flat_cores_over_single_ratio": (t[7] / t[6]) / (t[9] / t[8])},
-      "temp_bytes_per_device": {"sharded_none": out["none"]["temp"]["sharded"],
-                                "sharded_pass": out["pass"]["temp"]["sharded"],
-                                "single_none": out["none"]["temp"]["single"],
-                                "single_pass": out["pass"]["temp"]["single"],
-                                "sharded_ratio": out["pass"]["temp"]["sharded"] / out["none"]["temp"]["sharded"],
-                                "single_ratio": out["pass"]["temp"]["single"] / out["none"]["temp"]["single"]},
-      # Elements the pass's kernels quantize per device, and that times the devices over one device's count: above 1
-      # where a layout replicates a quantized tensor (a replicated weight under data parallelism, a replicated
-      # activation under tensor parallelism); a pod runs that on every device at once, 8 host devices on 2 cores do not.
-      "quantized_elements": {"per_device": new.quantized_elements,
-                             "one_device": out["pass"]["single_cost"].quantized_elements,
-                             "replication": new.quantized_elements * devices
-                             / out["pass"]["single_cost"].quantized_elements},
-      # max |sharded - one device| over the gradients, and max |gradient| (one device) to read it against
-      **{key: {n: out[n][field] for n in ("none", "pass_nearest")}
-         for key, field in (("max_abs_sharded_minus_single", "diff"), ("max_abs_gradient", "scale"),
-                            ("rel_l2_sharded_minus_single", "rel"))},
-  }
+  base = {"layout": layout, "dtype": jnp.dtype(dtype).name, "mesh": dict(zip(ALL, spec.mesh))}
+
+  def costs(new_name):
+    """The row fields every backend reports: `new_name`'s program against the unrewritten one."""
+    none, new = out["none"]["cost"], out[new_name]["cost"]
+    temp = {"sharded_none": out["none"]["temp"]["sharded"], "sharded_pass": out[new_name]["temp"]["sharded"],
+            "single_none": out["none"]["temp"]["single"], "single_pass": out[new_name]["temp"]["single"]}
+    temp.update(sharded_ratio=temp["sharded_pass"] / temp["sharded_none"],
+                single_ratio=temp["single_pass"] / temp["single_none"])
+    nearest = out["pass_nearest" if new_name == "pass" else new_name + "_nearest"]
+    return {
+        "dot_flops": {"none": none.dot_flops, "pass": new.dot_flops, "ratio": new.dot_flops / none.dot_flops},
+        # the FP4 GEMMs (xla_fp4_gemm_packed) and the emulated quantizations (xla_fp4_qdq calls) of the sharded step
+        "packed_gemms": new.packed_gemms, "qdq_calls": out[new_name]["qdq_calls"],
+        "collective_bytes": {"none": none.collective_bytes, "pass": new.collective_bytes,
+                             "ratio_excluding_scalar": new.large_collective_bytes
+                             / max(none.large_collective_bytes, 1),
+                             "scalar_pass": new.scalar_collective_bytes, "collectives_pass": new.collectives,
+                             "collectives_none": none.collectives,
+                             # scalar collectives aside; sharding/cost.py says how a collective is told apart
+                             "by_kind": {k: {"none": none.collective_bytes_by_kind[k],
+                                             "pass": new.collective_bytes_by_kind[k],
+                                             "ratio": new.collective_bytes_by_kind[k]
+                                             / max(none.collective_bytes_by_kind[k], 1)}
+                                         for k in new.collective_bytes_by_kind}},
+        "temp_bytes_per_device": temp,
+        # Elements the pass's kernels quantize per device, and that times the devices over one device's count: above
+        # 1 where a layout replicates a quantized tensor (a replicated weight under data parallelism, a replicated
+        # activation under tensor parallelism); a pod runs that on every device at once, 8 host devices on 2 cores
+        # do not.
+        "quantized_elements": {"per_device": new.quantized_elements,
+                               "one_device": out[new_name]["single_cost"].quantized_elements,
+                               "replication": new.quantized_elements * devices
+                               / out[new_name]["single_cost"].quantized_elements},
+        # max |sharded - one device| over the gradients, and max |gradient| (one device) to read it against
+        **{key: {"none": out["none"][field], "pass_nearest": nearest[field]}
+           for key, field in (("max_abs_sharded_minus_single", "diff"), ("max_abs_gradient", "scale"),
+                              ("rel_l2_sharded_minus_single", "rel"))},
+    }
+
+  rows = [{**base, "backend": "emulate", **costs("pass"), "step_s": {
+      "sharded_none": t[0], "sharded_pass": t[1], "single_none": t[2], "single_pass": t[3],
+      "cores_none": t[4], "cores_pass": t[5],
+      "sharded_ratio": t[1] / t[0], "single_ratio": t[3] / t[2], "cores_ratio": t[5] / t[4],
+      "sharded_over_single_ratio": (t[1] / t[0]) / (t[3] / t[2]),
+      "cores_over_single_ratio": (t[5] / t[4]) / (t[3] / t[2]),
+      "flat_cores_none": t[6], "flat_cores_pass": t[7], "flat_single_none": t[8], "flat_single_pass": t[9],
+      "flat_cores_ratio": t[7] / t[6], "flat_single_ratio": t[9] / t[8],
+      "flat_cores_over_single_ratio": (t[7] / t[6]) / (t[9] / t[8])}}]
+  for backend in backends:
+    if backend != "emulate":
+      # max |this backend's sharded gradients - the emulate backend's| (nearest rounding): the same numbers
+      diff, rel = difference(out[backend + "_nearest"]["grads"], out["pass_nearest"]["grads"])
+      rows.append({**base, "backend": backend, **costs(backend),
+                   "sharded_minus_emulate": {"max_abs": diff, "rel_l2": rel}})
+  return rows
 
 
 def write_result(result, out):
@@ -248,18 +291,30 @@ def main(argv=None):
   ap.add_argument("--small", action="store_true", help="tiny sizes (the test suite's run)")
   ap.add_argument("--layouts", default=",".join(LAYOUTS))
   ap.add_argument("--dtypes", default="float32,bfloat16")
+  ap.add_argument("--backends", default=",".join(BACKENDS),
+                  help="emulate (timed) and, costed beside it, native and emulate_packed (packed_gathers)")
   ap.add_argument("--repeats", type=int, default=None)
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   # (layers, d_model, d_ff, batch, seq): 4 layers, so the default policy keeps one block (the last) in high precision
   sizes = (4, 128, 256, 16, 32) if args.small else (4, 256, 1024, 16, 128)  # the second: issue 8's measurement
   repeats = args.repeats or (2 if args.small else 10)
-  rows = [measure(layout, jnp.dtype(dt), sizes, repeats)
-          for dt in args.dtypes.split(",") for layout in args.layouts.split(",")]
+  backends = args.backends.split(",")
+  assert backends[0] == "emulate" and set(backends) <= set(BACKENDS), f"--backends: emulate first, of {list(BACKENDS)}"
+  rows = [row for dt in args.dtypes.split(",") for layout in args.layouts.split(",")
+          for row in measure(layout, jnp.dtype(dt), sizes, repeats, backends)]
   result = {"benchmark": "sharding", "devices": 8,
             "sizes": dict(zip(("layers", "d_model", "d_ff", "batch", "seq"), sizes)),
             "jax": jax.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "rows": rows}
   for r in rows:
+    if r["backend"] != "emulate":
+      kinds = r["collective_bytes"]["by_kind"]
+      print(f"{r['layout']:22s} {r['dtype']:9s} {r['backend']:14s} FP4 GEMMs {r['packed_gemms']} qdq "
+            f"{r['qdq_calls']} dot flops x{r['dot_flops']['ratio']:.3f} collective bytes "
+            f"x{r['collective_bytes']['ratio_excluding_scalar']:.3f} (weight gathers "
+            f"x{kinds['weight_gathers']['ratio']:.3f}) temp memory x{r['temp_bytes_per_device']['sharded_ratio']:.2f}"
+            f" |- emulate| {r['sharded_minus_emulate']['max_abs']:.1e}", file=sys.stderr)
+      continue
     print(f"{r['layout']:22s} {r['dtype']:9s} dot flops x{r['dot_flops']['ratio']:.3f}  collective bytes "
           f"x{r['collective_bytes']['ratio_excluding_scalar']:.3f} (+{r['collective_bytes']['scalar_pass']} B scalar)  "
           f"step pass/none 8 dev {r['step_s']['sharded_ratio']:.2f} 2 dev {r['step_s']['cores_ratio']:.2f} "

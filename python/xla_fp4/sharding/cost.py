@@ -7,6 +7,10 @@ contracted size; collective bytes are the result bytes of every all-reduce, all-
 collective-permute (async pairs counted once); the FP4 GEMM (xla_fp4_gemm_packed) counts as a dot of its shape;
 quantized elements are the elements of the operand of every
 quantizing `xla_fp4_*` custom call (qdq, qdq_with_scale, quantize_packed; not the amax pass over the same tensor).
+Collective bytes are also split by what moves, from dataflow: a gather (all-gather, all-to-all, collective-permute or
+broadcast) of a value that depends on no data input (the step's entry parameters the caller names, such as the
+tokens) is a weight gather, any other gather an activation gather, and all-reduces and reduce-scatters are reductions
+(gradients, and the partial sums of a split contraction); scalar collectives are left out of the split.
 Computations are followed from the entry through their call sites
 (fusions, calls, loops, reductions); a conditional counts its most expensive branch, the one work a step can run. A
 loop body counts once (not times its trip count), which is what a side-by-side ratio of two programs of the same
@@ -27,6 +31,11 @@ _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false
 _PACKED_GEMM = re.compile(r'custom_call_target="xla_fp4_gemm_packed"')
 _QUANTIZING = re.compile(r'custom_call_target="xla_fp4_(?:qdq|qdq_with_scale|quantize_packed)"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_PARAMETER = re.compile(r"\bparameter\((\d+)\)")
+_INDEX = re.compile(r"\bindex=(\d+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_ROOT = re.compile(r"^\s+ROOT %([\w.\-]+) = ")
+_REDUCTIONS = {"kAllReduce", "kAllReduceStart", "kReduceScatter"}
 # Collectives at most this many bytes per result are scalar reductions: the pass's global amax and digest.
 SCALAR_BYTES = 8
 
@@ -38,6 +47,10 @@ class Cost:
   scalar_collective_bytes: int  # the part of collective_bytes in scalar collectives (at most SCALAR_BYTES a result)
   collectives: dict  # opcode -> count
   quantized_elements: int = 0  # per device: elements the pass's kernels quantize
+  packed_gemms: int = 0  # FP4 GEMM calls (xla_fp4_gemm_packed)
+  # per device, scalar collectives aside: {"weight_gathers", "activation_gathers", "reductions"} -> bytes; empty
+  # unless the caller named the data inputs
+  collective_bytes_by_kind: dict = dataclasses.field(default_factory=dict)
 
   @property
   def large_collective_bytes(self):
@@ -94,24 +107,123 @@ def _callees(ins):
   return names, []
 
 
-def cost(compiled) -> Cost:
-  """The per-device Cost of one step of `compiled` (a `jax.stages.Compiled`)."""
-  return modules_cost(compiled.runtime_executable().hlo_modules())
+def _merge(a, b):
+  """The union of two dependence values: a bool per array, a tuple of them per tuple."""
+  if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+    return tuple(_merge(x, y) for x, y in zip(a, b))
+  return _any(a) or _any(b)
 
 
-def hlo_proto_cost(serialized: bytes) -> Cost:
+def _any(t):
+  return any(_any(x) for x in t) if isinstance(t, tuple) else t
+
+
+def _roots(module):
+  """{computation name: its root instruction's name}, from the module's text (the API does not say which is the
+  root, and its instruction order need not end with it)."""
+  roots, current = {}, None
+  for line in module.to_string().splitlines():
+    head = _COMPUTATION.match(line)
+    if head:
+      current = head.group(1)
+    root = _ROOT.match(line)
+    if root:
+      roots[current] = root.group(1)
+  return roots
+
+
+def _topological(computation):
+  """The computation's instructions, each after its operands (the API's order need not be)."""
+  instructions = list(computation.instructions())
+  waiting = {i.name: len({o.name for o in i.operands()}) for i in instructions}
+  users = {}
+  for i in instructions:
+    for o in {o.name for o in i.operands()}:
+      users.setdefault(o, []).append(i)
+  ready = [i for i in instructions if waiting[i.name] == 0]
+  order = []
+  while ready:
+    i = ready.pop()
+    order.append(i)
+    for u in users.get(i.name, []):
+      waiting[u.name] -= 1
+      if waiting[u.name] == 0:
+        ready.append(u)
+  return order
+
+
+def _data_dependence(module, by_name, entry, is_data):
+  """{(computation, instruction name): True where the instruction's value depends on a data input} over every
+  instruction reached from `entry`, merged over call sites. Tuples keep one value per element (a loop's carry holds
+  weights and activations side by side); a loop runs its body to a fixed point."""
+  seen, memo, roots = {}, {}, _roots(module)
+
+  def run(name, params):
+    """The root's dependence of computation `name` given its parameters' dependence."""
+    if (name, params) in memo:
+      return memo[(name, params)]
+    value = {}
+    for ins in _topological(by_name[name]):
+      op, text = ins.opcode.name, ins.to_string()
+      args = [value[o.name] for o in ins.operands()]
+      if op == "kParameter":
+        number = int(_PARAMETER.search(text).group(1))
+        v = is_data(number, *_result_arrays(ins)[0]) if params is None else params[number]
+      elif op == "kTuple":
+        v = tuple(args)
+      elif op == "kGetTupleElement":
+        v = args[0][int(_INDEX.search(text).group(1))] if isinstance(args[0], tuple) else args[0]
+      elif op == "kWhile":
+        body = re.search(r"\bbody=%([\w.\-]+)", text).group(1)
+        v = args[0]
+        while True:
+          nxt = _merge(v, run(body, (v,)))
+          if nxt == v:
+            break
+          v = nxt
+      elif op in ("kFusion", "kCall"):
+        v = run(_callees(ins)[0][0], tuple(args))
+      elif op == "kConditional":
+        _, branches = _callees(ins)
+        outs = [run(b, (a,)) for b, a in zip(branches, args[1:])]
+        v = outs[0]
+        for r in outs[1:]:
+          v = _merge(v, r)
+        v = _merge(v, args[0]) if not isinstance(v, tuple) else v
+      elif op in _COLLECTIVES and len(args) > 1 and not op.endswith("Start"):
+        v = tuple(_any(a) for a in args)  # a combined collective: one result per operand
+      else:
+        v = any(_any(a) for a in args)
+      value[ins.name] = v
+      key = (name, ins.name)
+      seen[key] = seen.get(key, False) or _any(v)
+    root = value[roots[name]]
+    memo[(name, params)] = root
+    return root
+
+  run(entry, None)
+  return seen
+
+
+def cost(compiled, is_data=None) -> Cost:
+  """The per-device Cost of one step of `compiled` (a `jax.stages.Compiled`). `is_data(number, dtype, dims)` names
+  the entry parameters that are data inputs (see the module's docstring); without it no split by kind."""
+  return modules_cost(compiled.runtime_executable().hlo_modules(), is_data)
+
+
+def hlo_proto_cost(serialized: bytes, is_data=None) -> Cost:
   """The Cost of an optimized HLO module as XLA dumps it (`--xla_dump_to --xla_dump_hlo_as_proto`,
   `*after_optimizations.hlo.pb`), for programs compiled elsewhere, such as MaxText's train step
   (examples/maxtext/run.py). (XLA's dumped text does not parse back: it names tuple elements `%param#1`.)"""
   from jax._src.lib import xla_client
-  return modules_cost([xla_client.hlo.HloModule.from_serialized_hlo_module_proto(serialized)])
+  return modules_cost([xla_client.hlo.HloModule.from_serialized_hlo_module_proto(serialized)], is_data)
 
 
-def modules_cost(modules) -> Cost:
+def modules_cost(modules, is_data=None) -> Cost:
   """The per-device Cost of HloModules: every computation reached from an entry counts once per call site, a
   conditional as its most expensive branch (only one runs)."""
-  flops = elements = total = scalar = 0
-  counts = {}
+  flops = elements = total = scalar = gemms = 0
+  counts, kinds = {}, {}
   for module in modules:
     by_name = {c.name: c for c in module.computations()}
     called = set()
@@ -119,32 +231,50 @@ def modules_cost(modules) -> Cost:
       for ins in c.instructions():
         always, branches = _callees(ins)
         called.update(always + branches)
+    entries = [n for n in by_name if n not in called]
+    data = {}
+    if is_data is not None:
+      for entry in entries:
+        data.update(_data_dependence(module, by_name, entry, is_data))
     memo = {}
 
     def visit(name):
-      """(flops, quantized elements, [(opcode, bytes)]) of computation `name` and everything it calls."""
+      """(flops, quantized elements, packed GEMMs, [(opcode, bytes, kind)]) of computation `name` and everything it
+      calls."""
       if name not in memo:
-        f, e, coll = 0, 0, []
+        f, e, g, coll = 0, 0, 0, []
         for ins in by_name[name].instructions():
           own_f, own_e, own_c = _instruction_cost(ins)
-          f, e, coll = f + own_f, e + own_e, coll + own_c
+          if own_c and is_data is not None:
+            depends = any(data.get((name, o.name), False) for o in ins.operands())
+            kind = ("reductions" if ins.opcode.name in _REDUCTIONS else
+                    "activation_gathers" if depends else "weight_gathers")
+          else:
+            kind = None
+          g += ins.opcode.name == "kCustomCall" and bool(_PACKED_GEMM.search(ins.to_string()))
+          f, e, coll = f + own_f, e + own_e, coll + [(op, size, kind) for op, size in own_c]
           always, branches = _callees(ins)
           for callee in always:
-            cf, ce, cc = visit(callee)
-            f, e, coll = f + cf, e + ce, coll + cc
+            cf, ce, cg, cc = visit(callee)
+            f, e, g, coll = f + cf, e + ce, g + cg, coll + cc
           if branches:
-            cf, ce, cc = max((visit(b) for b in branches), key=lambda c: (c[0], sum(s for _, s in c[2])))
-            f, e, coll = f + cf, e + ce, coll + cc
-        memo[name] = (f, e, coll)
+            cf, ce, cg, cc = max((visit(b) for b in branches), key=lambda c: (c[0], sum(s for _, s, _ in c[3])))
+            f, e, g, coll = f + cf, e + ce, g + cg, coll + cc
+        memo[name] = (f, e, g, coll)
       return memo[name]
 
-    for entry in (n for n in by_name if n not in called):
-      f, e, coll = visit(entry)
+    for entry in entries:
+      f, e, g, coll = visit(entry)
       flops += f
       elements += e
-      for op, size in coll:
+      gemms += g
+      for op, size, kind in coll:
         total += size
         scalar += size if size <= SCALAR_BYTES else 0
         counts[op] = counts.get(op, 0) + 1
+        if kind is not None and size > SCALAR_BYTES:
+          kinds[kind] = kinds.get(kind, 0) + size
+  if is_data is not None:
+    kinds = {k: kinds.get(k, 0) for k in ("weight_gathers", "activation_gathers", "reductions")}
   return Cost(dot_flops=flops, collective_bytes=total, scalar_collective_bytes=scalar, collectives=counts,
-              quantized_elements=elements)
+              quantized_elements=elements, packed_gemms=gemms, collective_bytes_by_kind=kinds)
