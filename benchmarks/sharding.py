@@ -22,6 +22,13 @@ collective bytes (scalar all-reduces aside) <= 1.10x in every layout, and the sh
 within 10% of the one-device ratio. `--small` runs tiny sizes for the test suite, which asserts the costs, not
 the times.
 
+Backends (`--backends`, issue 21): each layout's first row is the emulate backend's, timed; beside it the same step is
+compiled with the native backend (every NVFP4 GEMM as `xla_fp4_gemm_packed` on packed operands) and with the emulate
+backend's packed gathers (`packed_gathers`), costed and compared with the emulate backend's gradients, not timed (on
+CPU the FP4 GEMM is the C++ reference). Every row splits its collective bytes into weight gathers, activation gathers
+and reductions (sharding/cost.py). Issue 21's targets: native runs every NVFP4 GEMM packed, GEMM work <= 1.05x,
+collective bytes <= 1.0x, FSDP weight gathers packed.
+
 Differences to the one-device step: a sharded contraction (the wgrad over tokens under data parallelism, K in a
 row-parallel layer) adds f32 partial sums in another order than one device does, with or without the pass, so the
 JSON reports both programs' |sharded - one device| side by side. In float32 that stays at rounding level; in bfloat16

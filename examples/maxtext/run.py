@@ -90,7 +90,8 @@ def setup():
   return python
 
 
-def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, small=SMALL, telemetry=None):
+def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, small=SMALL, telemetry=None,
+          backend=None):
   config = subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
                            "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
   env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
@@ -98,6 +99,8 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
     env.update(XLA_FP4="1", XLA_FP4_DUMP_DIR=str(dump_dir))
   if telemetry:
     env["XLA_FP4_TELEMETRY"] = str(telemetry)
+  if backend:
+    env["XLA_FP4_BACKEND"] = backend
   if sharded:
     env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={HOST_DEVICES} --xla_dump_hlo_as_proto "
                         f"--xla_dump_to={hlo_dir(dump_dir, fp4)} --xla_dump_hlo_module_re=.*train_step.*")
@@ -151,8 +154,36 @@ def telemetry_run(python, name, nvfp4, work, steps, sharded):
               worst_underflow=by_underflow, lowest_snr_db=by_snr, log=run["log"]), bad
 
 
+# |loss, native - emulate| allowed at every step: the same quantized operands, the FP4 GEMM's f32 sums in another
+# order than XLA's dot, and stochastic rounding of gradients that can then differ in a draw.
+NATIVE_TOLERANCE = 0.01
+
+
+def native_run(python, name, nvfp4, work, steps, sharded):
+  """The NVFP4 run again with XLA_FP4_BACKEND=native: (summary, violations). Its losses must match the emulate
+  run's; sharded, its train step must run FP4 GEMMs and keep issue 8's targets."""
+  dump = work / "dump_native"
+  dump.mkdir(parents=True, exist_ok=True)
+  run = train(python, f"{name}_fp4_native", CONFIGS[name], steps, True, dump, work / "fp4_native.log", sharded,
+              backend="native")
+  if run["returncode"] != 0 or len(run["losses"]) != steps:
+    return dict(log=run["log"]), [f"the native run failed: {run['log']}"]
+  gap = round(max(abs(a - b) for a, b in zip(run["losses"], nvfp4["losses"])), 4)
+  out = dict(losses=run["losses"], step_s=run["step_s"], max_loss_gap_to_emulate=gap, log=run["log"],
+             warnings=run["warnings"])
+  bad = [f"native losses {run['losses']} differ from emulate's {nvfp4['losses']} by {gap}"] \
+      if gap > NATIVE_TOLERANCE else []
+  bad += [f"native run warned: {w}" for w in run["warnings"]]
+  if sharded:
+    out["per_device_cost"], more = sharded_cost(python, dump, base_dump_dir=work / "dump")
+    bad += more
+    if out["per_device_cost"] and not out["per_device_cost"]["packed_gemms"]:
+      bad.append("the sharded native train step runs no FP4 GEMM")
+  return out, bad
+
+
 def hlo_dir(dump_dir, fp4):
-  return dump_dir.parent / ("hlo_fp4" if fp4 else "hlo_base")
+  return dump_dir.parent / f"hlo_{dump_dir.name}_{'fp4' if fp4 else 'base'}"
 
 
 def hlo_module_proto(python, path):
@@ -166,20 +197,31 @@ def hlo_module_proto(python, path):
   return out.read_bytes()
 
 
-def sharded_cost(python, dump_dir):
+def is_tokens(number, dtype, dims):
+  """The train step's data inputs: MaxText's batch arrays (token ids, positions, segments) are int32 (batch, seq)."""
+  return dtype == "s32" and len(dims) == 2
+
+
+def sharded_cost(python, dump_dir, base_dump_dir=None):
   """Per-device dot FLOPs and collective bytes of the optimized train step, with the pass and without, and the
-  targets' violations (issue 8: dot FLOPs <= 1.05x, collective bytes <= 1.10x apart from scalar all-reduces)."""
+  targets' violations (issue 8: dot FLOPs <= 1.05x, collective bytes <= 1.10x apart from scalar all-reduces).
+  `base_dump_dir`: where the run without the pass dumped, when not in `dump_dir`."""
   sys.path.insert(0, str(ROOT / "python"))
   from xla_fp4.sharding.cost import hlo_proto_cost
   costs = {}
   for fp4 in (False, True):
-    paths = sorted(glob.glob(str(hlo_dir(dump_dir, fp4) / "*train_step*after_optimizations.hlo.pb")))
+    where = hlo_dir(dump_dir if fp4 or base_dump_dir is None else base_dump_dir, fp4)
+    paths = sorted(glob.glob(str(where / "*train_step*after_optimizations.hlo.pb")))
     if not paths:
-      return None, [f"no optimized train step HLO dumped under {hlo_dir(dump_dir, fp4)}"]
-    costs["pass" if fp4 else "none"] = hlo_proto_cost(hlo_module_proto(python, Path(paths[-1])))
+      return None, [f"no optimized train step HLO dumped under {where}"]
+    costs["pass" if fp4 else "none"] = hlo_proto_cost(hlo_module_proto(python, Path(paths[-1])), is_tokens)
   none, new = costs["none"], costs["pass"]
+  by_kind = {k: dict(none=none.collective_bytes_by_kind[k], pass_=new.collective_bytes_by_kind[k],
+                     ratio=round(new.collective_bytes_by_kind[k] / max(none.collective_bytes_by_kind[k], 1), 4))
+             for k in new.collective_bytes_by_kind}
   out = dict(dot_flops_ratio=round(new.dot_flops / none.dot_flops, 4),
              collective_bytes_ratio=round(new.large_collective_bytes / max(none.large_collective_bytes, 1), 4),
+             collective_bytes_by_kind=by_kind, packed_gemms=new.packed_gemms,
              collective_bytes=dict(none=none.collective_bytes, pass_=new.collective_bytes),
              scalar_collective_bytes_pass=new.scalar_collective_bytes,
              collectives=dict(none=none.collectives, pass_=new.collectives))
@@ -258,6 +300,9 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--work", type=Path, default=Path("/tmp/xla_fp4_maxtext"), help="logs, dumps, MaxText's output")
   p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "maxtext.json")
+  p.add_argument("--native", action="store_true",
+                 help="train the NVFP4 run once more with XLA_FP4_BACKEND=native (on CPU the C++ reference FP4 GEMM): "
+                      "its losses must match the emulate run's, and sharded, its GEMMs run packed")
   p.add_argument("--telemetry", action="store_true",
                  help="train the NVFP4 run once more with XLA_FP4_TELEMETRY: same losses, records of every GEMM")
   args = p.parse_args(argv)
@@ -278,6 +323,9 @@ def main(argv=None):
         entry["per_device_cost"], bad = sharded_cost(python, work / "dump")
         entry["policy_violations"] += bad
         entry["one_device"], bad = one_device_check(python, name, nvfp4, work)
+        entry["policy_violations"] += bad
+      if args.native:
+        entry["native"], bad = native_run(python, name, nvfp4, work, args.steps, sharded)
         entry["policy_violations"] += bad
       if args.telemetry:
         entry["telemetry"], bad = telemetry_run(python, name, nvfp4, work, args.steps, sharded)
