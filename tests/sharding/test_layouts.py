@@ -54,7 +54,9 @@ def test_packed_operands_in_every_layout(layouts, layout, dtype, backend):
   weights = row["collective_bytes"]["by_kind"]["weight_gathers"]
   if weights["none"]:  # FSDP: packed codes and scales, about 0.14x of f32 and 0.28x of bf16 per gather
     assert weights["ratio"] <= 0.5, weights
-  assert row["sharded_minus_emulate"]["rel_l2"] <= 1e-4, row["sharded_minus_emulate"]
+  # measured at most 8e-5 (a split K summed in another order can flip a rounding downstream); a wrong block or
+  # scale would be off by the NVFP4 error itself, tens of percent
+  assert row["sharded_minus_emulate"]["rel_l2"] <= 1e-3, row["sharded_minus_emulate"]
 
 
 @pytest.mark.benchmark  # the module fixture runs benchmarks/sharding.py (minutes)
