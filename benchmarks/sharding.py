@@ -183,11 +183,11 @@ def measure(layout, dtype, sizes, repeats, backends=("emulate",)):
   n_inputs = len(jax.tree.leaves(sharded_args))
   is_data = lambda number, dtype, dims: number == n_inputs - 1  # noqa: E731  (x: the last argument)
 
-  def costed(entry, kinds):
-    """Cost and temporary memory of the compiled programs `kinds` of `entry`."""
+  def costed(entry):
+    """Cost and XLA's temporary memory per device of `entry`'s sharded and one-device programs."""
     entry["cost"] = cost(entry["sharded"], is_data)
     entry["single_cost"] = cost(entry["single"])
-    entry["temp"] = {k: entry[k].memory_analysis().temp_size_in_bytes for k in kinds}
+    entry["temp"] = {k: entry[k].memory_analysis().temp_size_in_bytes for k in ("sharded", "single")}
     entry["qdq_calls"] = entry["sharded"].as_text().count('custom_call_target="xla_fp4_qdq')
 
   # none: the unrewritten program; pass: the default recipe (stochastic rounding), timed and costed; pass_nearest:
@@ -213,7 +213,7 @@ def measure(layout, dtype, sizes, repeats, backends=("emulate",)):
       entry["flat_cores"] = compiled(flat_cores_args)
       entry["flat_single"] = compiled(flat_single_args)
     if not name.endswith("_nearest"):
-      costed(entry, ("sharded", "single"))
+      costed(entry)
     if name == "none" or name.endswith("_nearest"):
       reference = entry["single"](*single_args)
       entry["grads"] = entry["sharded"](*sharded_args)

@@ -73,27 +73,27 @@ def _result_arrays(instruction):
 
 
 def _instruction_cost(ins):
-  """(dot flops, quantized elements, [(collective opcode, result bytes)]) of one instruction, not counting the
-  computations it calls."""
+  """(dot flops, quantized elements, FP4 GEMM calls, [(collective opcode, result bytes)]) of one instruction, not
+  counting the computations it calls."""
   op = ins.opcode.name
   if op == "kDot":
     (_, out), = _result_arrays(ins)
     (_, lhs), = _result_arrays(ins.operands()[0])
     contracting = [int(d) for d in _CONTRACTING.search(ins.to_string()).group(1).split(",") if d]
-    return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting), 0, []
+    return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting), 0, 0, []
   if op == "kCustomCall" and _PACKED_GEMM.search(ins.to_string()):  # C (M, N) of a (M, K/2) and b (N, K/2)
     (_, out), = _result_arrays(ins)
     (_, a), = _result_arrays(ins.operands()[0])
-    return 2 * math.prod(out) * 2 * a[1], 0, []
+    return 2 * math.prod(out) * 2 * a[1], 0, 1, []
   if op == "kCustomCall" and _QUANTIZING.search(ins.to_string()):
     (_, dims), = _result_arrays(ins.operands()[0])
-    return 0, math.prod(dims), []
+    return 0, math.prod(dims), 0, []
   if op in _COLLECTIVES:
     sizes = [math.prod(dims) * _BYTES[dtype] for dtype, dims in _result_arrays(ins)]
     if op.endswith("Start"):  # (operands..., results...): the results are the second half
       sizes = sizes[len(sizes) // 2:]
-    return 0, 0, [(op, s) for s in sizes]
-  return 0, 0, []
+    return 0, 0, 0, [(op, s) for s in sizes]
+  return 0, 0, 0, []
 
 
 def _callees(ins):
@@ -156,14 +156,16 @@ def _data_dependence(module, by_name, entry, is_data):
   """{(computation, instruction name): True where the instruction's value depends on a data input} over every
   instruction reached from `entry`, merged over call sites. Tuples keep one value per element (a loop's carry holds
   weights and activations side by side); a loop runs its body to a fixed point."""
-  seen, memo, roots = {}, {}, _roots(module)
+  seen, memo, roots, orders = {}, {}, _roots(module), {}
 
   def run(name, params):
     """The root's dependence of computation `name` given its parameters' dependence."""
     if (name, params) in memo:
       return memo[(name, params)]
     value = {}
-    for ins in _topological(by_name[name]):
+    if name not in orders:
+      orders[name] = _topological(by_name[name])
+    for ins in orders[name]:
       op, text = ins.opcode.name, ins.to_string()
       args = [value[o.name] for o in ins.operands()]
       if op == "kParameter":
@@ -244,15 +246,14 @@ def modules_cost(modules, is_data=None) -> Cost:
       if name not in memo:
         f, e, g, coll = 0, 0, 0, []
         for ins in by_name[name].instructions():
-          own_f, own_e, own_c = _instruction_cost(ins)
+          own_f, own_e, own_g, own_c = _instruction_cost(ins)
           if own_c and is_data is not None:
             depends = any(data.get((name, o.name), False) for o in ins.operands())
             kind = ("reductions" if ins.opcode.name in _REDUCTIONS else
                     "activation_gathers" if depends else "weight_gathers")
           else:
             kind = None
-          g += ins.opcode.name == "kCustomCall" and bool(_PACKED_GEMM.search(ins.to_string()))
-          f, e, coll = f + own_f, e + own_e, coll + [(op, size, kind) for op, size in own_c]
+          f, e, g, coll = f + own_f, e + own_e, g + own_g, coll + [(op, size, kind) for op, size in own_c]
           always, branches = _callees(ins)
           for callee in always:
             cf, ce, cg, cc = visit(callee)
