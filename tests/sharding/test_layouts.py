@@ -226,24 +226,31 @@ KEPT_BLOCKS = textwrap.dedent("""
     ws = jax.device_put((jnp.full((4, 128, 256), 0.01), jnp.full((4, 256, 128), 0.01)),
                         NamedSharding(mesh, P(None, "fsdp")))
     x = jax.device_put(jnp.ones((16, 32, 128)), NamedSharding(mesh, P("fsdp")))
+    is_data = lambda i, *_: i == 2  # x (after the two weights)
     out = {}
-    for name in ("none", "pass"):
-      if name == "pass":  # the last of the 4 blocks kept: a per-iteration select in the scan
-        xla_fp4.enable(strict=True, keep_head=False, keep_first=0, keep_last=1)
+    for name in ("none", "emulate", "native"):
+      if name != "none":  # the last of the 4 blocks kept: a per-iteration select in the scan
+        xla_fp4.enable(strict=True, keep_head=False, keep_first=0, keep_last=1, backend=name)
         rows = xla_fp4.explain(jax.grad(loss), ws, x)
         out["keep_blocks"] = sorted({b for r in rows for b in r["keep_blocks"]})
-      c = cost(jax.jit(jax.grad(loss)).lower(ws, x).compile())
+      c = cost(jax.jit(jax.grad(loss)).lower(ws, x).compile(), is_data=is_data)
       xla_fp4.disable()
-      out[name] = dict(flops=c.dot_flops, bytes=c.large_collective_bytes, collectives=c.collectives)
+      out[name] = dict(flops=c.dot_flops, bytes=c.large_collective_bytes, collectives=c.collectives,
+                       weight_gathers=c.collective_bytes_by_kind["weight_gathers"], packed_gemms=c.packed_gemms)
     print(json.dumps(out))
 """)
 
 
 def test_a_scanned_stack_with_kept_blocks_gathers_each_weight_once_under_fsdp():
-  """The per-iteration select of kept blocks is a case per operand, before the GEMM: the weight is all-gathered once for
-  the recomputed fprop and the dgrad that read it, as without the pass (a case around each whole dot gathered it in
-  every dot's own branch)."""
+  """The emulated forms' per-iteration select of kept blocks is a select per operand, before the GEMM: the weight is
+  all-gathered once for the recomputed fprop and the dgrad that read it, as without the pass (a case around each
+  whole dot gathered it in every dot's own branch). The native form's case holds the original dot and the FP4 GEMM;
+  counted per iteration that runs each branch (emitter.BRANCH_RUNS), 3 of the 4 iterations gather packed weights."""
   out = json.loads(run_python(["-c", KEPT_BLOCKS]).strip().splitlines()[-1])
   assert out["keep_blocks"] == [3], out
-  assert out["pass"]["flops"] <= 1.05 * out["none"]["flops"], out
-  assert out["pass"]["bytes"] <= 1.10 * out["none"]["bytes"], out
+  for backend in ("emulate", "native"):
+    assert out[backend]["flops"] <= 1.05 * out["none"]["flops"], out
+    assert out[backend]["bytes"] <= 1.10 * out["none"]["bytes"], out
+  assert out["native"]["packed_gemms"] >= 6, out  # the forward's, the recomputed forward's, the dgrads, the wgrads
+  assert out["native"]["bytes"] <= 0.8 * out["none"]["bytes"], out  # measured 0.69x
+  assert out["native"]["weight_gathers"] <= 0.6 * out["none"]["weight_gathers"], out  # measured 0.54x

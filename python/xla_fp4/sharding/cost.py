@@ -12,14 +12,18 @@ broadcast) of a value that depends on no data input (the step's entry parameters
 tokens) is a weight gather, any other gather an activation gather, and all-reduces and reduce-scatters are reductions
 (gradients, and the partial sums of a split contraction); scalar collectives are left out of the split.
 Computations are followed from the entry through their call sites
-(fusions, calls, loops, reductions); a conditional counts its most expensive branch, the one work a step can run. A
-loop body counts once (not times its trip count), which is what a side-by-side ratio of two programs of the same
-structure needs.
+(fusions, calls, loops, reductions); a conditional counts its most expensive branch, the one work a step can run,
+except the pass's kept-iteration case in a scanned stack (emitter.BRANCH_RUNS: how many iterations run each branch),
+whose branches count in proportion to the iterations that run them. A loop body counts once (not times its trip
+count: the average iteration), which is what a side-by-side ratio of two programs of the same structure needs.
+FP4 GEMMs are counted once per call site, in whichever branch.
 """
 
 import dataclasses
 import math
 import re
+
+from xla_fp4.passes.rewrite.emitter import BRANCH_RUNS
 
 _COLLECTIVES = {"kAllReduce", "kAllReduceStart", "kAllGather", "kAllGatherStart", "kReduceScatter", "kAllToAll",
                 "kCollectivePermute", "kCollectivePermuteStart", "kCollectiveBroadcast"}
@@ -35,6 +39,7 @@ _PARAMETER = re.compile(r"\bparameter\((\d+)\)")
 _INDEX = re.compile(r"\bindex=(\d+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
 _ROOT = re.compile(r"^\s+ROOT %([\w.\-]+) = ")
+_RUNS = re.compile(BRANCH_RUNS + r'="([0-9,]+)"')
 _REDUCTIONS = {"kAllReduce", "kAllReduceStart", "kReduceScatter"}
 # Collectives at most this many bytes per result are scalar reductions: the pass's global amax and digest.
 SCALAR_BYTES = 8
@@ -241,8 +246,9 @@ def modules_cost(modules, is_data=None) -> Cost:
     memo = {}
 
     def visit(name):
-      """(flops, quantized elements, packed GEMMs, [(opcode, bytes, kind)]) of computation `name` and everything it
-      calls."""
+      """(flops, quantized elements, packed GEMMs, [(opcode, bytes, kind, weight)]) of computation `name` and
+      everything it calls; `weight` is the share of the computation's runs in which the collective runs (below 1 in
+      a weighted branch)."""
       if name not in memo:
         f, e, g, coll = 0, 0, 0, []
         for ins in by_name[name].instructions():
@@ -253,14 +259,24 @@ def modules_cost(modules, is_data=None) -> Cost:
                     "activation_gathers" if depends else "weight_gathers")
           else:
             kind = None
-          f, e, g, coll = f + own_f, e + own_e, g + own_g, coll + [(op, size, kind) for op, size in own_c]
+          f, e, g, coll = f + own_f, e + own_e, g + own_g, coll + [(op, size, kind, 1) for op, size in own_c]
           always, branches = _callees(ins)
           for callee in always:
             cf, ce, cg, cc = visit(callee)
             f, e, g, coll = f + cf, e + ce, g + cg, coll + cc
           if branches:
-            cf, ce, cg, cc = max((visit(b) for b in branches), key=lambda c: (c[0], sum(s for _, s, _ in c[3])))
-            f, e, g, coll = f + cf, e + ce, g + cg, coll + cc
+            costs = [visit(b) for b in branches]
+            runs = _RUNS.search(ins.to_string())
+            runs = [int(n) for n in runs.group(1).split(",")] if runs else []
+            if len(runs) == len(branches) and sum(runs) > 0:
+              shares = [n / sum(runs) for n in runs]
+              f += sum(w * c[0] for w, c in zip(shares, costs))
+              e += sum(w * c[1] for w, c in zip(shares, costs))
+              g += sum(c[2] for c in costs)
+              coll = coll + [(op, size, kind, w * cw) for w, c in zip(shares, costs) for op, size, kind, cw in c[3]]
+            else:
+              cf, ce, cg, cc = max(costs, key=lambda c: (c[0], sum(s * w for _, s, _, w in c[3])))
+              f, e, g, coll = f + cf, e + ce, g + cg, coll + cc
         memo[name] = (f, e, g, coll)
       return memo[name]
 
@@ -269,13 +285,14 @@ def modules_cost(modules, is_data=None) -> Cost:
       flops += f
       elements += e
       gemms += g
-      for op, size, kind in coll:
-        total += size
-        scalar += size if size <= SCALAR_BYTES else 0
-        counts[op] = counts.get(op, 0) + 1
+      for op, size, kind, weight in coll:
+        total += size * weight
+        scalar += size * weight if size <= SCALAR_BYTES else 0
+        counts[op] = counts.get(op, 0) + weight
         if kind is not None and size > SCALAR_BYTES:
-          kinds[kind] = kinds.get(kind, 0) + size
+          kinds[kind] = kinds.get(kind, 0) + size * weight
   if is_data is not None:
-    kinds = {k: kinds.get(k, 0) for k in ("weight_gathers", "activation_gathers", "reductions")}
-  return Cost(dot_flops=flops, collective_bytes=total, scalar_collective_bytes=scalar, collectives=counts,
-              quantized_elements=elements, packed_gemms=gemms, collective_bytes_by_kind=kinds)
+    kinds = {k: round(kinds.get(k, 0)) for k in ("weight_gathers", "activation_gathers", "reductions")}
+  return Cost(dot_flops=round(flops), collective_bytes=round(total), scalar_collective_bytes=round(scalar),
+              collectives={op: round(n, 2) for op, n in counts.items()}, quantized_elements=round(elements),
+              packed_gemms=gemms, collective_bytes_by_kind=kinds)

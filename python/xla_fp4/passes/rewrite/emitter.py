@@ -60,6 +60,9 @@ from xla_fp4.passes.rewrite.probes import Measure
 from xla_fp4.passes.rewrite.reuse import Reuse, blocking
 from xla_fp4.passes.rewrite.values import broadcast, const, f32, scalar_type, tensor_type, u32
 
+# The frontend attribute of a kept-iteration case: how many iterations of its stack run each branch ("kept,other").
+BRANCH_RUNS = "xla_fp4_branch_runs"
+
 
 class Emitter:
   def __init__(self, kernels, twins, seed, matrix_gemm=False, emulate=False, probes=None):
@@ -89,15 +92,16 @@ class Emitter:
       # and outside a kept-iteration case (so that every iteration counts).
       probe = None if self.probes is None else self.probes.begin(plan, block_value, select)
       probed = lambda build: self._probed(plan, build, probe)  # noqa: E731
+      runs = (len(keep_blocks), site.num_stacked - len(keep_blocks)) if select is not None else None
       if plan.form is Form.PACKED_GROUPED:
-        return self._in_case(select, dot, lambda: probed(lambda: self._native_per_expert(plan)))
+        return self._in_case(select, runs, dot, lambda: probed(lambda: self._native_per_expert(plan)))
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
         return probed(lambda: self._slices(plan, select))
       if plan.form is Form.GROUPED:
-        return self._in_case(select, dot, lambda: self._ragged(plan))
+        return self._in_case(select, runs, dot, lambda: self._ragged(plan))
       if plan.form is not Form.PACKED:
         return probed(lambda: self._emulated(plan, select))
-      return self._in_case(select, dot, lambda: probed(lambda: self._native_gemm(plan)))
+      return self._in_case(select, runs, dot, lambda: probed(lambda: self._native_gemm(plan)))
 
   def _probed(self, plan, build, probe):
     """`build()`, followed by the telemetry probes of its GEMM (probes.py) where `probe` (Probes.begin) is given."""
@@ -115,13 +119,17 @@ class Emitter:
       self._measures[i].append(Measure(**measure))
 
   @staticmethod
-  def _in_case(select, dot, build):
+  def _in_case(select, runs, dot, build):
     """`build()`, or with `select` a stablehlo.case that runs the original op in kept iterations and `build()`'s
-    pattern in the others."""
+    pattern in the others. `runs` (kept, other iterations of the stack) goes with the case as the frontend attribute
+    BRANCH_RUNS, so that a cost model of the compiled step weights each branch by how often it runs
+    (sharding/cost.py) rather than taking the dearer one: a kept branch gathers its weight at full width."""
     if select is None:
       return build()
     i32 = ir.IntegerType.get_signless(32)
     case = hlo.CaseOp([dot.results[0].type], hlo.SelectOp(select, const(0, i32), const(1, i32)).result, 2)
+    case.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
+        {BRANCH_RUNS: ir.StringAttr.get(",".join(str(n) for n in runs))})
     with ir.InsertionPoint(case.regions[0].blocks.append()):
       hlo.ReturnOp([dot.operation.clone().results[0]])
     with ir.InsertionPoint(case.regions[1].blocks.append()):
