@@ -91,7 +91,7 @@ def setup():
 
 
 def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, small=SMALL, telemetry=None,
-          backend=None):
+          backend=None, nearest=False):
   config = subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
                            "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
   env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
@@ -101,6 +101,8 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
     env["XLA_FP4_TELEMETRY"] = str(telemetry)
   if backend:
     env["XLA_FP4_BACKEND"] = backend
+  if nearest:
+    env["XLA_FP4_STOCHASTIC_ROUNDING"] = "0"
   if sharded:
     env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={HOST_DEVICES} --xla_dump_hlo_as_proto "
                         f"--xla_dump_to={hlo_dir(dump_dir, fp4)} --xla_dump_hlo_module_re=.*train_step.*")
@@ -154,28 +156,40 @@ def telemetry_run(python, name, nvfp4, work, steps, sharded):
               worst_underflow=by_underflow, lowest_snr_db=by_snr, log=run["log"]), bad
 
 
-# |loss, native - emulate| allowed at every step: the same quantized operands, the FP4 GEMM's f32 sums in another
-# order than XLA's dot, and stochastic rounding of gradients that can then differ in a draw.
-NATIVE_TOLERANCE = 0.01
+# |loss, native - emulate|, both with nearest rounding. Step 0 (a forward pass: the same quantized operands, the FP4
+# GEMM's f32 sums in another order than XLA's dot): measured 0.000 on one device and sharded. Later steps: one device
+# 0.000 (bit for bit); sharded (fsdp8, fsdp4_tp2) 0.006 and 0.011 after 4 steps, growing step by step (0.005, 0.002,
+# 0.011), as a split contraction's partial sums, added in another order, flip FP4 roundings downstream that training
+# then carries on. (With stochastic rounding the backends draw differently, since the packed form quantizes K-major
+# copies of the operands: one device's runs drifted 0.025 apart in 4 steps.) What the gradients are is bound in CI by
+# tests/sharding/test_layouts.py (relative L2 to the emulate backend's, 8e-5).
+NATIVE_STEP0_TOLERANCE = 0.002
+NATIVE_TOLERANCE = 0.02
 
 
-def native_run(python, name, nvfp4, work, steps, sharded):
-  """The NVFP4 run again with XLA_FP4_BACKEND=native: (summary, violations). Its losses must match the emulate
-  run's; sharded, its train step must run FP4 GEMMs and keep issue 8's targets."""
-  dump = work / "dump_native"
-  dump.mkdir(parents=True, exist_ok=True)
-  run = train(python, f"{name}_fp4_native", CONFIGS[name], steps, True, dump, work / "fp4_native.log", sharded,
-              backend="native")
-  if run["returncode"] != 0 or len(run["losses"]) != steps:
-    return dict(log=run["log"]), [f"the native run failed: {run['log']}"]
-  gap = round(max(abs(a - b) for a, b in zip(run["losses"], nvfp4["losses"])), 4)
-  out = dict(losses=run["losses"], step_s=run["step_s"], max_loss_gap_to_emulate=gap, log=run["log"],
-             warnings=run["warnings"])
-  bad = [f"native losses {run['losses']} differ from emulate's {nvfp4['losses']} by {gap}"] \
-      if gap > NATIVE_TOLERANCE else []
-  bad += [f"native run warned: {w}" for w in run["warnings"]]
+def native_run(python, name, work, steps, sharded):
+  """The NVFP4 run with XLA_FP4_BACKEND=native beside the emulate backend's, both with nearest rounding: (summary,
+  violations). Their losses must match; sharded, the native train step must run FP4 GEMMs and keep issue 8's
+  targets."""
+  runs = {}
+  for backend in ("emulate", "native"):
+    dump = work / f"dump_{backend}_nearest"
+    dump.mkdir(parents=True, exist_ok=True)
+    runs[backend] = train(python, f"{name}_fp4_{backend}_nearest", CONFIGS[name], steps, True, dump,
+                          work / f"fp4_{backend}_nearest.log", sharded, backend=backend, nearest=True)
+    if runs[backend]["returncode"] != 0 or len(runs[backend]["losses"]) != steps:
+      return dict(log=runs[backend]["log"]), [f"the {backend} run with nearest rounding failed: {runs[backend]['log']}"]
+  run, emulate = runs["native"], runs["emulate"]
+  gap = round(max(abs(a - b) for a, b in zip(run["losses"], emulate["losses"])), 4)
+  gap0 = round(abs(run["losses"][0] - emulate["losses"][0]), 4)
+  out = dict(losses=run["losses"], emulate_losses=emulate["losses"], step_s=run["step_s"],
+             emulate_step_s=emulate["step_s"], step0_loss_gap_to_emulate=gap0, max_loss_gap_to_emulate=gap,
+             log=run["log"], warnings=run["warnings"])
+  bad = [f"native losses {run['losses']} differ from emulate's {emulate['losses']} by {gap} (nearest rounding)"] \
+      if gap0 > NATIVE_STEP0_TOLERANCE or gap > NATIVE_TOLERANCE else []
+  bad += [f"{backend} run warned: {w}" for backend, r in runs.items() for w in r["warnings"]]
   if sharded:
-    out["per_device_cost"], more = sharded_cost(python, dump, base_dump_dir=work / "dump")
+    out["per_device_cost"], more = sharded_cost(python, work / "dump_native_nearest", base_dump_dir=work / "dump")
     bad += more
     if out["per_device_cost"] and not out["per_device_cost"]["packed_gemms"]:
       bad.append("the sharded native train step runs no FP4 GEMM")
@@ -301,8 +315,9 @@ def main(argv=None):
   p.add_argument("--work", type=Path, default=Path("/tmp/xla_fp4_maxtext"), help="logs, dumps, MaxText's output")
   p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "maxtext.json")
   p.add_argument("--native", action="store_true",
-                 help="train the NVFP4 run once more with XLA_FP4_BACKEND=native (on CPU the C++ reference FP4 GEMM): "
-                      "its losses must match the emulate run's, and sharded, its GEMMs run packed")
+                 help="train the NVFP4 run with XLA_FP4_BACKEND=native (on CPU the C++ reference FP4 GEMM) and with the "
+                      "emulate backend, both with nearest rounding: their losses must match, and sharded, the native "
+                      "step's GEMMs run packed")
   p.add_argument("--telemetry", action="store_true",
                  help="train the NVFP4 run once more with XLA_FP4_TELEMETRY: same losses, records of every GEMM")
   args = p.parse_args(argv)
@@ -325,7 +340,7 @@ def main(argv=None):
         entry["one_device"], bad = one_device_check(python, name, nvfp4, work)
         entry["policy_violations"] += bad
       if args.native:
-        entry["native"], bad = native_run(python, name, nvfp4, work, args.steps, sharded)
+        entry["native"], bad = native_run(python, name, work, args.steps, sharded)
         entry["policy_violations"] += bad
       if args.telemetry:
         entry["telemetry"], bad = telemetry_run(python, name, nvfp4, work, args.steps, sharded)
