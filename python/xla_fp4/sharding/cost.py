@@ -50,7 +50,7 @@ class Cost:
   dot_flops: int  # per device
   collective_bytes: int  # per device, every collective
   scalar_collective_bytes: int  # the part of collective_bytes in scalar collectives (at most SCALAR_BYTES a result)
-  collectives: dict  # opcode -> count
+  collectives: dict  # opcode -> count (a weighted branch's collectives count by their share of its runs)
   quantized_elements: int = 0  # per device: elements the pass's kernels quantize
   packed_gemms: int = 0  # FP4 GEMM calls (xla_fp4_gemm_packed)
   # per device, scalar collectives aside: {"weight_gathers", "activation_gathers", "reductions"} -> bytes; empty
