@@ -9,6 +9,8 @@
 // A(type, name): each target's attributes, in the order of its handlers' parameters.
 #define XLA_FP4_QDQ_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, apply_global_scale)
+#define XLA_FP4_QDQ_AND_STATS_ATTRIBUTES(A) \
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
 #define XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
 #define XLA_FP4_QDQ_STATS_ATTRIBUTES(A) \
@@ -31,6 +33,7 @@
   X(kQdqWithScaleTarget, QdqWithScale, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)        \
   X(kQdqWithScaleStatsTarget, QdqWithScaleStats, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES) \
   X(kQdqStatsTarget, QdqStats, XLA_FP4_QDQ_STATS_ATTRIBUTES)                     \
+  X(kQdqAndStatsTarget, QdqAndStats, XLA_FP4_QDQ_AND_STATS_ATTRIBUTES)           \
   X(kOutputStatsTarget, OutputStats, XLA_FP4_NO_ATTRIBUTES)                      \
   X(kRhtTarget, Rht, XLA_FP4_RHT_ATTRIBUTES)                                     \
   X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
@@ -50,6 +53,7 @@ inline constexpr char kQdqTarget[] = "xla_fp4_qdq";
 inline constexpr char kQdqWithScaleTarget[] = "xla_fp4_qdq_with_scale";
 inline constexpr char kQdqWithScaleStatsTarget[] = "xla_fp4_qdq_with_scale_stats";
 inline constexpr char kQdqStatsTarget[] = "xla_fp4_qdq_stats";
+inline constexpr char kQdqAndStatsTarget[] = "xla_fp4_qdq_and_stats";
 inline constexpr char kOutputStatsTarget[] = "xla_fp4_output_stats";
 inline constexpr char kRhtTarget[] = "xla_fp4_rht";
 inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";

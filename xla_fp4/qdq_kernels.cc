@@ -8,6 +8,9 @@
 //                                      the same, and the quantization's statistics from the same pass (telemetry)
 //   xla_fp4_qdq_stats(x, s_dec, step) -> stats (float32[11])
 //                                      what xla_fp4_qdq does to x, as numerics/telemetry.py FIELDS (the telemetry)
+//   xla_fp4_qdq_and_stats(x, s_dec, key, step) -> (y, stats)
+//                                      xla_fp4_qdq (apply_global_scale off) and, in a recorded step, the statistics of
+//                                      what it did to x from the same pass (a partitioned program's telemetry)
 #include <vector>
 
 #include "xla_fp4/cpu_common.h"
@@ -328,6 +331,40 @@ ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_
   });
 }
 
+// Telemetry's xla_fp4_qdq (a partitioned program's quantizer: x may be a shard): y as xla_fp4_qdq makes it without
+// the global scale, and in a recorded step (step >= 0) the statistics of that quantization of x from the same pass;
+// zeros otherwise.
+ffi::Error QdqAndStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+                          ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> stats,
+                          int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+  Geometry g;
+  if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
+                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+                                 CheckScalar(key, ffi::DataType::U32, "key"),
+                                 CheckStatsRow(stats->element_count(), stats->element_type(),
+                                               "xla_fp4_qdq_and_stats")});
+      e.failure()) {
+    return e;
+  }
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
+                                               *static_cast<const uint32_t*>(key.untyped_data()));
+  float* row = static_cast<float*>(stats->untyped_data());
+  std::fill_n(row, telemetry::kNumFields, 0.0f);
+  const bool recorded = step.typed_data()[0] >= 0;
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    T* yp = static_cast<T*>(y->untyped_data());
+    if (recorded) {
+      QdqStatsImpl(pool, xp, g, recipe, tensor, row, yp);
+    } else {
+      QdqImpl(pool, xp, yp, g, recipe, tensor, /*apply_global_scale=*/false);
+    }
+    return ffi::Error::Success();
+  });
+}
+
 // For programs that are not partitioned, where x is the whole tensor: the amax and the key come from x itself instead
 // of from reductions emitted around the call (the same numbers as the partitioned pattern's: kernel_twins.decode_scale
 // over xla_fp4_block_amax, and kernel_twins.stochastic_key), which keeps XLA's compile time and the step's memory
@@ -468,6 +505,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCpu, xla_fp4::cpu::QdqStatsFfi,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded, no work)
                                   .Ret<ffi::AnyBuffer>()  // statistics, float32[11] (zeros when not recorded)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCpu, xla_fp4::cpu::QdqAndStatsFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x (a shard, in a partitioned program)
+                                  .Arg<ffi::AnyBuffer>()         // s_dec (float32 scalar)
+                                  .Arg<ffi::AnyBuffer>()         // key (uint32 scalar)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded)
+                                  .Ret<ffi::AnyBuffer>()         // y: q * scale, x's shape and dtype
+                                  .Ret<ffi::AnyBuffer>()         // statistics, float32[11]
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_AND_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCpu, xla_fp4::cpu::RhtFfi,
                               ffi::Ffi::Bind()

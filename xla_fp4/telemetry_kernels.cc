@@ -29,9 +29,13 @@ ffi::Error TelemetryRecord(int32_t device, ffi::Buffer<ffi::F32> stats, ffi::Buf
                            int64_t strict_row) {
   done->typed_data()[0] = step.typed_data()[0];
   if (step.typed_data()[0] < 0) return ffi::Error::Success();  // not a recorded step
-  const float* v = stats.typed_data();
+  // [rows, FIELDS], or a partitioned program's [devices, rows, FIELDS] (telemetry::CombineDevices)
+  const auto dims = stats.dimensions();
+  const int64_t devices = dims.size() == 3 ? dims[0] : 1;
   telemetry::Record record{module, site, block.typed_data()[0], step.typed_data()[0], device,
-                           std::vector<float>(v, v + stats.element_count())};
+                           telemetry::CombineDevices(stats.typed_data(), devices,
+                                                     static_cast<int64_t>(stats.element_count()) / devices /
+                                                         telemetry::kNumFields)};
   std::string error = telemetry::AllZeroMessage(record, strict_row);
   Sink::Get().Add(std::move(record));
   if (!error.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, error);
@@ -82,7 +86,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryStepCpu, xla_fp4::cpu::TelemetrySte
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCpu, xla_fp4::cpu::TelemetryRecord,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // statistics: rows of telemetry::kNumFields
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // statistics: [rows, kNumFields] or
+                                                                 // [devices, rows, kNumFields]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // step
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block
                                   .Ret<ffi::Buffer<ffi::S32>>()  // the step, passed through

@@ -9,6 +9,7 @@
 #ifndef XLA_FP4_TELEMETRY_SINK_H_
 #define XLA_FP4_TELEMETRY_SINK_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -85,6 +86,24 @@ class Sink {
   std::map<std::pair<int64_t, int64_t>, std::string> labels_;
   std::vector<Record> records_;
 };
+
+// The rows of one record from a partitioned program's per-device tables: `values` holds `devices` tables of `rows`
+// rows each, what one device's shards contribute (a replica's are zeros). An operand row's amax and s_dec are the
+// largest, its other fields (counts, energies) the sum; the last row (the output's zeros and elements) is all sums:
+// the whole tensors' rows.
+inline std::vector<float> CombineDevices(const float* values, int64_t devices, int64_t rows) {
+  const int64_t floats = rows * kNumFields;
+  std::vector<float> out(values, values + floats);
+  for (int64_t d = 1; d < devices; ++d) {
+    const float* v = values + d * floats;
+    for (int64_t i = 0; i < floats; ++i) {
+      const int field = static_cast<int>(i % kNumFields);
+      const bool maxed = i / kNumFields < rows - 1 && (field == kAmax || field == kDecodeScale);
+      out[i] = maxed ? std::max(out[i], v[i]) : out[i] + v[i];
+    }
+  }
+  return out;
+}
 
 // The strict-mode check of one record: the message when operand row `row` has nonzero elements and none survives
 // quantization, else "".

@@ -254,7 +254,7 @@ _SHARDED = textwrap.dedent("""
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     w1 = jax.random.normal(keys[0], (128, 256)) * 0.05
     w2 = jax.random.normal(keys[1], (256, 128)) * 0.05
-    x = jax.random.normal(keys[2], (64, 128))
+    x = jax.random.normal(keys[2], (64, 128)).at[:, 0].set(0)  # a zero feature: a zero row of w1's gradient
     def loss(p, x):
       return jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2)
     if layout == "fsdp":  # weights sharded, batch sharded
@@ -283,6 +283,42 @@ def test_sharded_statistics_equal_one_devices(tmp_path):
     assert r["elements"] == o["elements"] and r["amax"] == o["amax"], key(r)
     assert r["underflow"] == pytest.approx(o["underflow"], abs=2e-3), key(r)
     assert r["snr_db"] == pytest.approx(o["snr_db"], abs=0.05), key(r)
+    assert r["output_zeros"] == o["output_zeros"], key(r)  # a wgrad output's zeros: summed, not the largest shard's
+  assert max(r["output_zeros"] or 0 for r in runs["fsdp"]) >= 256 / (128 * 256)  # w1's gradient's zero row
+
+
+_COLLECTIVES = textwrap.dedent(r"""
+    import os, re, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xla_fp4
+    mesh = jax.make_mesh((8,), ("d",))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d", None)))
+    w1, w2, x = put(jnp.ones((128, 256))), put(jnp.ones((256, 128))), put(jnp.ones((64, 128)))
+    loss = lambda p, x: jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2)
+    for telemetry in ("", sys.argv[1]):
+      xla_fp4.enable(telemetry=telemetry, stochastic_rounding=False, keep_head=False)
+      text = jax.jit(jax.grad(loss)).lower((w1, w2), x).compile().as_text()
+      entry = text[text.index("ENTRY"):]
+      entry = entry[:entry.index("\n}")]
+      ops = re.findall(r" (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", entry)
+      print(len(ops), text.count("xla_fp4_qdq_and_stats"), text.count("conditional("))
+""")
+
+
+def test_sharded_steps_gather_statistics_only_when_recorded(tmp_path):
+  """Under FSDP on 8 host devices the quantizers measure their shards in the same pass (xla_fp4_qdq_and_stats), and
+  the only collectives telemetry adds, the gathers of the per-device rows, run inside the conditional of a recorded
+  step: the step's own computation has as many collectives as without telemetry (each costs ~1 ms on CPU)."""
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
+  r = subprocess.run([sys.executable, "-c", _COLLECTIVES, str(tmp_path)], env=clean, capture_output=True, text=True,
+                     cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-4000:]
+  (off, off_stats, off_cases), (on, on_stats, on_cases) = [map(int, line.split()) for line in r.stdout.split("\n")[:2]]
+  assert off_stats == 0 and on_stats > 0
+  assert on == off > 0
+  assert on_cases >= off_cases + 5  # one conditional record per GEMM
 
 
 @pytest.mark.benchmark  # runs benchmarks/telemetry.py --small (a minute)
@@ -330,6 +366,16 @@ def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, 
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5)
   assert not np.asarray(kernels.qdq_stats(x, s_dec, 77, step=-1, **recipe)).any()
   _, _, skipped = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(-1)], salt=77, **recipe)
+  assert not np.asarray(skipped).any()
+  # the partitioned quantizer's form: the decode scale and key as operands, q and the row from one pass
+  key = jnp.uint32(0x1234)
+  q2, row2 = kernels.qdq_and_stats(x, s_dec, key, step=4, **recipe)
+  want_q2, want2 = jax.jit(lambda x: st.qdq_and_stats(x, s_dec, key, jnp.int32(4), **recipe))(x)
+  assert_same_bits(q2, want_q2)
+  np.testing.assert_array_equal(np.asarray(row2)[counts], np.asarray(want2)[counts])
+  np.testing.assert_allclose(np.asarray(row2), np.asarray(want2), rtol=1e-5)
+  q3, skipped = kernels.qdq_and_stats(x, s_dec, key, step=-1, **recipe)
+  assert_same_bits(q3, want_q2)
   assert not np.asarray(skipped).any()
   y = x.at[:2].set(0)
   np.testing.assert_array_equal(np.asarray(kernels.output_stats(y, 0)), np.asarray(st.output_stats(y, 0)))

@@ -263,6 +263,42 @@ ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch,
   });
 }
 
+// Telemetry's xla_fp4_qdq (a partitioned program's quantizer: x may be a shard): y without the global scale, and the
+// statistics of that quantization from the same pass in a recorded step (the sink reads the step on the device).
+ffi::Error QdqAndStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
+                       ffi::AnyBuffer key, ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis, bool block_2d, bool stochastic,
+                       bool rht, int64_t rht_seed) {
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, *y, axis, stochastic, rht_seed, &shape));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
+  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_qdq_and_stats"));
+  constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double);
+  std::optional<void*> words = scratch.Allocate(kBytes, alignof(double));
+  if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the stats");
+  auto* counts = static_cast<unsigned long long*>(*words);
+  auto* energies = reinterpret_cast<double*>(counts + 7);
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(counts, 0, kBytes, stream), "cudaMemsetAsync"));
+  const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const float* s = static_cast<const float*>(s_dec.untyped_data());
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    if (g.Threads() > 0) {
+      const DequantizeSink<T> dequantize{static_cast<T*>(y->untyped_data()), false};
+      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+          xp, g, r, s, static_cast<const uint32_t*>(key.untyped_data()),
+          DequantizeStatsSink<T>{dequantize, StatsSink<T>{xp, r, step.typed_data(), counts, energies}});
+      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_and_stats kernel"));
+    }
+    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s, step.typed_data(), static_cast<float>(shape.size()),
+                                           stats->typed_data());
+    return LaunchStatus("xla_fp4_qdq_and_stats finish kernel");
+  });
+}
+
 // The stochastic-rounding key as the GEMM's quantizer made it (salt ^ x's digest), in a recorded step only.
 template <typename T>
 __global__ void StatsKeyKernel(const T* x, int64_t n, const int32_t* step, uint32_t* digest) {
@@ -395,6 +431,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCuda, xla_fp4::cuda::QdqStats,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded, no work)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCuda, xla_fp4::cuda::QdqAndStats,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x (a shard, in a partitioned program)
+                                  .Arg<xla::ffi::AnyBuffer>()              // s_dec (float32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()              // key (uint32 scalar)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded)
+                                  .Ret<xla::ffi::AnyBuffer>()              // y: q * scale, x's shape and dtype
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_AND_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCuda, xla_fp4::cuda::Rht,
                               xla::ffi::Ffi::Bind()

@@ -77,6 +77,7 @@ ffi::Error OutputStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
 struct Staging {
   float* host = nullptr;
   size_t floats = 0;
+  int64_t devices = 1;  // a partitioned program's per-device tables (telemetry::CombineDevices)
   telemetry::Record record;
 };
 
@@ -104,7 +105,8 @@ ffi::Error Acquire(size_t floats, Staging** out) {
 void Deliver(void* data) {  // a host function: no CUDA calls
   auto* s = static_cast<Staging*>(data);
   const size_t n = s->record.values.size();
-  std::memcpy(s->record.values.data(), s->host, n * sizeof(float));
+  const int64_t rows = static_cast<int64_t>(n) / s->devices / telemetry::kNumFields;
+  s->record.values = telemetry::CombineDevices(s->host, s->devices, rows);
   std::memcpy(&s->record.step, s->host + n, sizeof(int32_t));
   std::memcpy(&s->record.block, s->host + n + 1, sizeof(int32_t));
   if (s->record.step >= 0) Sink::Get().Add(s->record);  // -1: a kept iteration of a recorded step
@@ -124,6 +126,7 @@ ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
   Staging* s = nullptr;
   XLA_FP4_RETURN_IF_ERROR(Acquire(n + 2, &s));
   s->record = telemetry::Record{module, site, -1, -1, device, std::vector<float>(n)};
+  s->devices = stats.dimensions().size() == 3 ? stats.dimensions()[0] : 1;
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(s->host, stats.typed_data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream), "copy"));
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(
@@ -133,7 +136,8 @@ ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
   if (strict_row < 0) return CudaStatus(cudaLaunchHostFunc(stream, Deliver, s), "telemetry host function");
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "telemetry (strict) synchronize"));
   telemetry::Record record = s->record;
-  std::memcpy(record.values.data(), s->host, n * sizeof(float));
+  record.values = telemetry::CombineDevices(s->host, s->devices,
+                                            static_cast<int64_t>(n) / s->devices / telemetry::kNumFields);
   record.step = *reinterpret_cast<int32_t*>(s->host + n);
   std::string message = telemetry::AllZeroMessage(record, strict_row);
   Deliver(s);

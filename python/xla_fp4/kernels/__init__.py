@@ -33,6 +33,11 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       (numerics/telemetry.py FIELDS, == numerics.telemetry.qdq_stats: counts exactly, energies to float rounding),
       from the same quantizer, reading x once (twice when stochastic); zeros, reading nothing, where step < 0.
       Whole tensors only.
+  xla_fp4_qdq_and_stats(x: f32|bf16|f16[...], s_dec: f32[], key: u32[], step: i32[]) -> (x's type, f32[11])
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64
+      xla_fp4_qdq's result with apply_global_scale false, and where step >= 0 the statistics of that quantization of
+      x from the same pass, else zeros (== numerics.telemetry.qdq_and_stats). Block-local: a partitioned program's
+      quantizer with telemetry, x a shard (sharding/partition.py: the row per device).
   xla_fp4_output_stats(y: f32|bf16|f16[...], step: i32[]) -> f32[11]; no attrs
       (exact zeros of y, elements, 0, ...), or zeros where step < 0          (== numerics.telemetry.output_stats)
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
@@ -51,9 +56,10 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
   xla_fp4_telemetry_step() -> i32[]; attrs module: i64, site: i64, every: i64, calls: i64     (side effect)
       counts this call per (module, site, device), on the host: the n-th call (from 0) is in step n // calls, which it
       returns where step % every == 0, else -1 (not recorded). Every device counts the same sequence.
-  xla_fp4_telemetry_record(stats: f32[rows, FIELDS], step: i32[], block: i32[]) -> i32[] (step); attrs module: i64,
-      site: i64, strict_row: i64                                                          (side effect)
+  xla_fp4_telemetry_record(stats: f32[rows, FIELDS] | f32[devices, rows, FIELDS], step: i32[], block: i32[])
+      -> i32[] (step); attrs module: i64, site: i64, strict_row: i64                     (side effect)
       puts the rows (numerics.telemetry.FIELDS) in the process's sink (telemetry_sink.h), one device's per GEMM;
+      per-device tables (a partitioned program's) are combined first: amax and s_dec their max, the rest their sum;
       fails with FAILED_PRECONDITION when row strict_row (>= 0) has nonzero elements and none quantized nonzero.
 
 Contraction sizes must be multiples of 16; a violated contract fails the call with an INVALID_ARGUMENT error that says
@@ -136,6 +142,13 @@ def qdq_stats(x, s_dec, salt=0, *, step=0, axis=-1, block_2d=False, stochastic=F
   """The telemetry statistics (numerics/telemetry.py FIELDS) of x's quantization with the C++ kernel."""
   return _call(targets.QDQ_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(step, jnp.int32)], axis=axis,
                block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed, salt=salt)
+
+
+def qdq_and_stats(x, s_dec, key=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """(xla_fp4_qdq's q * scale, the statistics row of that quantization) with the C++ kernel."""
+  return _call(targets.QDQ_AND_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
+                                       _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d, stochastic=stochastic,
+               rht=rht, rht_seed=rht_seed)
 
 
 def output_stats(y, step=0):

@@ -32,6 +32,11 @@ class BlockLocal:
   # In a fprop or dgrad the dot may decide how an operand's K is sharded (the result's K has factors of its own):
   # only for calls in 1x16 blocks whose result the dot reads directly.
   k_may_follow_dot: bool = False
+  blocked: bool = True  # False: element-wise, any shard runs it (no `axis`)
+  # Telemetry: the last result is the statistics row (numerics/telemetry.py FIELDS) of the elements the call reads. In
+  # a partitioned program the call declares it [devices, FIELDS]: each device's row is what its shard contributes,
+  # zeros on a replica, so that the record's sum over devices counts every element once.
+  device_stats: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +139,16 @@ QDQ_WITH_SCALE_STATS = _target("xla_fp4_qdq_with_scale_stats", {"axis": int, **_
                                lambda operands, attrs, dtype: _with_scale(operands, attrs, dtype) + _ROW(
                                    operands, attrs, dtype), twin=telemetry.qdq_with_scale_stats,
                                twin_operands=("salt",))
+# A partitioned program's quantizer with telemetry: xla_fp4_qdq's y (apply_global_scale false) and the row of what it
+# did to the shard it holds (zeros in an unrecorded step).
+QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE},
+                        lambda operands, attrs, dtype: _like_x(operands, attrs, dtype) + _ROW(operands, attrs, dtype),
+                        twin=telemetry.qdq_and_stats,
+                        block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True))
 QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE, "salt": int}, _ROW, twin=telemetry.qdq_stats,
                     twin_operands=("salt",))
-OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats)
+OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
+                       block_local=BlockLocal(blocked=False, device_stats=True))
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
@@ -156,6 +168,6 @@ TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, 
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
        DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

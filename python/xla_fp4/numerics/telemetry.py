@@ -97,6 +97,14 @@ def qdq_stats(x, s_dec, step, salt, *, axis, block_2d, stochastic, rht, rht_seed
   return jnp.where(step >= 0, row, 0)
 
 
+def qdq_and_stats(x, s_dec, key, step, *, axis, block_2d, stochastic, rht, rht_seed):
+  """The twin of xla_fp4_qdq_and_stats: kernel_twins.qdq's q·scale of x with s_dec and `key`, and the row of that
+  quantization (zeros where `step` is negative)."""
+  q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+  row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
+  return q, jnp.where(step >= 0, row, 0)
+
+
 def output_zeros(y):
   """A row for a GEMM's output: (exact zeros, elements, 0, ...): a wgrad's zero weight-gradient elements."""
   return jnp.zeros(len(FIELDS), jnp.float32).at[0].set(_count(y == 0)).at[1].set(jnp.float32(y.size))

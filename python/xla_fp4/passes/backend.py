@@ -33,16 +33,21 @@ def lowering_platform(platform):
   return "cuda" if is_cuda(platform) else "cpu" if is_cpu(platform) else None
 
 
-def choose_backend(config: Config, platform, module, kernels=None, *, partitioned=False) -> Backend:
+def choose_backend(config: Config, platform, module, kernels=None, *, partitioned=1) -> Backend:
   """The kernel set and GEMM for `platform`: the platform's FFI kernels where they are registered, else the plain
   StableHLO form lowered from `xla_fp4.numerics`; the FP4 GEMM where config.backend asks for it (native) or where one
-  runs in hardware (auto: CUDA with compute capability 10.x and cuBLASLt >= 12.8). `kernels(module)` overrides."""
+  runs in hardware (auto: CUDA with compute capability 10.x and cuBLASLt >= 12.8). `kernels(module)` overrides.
+  `partitioned`: how many SPMD partitions the module runs as."""
   registered, why = registry.status(platform)
   if kernels is not None:
     kernel_set = kernels(module)
     described = type(kernel_set).__name__
   elif registered:
-    kernel_set, described = FfiKernels(partitioned=partitioned), why
+    mesh = None
+    if partitioned > 1:
+      from xla_fp4.sharding.partition import device_mesh  # the partitioners load with the compiled kernels
+      mesh = device_mesh(module, partitioned)
+    kernel_set, described = FfiKernels(partitioned=partitioned > 1, mesh=mesh), why
   else:
     kernel_set, described = ReferenceKernels(module, lowering_platform(platform)), f"plain StableHLO form ({why})"
   packed = kernel_set.has_packed

@@ -80,11 +80,12 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     changed = any(d.decision is policy.Verdict.NVFP4 for d in decided)
     plans, backend = [], None
     if changed:
-      partitioned = num_partitions(new) > 1
-      backend = choose_backend(config, platform, new, kernels, partitioned=partitioned)
+      partitions = num_partitions(new)
+      partitioned = partitions > 1
+      backend = choose_backend(config, platform, new, kernels, partitioned=partitions)
       plans = policy.plan(analysis, decided, partitioned=partitioned, native=backend.gemm == "native",
                           cuda=is_cuda(platform), packed=backend.kernel_set.has_packed and config.packed_gathers)
-      settings = _telemetry(config, backend)
+      settings = _telemetry(config, backend, platform)
       probed = rewrite.apply(new, plans, backend.kernel_set, seed=config.seed, matrix_gemm=is_cpu(platform),
                              emulate=backend.gemm != "native",
                              platform=lowering_platform(platform), telemetry=settings)
@@ -99,7 +100,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
                 backend=backend.describe() if changed else None)
 
 
-def _telemetry(config, backend):
+def _telemetry(config, backend, platform):
   """The probes' settings where the telemetry option is on and the kernels that record run here, else None."""
   if not config.telemetry:
     return None
@@ -109,7 +110,8 @@ def _telemetry(config, backend):
       warnings.warn("xla_fp4: XLA_FP4_TELEMETRY records through the compiled kernels, which are not registered on "
                     "this platform (python -m xla_fp4 info says why); no telemetry is recorded", stacklevel=2)
     return None
-  return rewrite.Settings(module=telemetry.register_module(), every=config.telemetry_every, strict=config.strict)
+  return rewrite.Settings(module=telemetry.register_module(), every=config.telemetry_every, strict=config.strict,
+                         gather_in_case=not is_cuda(platform))
 
 
 def dump(dump_dir, before: ir.Module, result: Result):

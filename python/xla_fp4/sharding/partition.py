@@ -32,6 +32,7 @@ import functools
 import math
 import threading
 import types
+import typing
 
 import numpy as np
 from jax._src.interpreters import mlir
@@ -91,9 +92,11 @@ def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=Fals
   xla_fp4_block_amax's result keeps the blocks factor of the quantization axis and drops the 16. `k_follows_dot`
   (xla_fp4_qdq in 1x16 blocks only): the result's K has factors of its own, which the dot reading it shards."""
   shape = list(ir.RankedTensorType(operand_types[0]).shape)
+  local = PARTITIONED[target]
+  if not local.blocked:  # element-wise: every dim of x its own factor, the statistics row's dims their own
+    return _rule_with_stats(shape, operand_types, result_types, local, [], [], [])
   blocking = _blocking(target, len(shape), attrs)
   compound = {blocking.k} | ({blocking.partner[0]} if len(blocking.partner) == 1 else set())
-  local = PARTITIONED[target]
   if k_follows_dot and (not local.k_may_follow_dot or attrs["block_2d"]):
     raise ValueError(f"k_follows_dot is for calls in 1x16 blocks whose result a dot reads, not {target} {dict(attrs)}")
   sizes, operand, result, need_replication = [], [], [], []
@@ -125,12 +128,30 @@ def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=Fals
     else:
       operand.append([factor(n)])
       result.append(operand[-1])
+  return _rule_with_stats(shape, operand_types, result_types, local, sizes, need_replication, (operand, result))
+
+
+def _rule_with_stats(shape, operand_types, result_types, local, sizes, need_replication, mapped):
+  """The rule from x's and the result's factors (`mapped`: (operand dims, result dims); empty for an element-wise
+  call, whose dims become factors here); a `device_stats` call's last result (the [devices, FIELDS] row) gets factors
+  of its own, which its sharding annotation fixes (sharding.device_rows)."""
+  sizes, need_replication = list(sizes), list(need_replication)
+
+  def factor(n):
+    sizes.append(n)
+    return len(sizes) - 1
+
+  operand, result = mapped if mapped else ([[factor(n)] for n in shape], None)
   tensor = lambda dims: sdy.TensorMappingAttr.get(  # noqa: E731
       dim_mappings=[sdy.DimMappingAttr.get(factor_indices=f) for f in dims])
   scalar = sdy.TensorMappingAttr.get(dim_mappings=[])
+  like_x = len(result_types) - (1 if local.device_stats else 0)
+  results = [tensor(result)] * like_x if like_x else []
+  if local.device_stats:
+    results.append(tensor([[factor(n)] for n in ir.RankedTensorType(result_types[-1]).shape]))
   return sdy.OpShardingRuleAttr.get(
       factor_sizes=sizes, operand_mappings=[tensor(operand)] + [scalar] * (len(operand_types) - 1),
-      result_mappings=[tensor(result)] * len(result_types), is_custom=True, need_replication_factors=need_replication)
+      result_mappings=results, is_custom=True, need_replication_factors=need_replication)
 
 
 # XLA calls the partitioner once per kernel call of every compile; a fresh MLIR context costs ~5 ms, so the callbacks
@@ -237,16 +258,45 @@ def salted(key, salts):
   return hlo.XorOp(key, hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result).result
 
 
-def _per_shard_module(target, attrs, arg_shapes, result_shape, salts):
-  """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard; `salts` (per partition) go into the key."""
+def _per_shard_module(target, attrs, arg_shapes, result_shapes, salts, row_of=False):
+  """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard; `salts` (per partition) go into the key.
+  A `device_stats` target's row (the kernel's f32[FIELDS], its last result) becomes the declared [n, FIELDS]: with
+  `row_of` (float32 per partition) one row, times row_of[partition id]; with None row 0 of n, the others zeros."""
+  result_shapes = result_shapes if isinstance(result_shapes, (list, tuple)) else [result_shapes]
+
   def body(operands):
     if salts is not None:
       key_index = PARTITIONED[target].key_operand
       operands[key_index] = salted(operands[key_index], salts)
-    return kernels.custom_call(target, [_ir_type(result_shape)], operands,
-                               kernels.backend_config_attributes(target, attrs),
-                               has_side_effect=targets.BY_NAME[target].side_effect).results
-  return per_shard_module(arg_shapes, [result_shape], body)
+    types = [_ir_type(s) for s in result_shapes]
+    stats = row_of is not False
+    if stats:
+      types[-1] = ir.RankedTensorType.get([types[-1].shape[-1]], types[-1].element_type)
+    results = list(kernels.custom_call(target, types, operands, kernels.backend_config_attributes(target, attrs),
+                                       has_side_effect=targets.BY_NAME[target].side_effect).results)
+    if stats:
+      results[-1] = _device_row(results[-1], _ir_type(result_shapes[-1]), row_of)
+    return results
+  return per_shard_module(arg_shapes, result_shapes, body)
+
+
+def _device_row(row, declared, row_of):
+  """The kernel's statistics row as the [n, FIELDS] a device returns (_per_shard_module)."""
+  f32 = ir.F32Type.get()
+  n, fields = declared.shape
+  one_row = ir.RankedTensorType.get([1, fields], f32)
+  if row_of is not None:
+    table = hlo.ConstantOp(ir.DenseElementsAttr.get(row_of, type=ir.RankedTensorType.get([len(row_of)], f32)))
+    weight = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
+    weight = hlo.BroadcastInDimOp(ir.RankedTensorType.get([fields], f32), hlo.ReshapeOp(
+        ir.RankedTensorType.get([], f32), weight).result, ir.DenseI64ArrayAttr.get([])).result
+    row = hlo.MulOp(row, weight).result
+  row = hlo.ReshapeOp(one_row, row).result
+  if n == 1:
+    return row
+  zero = hlo.ConstantOp(ir.DenseElementsAttr.get(np.zeros((), np.float32))).result
+  return hlo.PadOp(row, zero, ir.DenseI64ArrayAttr.get([0, 0]), ir.DenseI64ArrayAttr.get([n - 1, 0]),
+                   ir.DenseI64ArrayAttr.get([0, 0])).result
 
 
 def _result_sharding(target, shape, sharding, attrs):
@@ -261,9 +311,104 @@ def _result_sharding(target, shape, sharding, attrs):
   return _replicate_dims(sharding, rank, bad)
 
 
+def device_rows(num_devices):
+  """The sharding of a [devices, FIELDS] statistics result: row d on device d."""
+  proto = xc.OpSharding()
+  proto.type = xc.OpSharding.Type.OTHER
+  proto.tile_assignment_dimensions = [num_devices, 1]
+  proto.tile_assignment_devices = list(range(num_devices))
+  return xc.HloSharding.from_proto(proto)
+
+
+class Mesh(typing.NamedTuple):
+  """A Shardy mesh of the module: its symbol, its axis names, and how many devices it spans."""
+  name: str
+  axes: tuple
+  devices: int
+
+
+def device_mesh(module, num_devices):
+  """The Mesh of `module` that spans its `num_devices` partitions, or None (no such mesh: GSPMD's shardings, or a
+  mesh of a part of the devices)."""
+  for op in module.body.operations:
+    if op.operation.name == "sdy.mesh":
+      axes = [sdy.MeshAxisAttr(a) for a in sdy.MeshAttr(op.attributes["mesh"]).axes]
+      if math.prod(a.size for a in axes) == num_devices:
+        return Mesh(ir.StringAttr(op.attributes["sym_name"]).value, tuple(a.name for a in axes), num_devices)
+  return None
+
+
+def device_stats_sharding(mesh, result_types):
+  """The `sdy.sharding` of a `device_stats` call (needs a context): its like-x results open (propagation decides),
+  its [devices, FIELDS] statistics split over every axis of `mesh` (device_mesh), one row per device."""
+  open_dims = lambda t: "[" + ", ".join("{?}" for _ in ir.RankedTensorType(t).shape) + "]"  # noqa: E731
+  values = [f"<@{mesh.name}, {open_dims(t)}>" for t in result_types[:-1]]
+  axes = ", ".join(f'"{a}"' for a in mesh.axes)
+  values.append(f"<@{mesh.name}, [{{{axes}}}, {{}}]>")
+  return ir.Attribute.parse("#sdy.sharding_per_value<[" + ", ".join(values) + "]>")
+
+
+def device_rows_constraint(mesh, value):
+  """`value` ([devices, ...]: per-device statistics rows) held one row per device of `mesh` (needs a context and an
+  insertion point): the reshard that gathers them happens where the record reads them, not where they are made."""
+  rank = len(ir.RankedTensorType(value.type).shape)
+  axes = ", ".join(f'"{a}"' for a in mesh.axes)
+  dims = ", ".join([f"{{{axes}}}"] + ["{}"] * (rank - 1))
+  return sdy.ShardingConstraintOp(value, ir.Attribute.parse(f"#sdy.sharding<@{mesh.name}, [{dims}]>")).result
+
+
+def _one_row_each(sharding, num_devices):
+  """Whether `sharding` (of a [devices, FIELDS] result) gives every device one row of its own."""
+  if sharding is None or sharding.is_replicated() or sharding.is_manual() or sharding.is_maximal():
+    return False
+  tiles = list(sharding.tile_assignment_dimensions())
+  return tiles[0] == num_devices and math.prod(tiles) == num_devices
+
+
+def _first_replicas(table):
+  """float32[devices]: 1 on the first device holding each shard (shard index `table[d]`), 0 on its replicas."""
+  first = {}
+  for d, shard in enumerate(table):
+    first.setdefault(int(shard), d)
+  return np.array([1.0 if first[int(shard)] == d else 0.0 for d, shard in enumerate(table)], np.float32)
+
+
+def _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape, result_sharding):
+  """The partition callback of a `device_stats` target: its like-x results as the block-local ones are partitioned,
+  and its statistics result [devices, FIELDS] one row per device: the kernel's row of the device's shard, times 0 on
+  a replica of a shard (the sum over devices then counts every element once). No collective: the record's reshard
+  gathers the rows, in recorded steps only where the pass puts it in a conditional (passes/rewrite/probes.py)."""
+  local = PARTITIONED[target]
+  shapes = list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
+  shardings = list(result_sharding.tuple_elements()) if result_shape.is_tuple() else [result_sharding]
+  num = shapes[-1].dimensions()[0]
+  x_shape = list(arg_shapes[0].dimensions())
+  x_sharding = (shardings[0] if len(shapes) > 1 else arg_shardings[0]) or xc.HloSharding.replicate()
+  if x_sharding.is_manual() or shardings[-1].is_manual() or (x_sharding.is_maximal() and not
+                                                              x_sharding.is_replicated()):
+    # Inside shard_map (or on one device) the call runs on what the device holds: its row first, the others zeros.
+    module = _per_shard_module(target, attrs, arg_shapes, shapes, None, row_of=None)
+    return module, [x_sharding] * len(arg_shapes), result_sharding
+  if local.blocked:
+    x_sharding = _result_sharding(target, x_shape, x_sharding, attrs)
+  rows = shardings[-1] if _one_row_each(shardings[-1], num) else device_rows(num)
+  table = _shard_index_table(x_sharding, len(x_shape), num)
+  salts = None
+  if local.key_operand is not None and attrs["stochastic"] and not x_sharding.is_replicated():
+    salts = _shard_salts(table)
+  local_args = [x_sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
+  local_results = [x_sharding.tile(s) for s in shapes[:-1]] + [rows.tile(shapes[-1])]
+  module = _per_shard_module(target, attrs, local_args, local_results, salts, row_of=_first_replicas(table))
+  out = [x_sharding] * (len(shapes) - 1) + [rows]
+  result = xc.HloSharding.tuple_sharding(result_shape, out) if result_shape.is_tuple() else out[0]
+  return module, [x_sharding] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 1), result
+
+
 def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
   """XLA's partition callback: (per-shard module, operand shardings, result sharding)."""
   attrs = _decode_config(target, backend_config)
+  if PARTITIONED[target].device_stats:
+    return _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape, result_sharding)
   if result_sharding.is_manual() or result_sharding.is_maximal():
     # Inside shard_map (or on one device) the shapes are already the device's own: the kernel runs as it is.
     module = _per_shard_module(target, attrs, arg_shapes, result_shape, None)
@@ -288,15 +433,24 @@ def _replicated(target, arg_shapes, arg_shardings, result_shape, result_sharding
 
 
 def _infer_from_operands(target, arg_shapes, arg_shardings, result_shape, backend_config):
-  """GSPMD's forward propagation: the result is sharded like x, block-aligned."""
+  """GSPMD's forward propagation: the result is sharded like x, block-aligned (a statistics row: one per device)."""
   if arg_shardings[0] is None:
     return None
   attrs = _decode_config(target, backend_config)
+  if PARTITIONED[target].device_stats:
+    shapes = list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
+    x = arg_shardings[0]
+    if PARTITIONED[target].blocked:
+      x = _result_sharding(target, list(arg_shapes[0].dimensions()), x, attrs)
+    out = [x] * (len(shapes) - 1) + [device_rows(shapes[-1].dimensions()[0])]
+    return xc.HloSharding.tuple_sharding(result_shape, out) if result_shape.is_tuple() else out[0]
   return _result_sharding(target, list(result_shape.dimensions()), arg_shardings[0], attrs)
 
 
 def _propagate_user_sharding(target, user_sharding, shape, backend_config):
   """GSPMD's backward propagation: x is sharded like the result's user, block-aligned."""
+  if PARTITIONED[target].device_stats:
+    return user_sharding
   return _result_sharding(target, list(shape.dimensions()), user_sharding, _decode_config(target, backend_config))
 
 

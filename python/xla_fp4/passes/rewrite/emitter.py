@@ -56,7 +56,7 @@ from xla_fp4.passes.analysis.records import Grouping
 from xla_fp4.passes.analysis.trace import ragged_dot_dims
 from xla_fp4.passes.policy import Form, Operand
 from xla_fp4.passes.rewrite import dims
-from xla_fp4.passes.rewrite.probes import Measure
+from xla_fp4.passes.rewrite.probes import Measure, device_rows_type
 from xla_fp4.passes.rewrite.reuse import Reuse, blocking
 from xla_fp4.passes.rewrite.values import broadcast, const, f32, scalar_type, tensor_type, u32
 
@@ -189,6 +189,13 @@ class Emitter:
       # Holding the wgrads' RHT-quantized activations from the forward cost 1.32x the temporary memory of the
       # unrewritten step under tensor parallelism (float32, benchmarks/sharding.py).
       key = hlo.BitcastConvertOp(scalar_type(u32()), after).result
+    if self._step is not None and getattr(self.kernels, "mesh", None) is not None:
+      # Telemetry: each device's row of what the quantizer did to its shard, from the same pass (probes.py).
+      q, rows = self.kernels.call(targets.QDQ_AND_STATS, [x, s_dec, key, self._step], attrs,
+                                  result_types=[x.type, device_rows_type(self.kernels.mesh)],
+                                  k_follows_dot=operand.k_follows_dot)
+      self._stats[q] = rows
+      return q, s_dec
     q = self.kernels.call(targets.QDQ, [x, s_dec, key], dict(attrs, apply_global_scale=False),
                           k_follows_dot=operand.k_follows_dot)[0]
     return q, s_dec

@@ -30,11 +30,14 @@ class FfiKernels:
   """Custom calls to the compiled FFI targets; contract in xla_fp4/kernels/__init__.py."""
   has_packed = True
 
-  def __init__(self, partitioned=False):
+  def __init__(self, partitioned=False, mesh=None):
     from xla_fp4 import kernels  # the compiled extension is only needed on this path
     from xla_fp4.sharding import packed, partition
     self._kernels, self._partition, self._packed = kernels, partition, packed
     self.partitioned = partitioned  # block-local calls carry their Shardy rule
+    # The Shardy mesh over all partitions (partition.device_mesh): telemetry's per-device statistics rows are split
+    # over it; without one (GSPMD) a partitioned program's statistics come from the twins (probes.py).
+    self.mesh = mesh if partitioned else None
     self._configs = {}  # (target, attributes) -> backend_config, built once per pass run
     self._types = {}  # (target, operand types, attributes) -> result types
 
@@ -54,6 +57,10 @@ class FfiKernels:
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, [o.type for o in operands], types, attrs, k_follows_dot)
+      if target.block_local.device_stats:
+        if self.mesh is None:
+          raise ValueError(f"{target.name} in a partitioned program needs a Shardy mesh over all devices")
+        op.attributes["sdy.sharding"] = self._partition.device_stats_sharding(self.mesh, types)
     if self.partitioned and target.packed is not None:
       op.attributes["sdy.sharding_rule"] = self._packed.sharding_rule(target.name, [o.type for o in operands], types,
                                                                    attrs)

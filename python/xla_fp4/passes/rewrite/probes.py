@@ -66,6 +66,15 @@ class Settings:
   module: int  # the module's key in the host's registry (xla_fp4/telemetry.py)
   every: int
   strict: bool
+  # A partitioned program's per-device rows are gathered (for the record) inside a conditional on the step: on CPU,
+  # where each collective of 8 host devices costs about 1 ms; not on GPU, where a conditional's predicate is read
+  # on the host (a synchronisation per GEMM and step) and a gather of a few hundred bytes is cheap.
+  gather_in_case: bool = True
+
+
+def device_rows_type(mesh):
+  """f32[devices, FIELDS]: a partitioned call's statistics, one row per device of `mesh` (sharding/partition.py)."""
+  return ir.RankedTensorType.get([mesh.devices, _ROW], f32())
 
 
 class Probes:
@@ -100,16 +109,49 @@ class Probes:
     accumulator, alpha), from which the statistics make it (so that the result itself is not held for them, where
     XLA would otherwise fuse it into its readers)."""
     site, step = plan.site, probe.value
-    attrs = dict(module=self.settings.module, site=site.index)
-    if self.kernels.partitioned or any(m.groups is not None for ms in measures for m in ms):
-      table = self._computed_in_case(plan, measures, output, step)
-    else:
-      rows = [self._kernel_row(ms, step) for ms in measures] + [self._output_row(plan, output, step)]
-      table = _stacked(rows)
     gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
     strict_row = gradients[0] if self.settings.strict and gradients else -1
-    self.kernels.call(targets.TELEMETRY_RECORD, [table, step, probe.block], dict(attrs, strict_row=strict_row))
+    attrs = dict(module=self.settings.module, site=site.index, strict_row=strict_row)
+    record = lambda table: self.kernels.call(  # noqa: E731
+        targets.TELEMETRY_RECORD, [table, step, probe.block], attrs)[0]
+    if self.kernels.partitioned and self._per_device(measures):
+      from xla_fp4.sharding import partition  # with the compiled kernels, as FfiKernels
+      table = partition.device_rows_constraint(self.kernels.mesh, self._device_table(plan, measures, output, step))
+      if self.settings.gather_in_case:
+        _when_recorded(step, lambda: record(table))
+      else:
+        record(table)
+    else:
+      if self.kernels.partitioned or any(m.groups is not None for ms in measures for m in ms):
+        table = self._computed_in_case(plan, measures, output, step)
+      else:
+        table = _stacked([self._kernel_row(ms, step) for ms in measures] + [self._output_row(plan, output, step)])
+      record(table)
     self.measured.append(plan)
+
+  @staticmethod
+  def _per_device(measures):
+    """Whether every operand was quantized once by a partitioned quantizer that measured its shard per device
+    (xla_fp4_qdq_and_stats: a [devices, FIELDS] row)."""
+    return all(len(ms) == 1 and ms[0].groups is None and ms[0].row is not None
+               and len(tensor_type(ms[0].row).shape) == 2 for ms in measures)
+
+  def _device_table(self, plan, measures, output, step):
+    """[devices, operands + 1, FIELDS] of a partitioned GEMM: each device's rows (what its shards contribute, zeros on
+    a replica: sharding/partition.py), then its output's zeros (a wgrad) or zeros. The record sums the devices."""
+    rows = [ms[0].row for ms in measures]
+    rows_type = tensor_type(rows[0])
+    if plan.site.role is Role.WGRAD:
+      if isinstance(output, tuple):  # an emulated GEMM's (acc, alpha): its output, made where it is measured
+        dtype = targets.shape_dtype(plan.record.op.results[0].type).dtype.name
+        output = self.twins.call(stats.scaled_output, list(output), [plan.record.op.results[0].type],
+                                 dtype=dtype)[0]
+      rows.append(self.kernels.call(targets.OUTPUT_STATS, [output, step], {}, result_types=[rows_type])[0])
+    else:
+      rows.append(_zeros(rows_type))
+    devices = rows_type.shape[0]
+    row_type = ir.RankedTensorType.get([devices, 1, _ROW], f32())
+    return hlo.ConcatenateOp([hlo.ReshapeOp(row_type, r).result for r in rows], 1).result
 
   def _kernel_row(self, measures, step):
     """An operand's row from the kernels, which do nothing in an unrecorded step: the quantizer's own (Measure.row,
@@ -171,6 +213,18 @@ class Probes:
         rows.append(self.twins.call(stats.qdq_stats, [m.x, m.s_dec, const(0, i32), const(m.salt, u32())],
                                     [_row_type()], axis=m.axis, stochastic=m.recipe.stochastic, **recipe)[0])
     return rows[0] if len(rows) == 1 else self.twins.call(stats.combine, [_stacked(rows)], [_row_type()])[0]
+
+
+def _when_recorded(step, build):
+  """`build()` (an int32 scalar) inside a stablehlo.case that runs it where `step` >= 0 only."""
+  i32 = ir.IntegerType.get_signless(32)
+  recorded = hlo.CompareOp(step, const(0, i32), hlo.ComparisonDirectionAttr.get("GE")).result
+  case = hlo.CaseOp([step.type], hlo.SelectOp(recorded, const(1, i32), const(0, i32)).result, 2)
+  with ir.InsertionPoint(case.regions[0].blocks.append()):
+    hlo.ReturnOp([step])
+  with ir.InsertionPoint(case.regions[1].blocks.append()):
+    hlo.ReturnOp([build()])
+  return case.results[0]
 
 
 def _stacked(rows):
