@@ -34,6 +34,7 @@
   X(kQdqWithScaleStatsTarget, QdqWithScaleStats, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES) \
   X(kQdqStatsTarget, QdqStats, XLA_FP4_QDQ_STATS_ATTRIBUTES)                     \
   X(kQdqAndStatsTarget, QdqAndStats, XLA_FP4_QDQ_AND_STATS_ATTRIBUTES)           \
+  X(kQdqStatsKeyedTarget, QdqStatsKeyed, XLA_FP4_QDQ_AND_STATS_ATTRIBUTES)       \
   X(kOutputStatsTarget, OutputStats, XLA_FP4_NO_ATTRIBUTES)                      \
   X(kRhtTarget, Rht, XLA_FP4_RHT_ATTRIBUTES)                                     \
   X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
@@ -54,6 +55,7 @@ inline constexpr char kQdqWithScaleTarget[] = "xla_fp4_qdq_with_scale";
 inline constexpr char kQdqWithScaleStatsTarget[] = "xla_fp4_qdq_with_scale_stats";
 inline constexpr char kQdqStatsTarget[] = "xla_fp4_qdq_stats";
 inline constexpr char kQdqAndStatsTarget[] = "xla_fp4_qdq_and_stats";
+inline constexpr char kQdqStatsKeyedTarget[] = "xla_fp4_qdq_stats_keyed";
 inline constexpr char kOutputStatsTarget[] = "xla_fp4_output_stats";
 inline constexpr char kRhtTarget[] = "xla_fp4_rht";
 inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";

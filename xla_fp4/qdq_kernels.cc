@@ -8,6 +8,8 @@
 //                                      the same, and the quantization's statistics from the same pass (telemetry)
 //   xla_fp4_qdq_stats(x, s_dec, step) -> stats (float32[11])
 //                                      what xla_fp4_qdq does to x, as numerics/telemetry.py FIELDS (the telemetry)
+//   xla_fp4_qdq_stats_keyed(x, s_dec, key, step) -> stats
+//                                      the same with the key as an operand (a partitioned program's telemetry)
 //   xla_fp4_qdq_and_stats(x, s_dec, key, step) -> (y, stats)
 //                                      xla_fp4_qdq (apply_global_scale off) and, in a recorded step, the statistics of
 //                                      what it did to x from the same pass (a partitioned program's telemetry)
@@ -300,35 +302,50 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
 }
 
 // Telemetry: the statistics of xla_fp4_qdq's result on x, from the same tile walker (bit-identical q), in one read;
-// in a step that is not recorded (step < 0) zeros, without reading x.
-ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::Buffer<ffi::S32> step,
-                       ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
-                       int64_t rht_seed, int64_t salt) {
+// in a step that is not recorded (step < 0) zeros, without reading x. The key: `key` where given (a partitioned
+// program's, whose key is the whole tensor's), else the salt xor'ed with x's digest when stochastic (as the GEMM's
+// whole-tensor quantizer made it).
+ffi::Error QdqStatsCommon(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& s_dec, const uint32_t* key,
+                          ffi::Buffer<ffi::S32>& step, ffi::AnyBuffer& stats, int64_t axis, bool block_2d,
+                          bool stochastic, bool rht, int64_t rht_seed, int64_t salt, const char* target) {
   Geometry g;
   if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed),
                                  CheckCounterRange(stochastic, g.size(), x.dimensions()),
-                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"), CheckU32Attribute(salt, "salt")});
+                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"), CheckU32Attribute(salt, "salt"),
+                                 CheckStatsRow(stats.element_count(), stats.element_type(), target)});
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = CheckStatsRow(stats->element_count(), stats->element_type(), "xla_fp4_qdq_stats"); e.failure()) {
-    return e;
-  }
   if (step.typed_data()[0] < 0) {  // not a recorded step: no work
-    std::fill_n(static_cast<float*>(stats->untyped_data()), telemetry::kNumFields, 0.0f);
+    std::fill_n(static_cast<float*>(stats.untyped_data()), telemetry::kNumFields, 0.0f);
     return ffi::Error::Success();
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
-    // The key as the GEMM's quantizer made it: the salt, xor'ed with x's digest when stochastic.
-    const uint32_t digest = stochastic ? MeasureTensor(pool, xp, g, nullptr, true).digest : 0u;
-    const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
-                                                 digest ^ static_cast<uint32_t>(salt));
-    QdqStatsImpl(pool, xp, g, recipe, tensor, static_cast<float*>(stats->untyped_data()));
+    const uint32_t k = key != nullptr ? *key
+                                      : (stochastic ? MeasureTensor(pool, xp, g, nullptr, true).digest : 0u) ^
+                                            static_cast<uint32_t>(salt);
+    const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()), k);
+    QdqStatsImpl(pool, xp, g, recipe, tensor, static_cast<float*>(stats.untyped_data()));
     return ffi::Error::Success();
   });
+}
+
+ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::Buffer<ffi::S32> step,
+                       ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
+                       int64_t rht_seed, int64_t salt) {
+  return QdqStatsCommon(pool, x, s_dec, nullptr, step, *stats, axis, block_2d, stochastic, rht, rht_seed, salt,
+                        "xla_fp4_qdq_stats");
+}
+
+ffi::Error QdqStatsKeyedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+                            ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d,
+                            bool stochastic, bool rht, int64_t rht_seed) {
+  if (ffi::Error e = CheckScalar(key, ffi::DataType::U32, "key"); e.failure()) return e;
+  return QdqStatsCommon(pool, x, s_dec, static_cast<const uint32_t*>(key.untyped_data()), step, *stats, axis,
+                        block_2d, stochastic, rht, rht_seed, 0, "xla_fp4_qdq_stats_keyed");
 }
 
 // Telemetry's xla_fp4_qdq (a partitioned program's quantizer: x may be a shard): y as xla_fp4_qdq makes it without
@@ -505,6 +522,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCpu, xla_fp4::cpu::QdqStatsFfi,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded, no work)
                                   .Ret<ffi::AnyBuffer>()  // statistics, float32[11] (zeros when not recorded)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsKeyedCpu, xla_fp4::cpu::QdqStatsKeyedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()         // x (a shard, in a partitioned program)
+                                  .Arg<ffi::AnyBuffer>()         // s_dec (float32 scalar)
+                                  .Arg<ffi::AnyBuffer>()         // key (uint32 scalar)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded, no work)
+                                  .Ret<ffi::AnyBuffer>()         // statistics, float32[11]
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_AND_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCpu, xla_fp4::cpu::QdqAndStatsFfi,
                               ffi::Ffi::Bind()

@@ -33,6 +33,7 @@ def test_twins_return_what_the_records_say(axis):
            (targets.QDQ_WITH_SCALE_STATS, [X, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
            (targets.QDQ_STATS, [X, SCALAR_F32, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
            (targets.QDQ_AND_STATS, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE)),
+           (targets.QDQ_STATS_KEYED, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE)),
            (targets.OUTPUT_STATS, [X, SCALAR_I32], {})]
   assert {t for t, _, _ in cases} == {t for t in targets.ALL if t.twin is not None}
   for target, operands, attrs in cases:
@@ -71,11 +72,12 @@ def test_result_types_are_the_results_as_mlir_types():
 def test_the_partitioner_covers_exactly_the_block_local_targets():
   """The Shardy rule and the custom-call partitioner are installed for the records that say how shards run them."""
   assert set(partition.PARTITIONED) == {t.name for t in targets.ALL if t.block_local is not None} == {
-      "xla_fp4_qdq", "xla_fp4_rht", "xla_fp4_block_amax", "xla_fp4_qdq_and_stats", "xla_fp4_output_stats"}
+      "xla_fp4_qdq", "xla_fp4_rht", "xla_fp4_block_amax", "xla_fp4_qdq_and_stats", "xla_fp4_qdq_stats_keyed",
+      "xla_fp4_output_stats"}
   assert partition.PARTITIONED["xla_fp4_qdq"].key_operand == 2  # shards mix their index into the key
   # telemetry's per-device statistics rows: the partitioned quantizer's and a wgrad output's
   assert {t for t, local in partition.PARTITIONED.items() if local.device_stats} == {
-      "xla_fp4_qdq_and_stats", "xla_fp4_output_stats"}
+      "xla_fp4_qdq_and_stats", "xla_fp4_qdq_stats_keyed", "xla_fp4_output_stats"}
 
 
 def test_records_and_the_extension_list_the_same_targets():

@@ -249,7 +249,8 @@ _SHARDED = textwrap.dedent("""
     import xla_fp4
     from xla_fp4 import telemetry
     out, layout = sys.argv[1], sys.argv[2]
-    xla_fp4.enable(telemetry=out, stochastic_rounding=False, keep_head=False)
+    xla_fp4.enable(telemetry=out, stochastic_rounding=False, keep_head=False,
+                   backend="native" if layout.endswith("native") else "emulate")
     mesh = jax.make_mesh((8,), ("d",))
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     w1 = jax.random.normal(keys[0], (128, 256)) * 0.05
@@ -257,7 +258,7 @@ _SHARDED = textwrap.dedent("""
     x = jax.random.normal(keys[2], (64, 128)).at[:, 0].set(0)  # a zero feature: a zero row of w1's gradient
     def loss(p, x):
       return jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2)
-    if layout == "fsdp":  # weights sharded, batch sharded
+    if layout.startswith("fsdp"):  # weights sharded, batch sharded
       put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
       w1, w2, x = put(w1, P("d", None)), put(w2, P("d", None)), put(x, P("d", None))
     g = jax.block_until_ready(jax.jit(jax.grad(loss))((w1, w2), x))
@@ -265,11 +266,13 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
-def test_sharded_statistics_equal_one_devices(tmp_path):
-  """Under FSDP on 8 devices each statistic is the whole tensor's (reduced over the shards), as on one device."""
+@pytest.mark.parametrize("sharded", ["fsdp", "fsdp_native"])
+def test_sharded_statistics_equal_one_devices(tmp_path, sharded):
+  """Under FSDP on 8 devices each statistic is the whole tensor's (each device measures its shard in the quantizer's
+  pass, or the native forms' requantization; the record sums the devices), as on one device."""
   clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
   runs = {}
-  for layout in ("one", "fsdp"):
+  for layout in ("one", sharded):
     out = tmp_path / layout
     r = subprocess.run([sys.executable, "-c", _SHARDED, str(out), layout], env=clean, capture_output=True, text=True,
                        cwd=ROOT)
@@ -277,14 +280,14 @@ def test_sharded_statistics_equal_one_devices(tmp_path):
     runs[layout] = telemetry.load(str(out))
   key = lambda r: (r["layer"], r["role"], r["operand"])  # noqa: E731
   one = {key(r): r for r in runs["one"]}
-  assert len(runs["fsdp"]) == len(one) == 10  # one device's records only, not one per device
-  for r in runs["fsdp"]:
+  assert len(runs[sharded]) == len(one) == 10  # one device's records only, not one per device
+  for r in runs[sharded]:
     o = one[key(r)]
     assert r["elements"] == o["elements"] and r["amax"] == o["amax"], key(r)
     assert r["underflow"] == pytest.approx(o["underflow"], abs=2e-3), key(r)
     assert r["snr_db"] == pytest.approx(o["snr_db"], abs=0.05), key(r)
     assert r["output_zeros"] == o["output_zeros"], key(r)  # a wgrad output's zeros: summed, not the largest shard's
-  assert max(r["output_zeros"] or 0 for r in runs["fsdp"]) >= 256 / (128 * 256)  # w1's gradient's zero row
+  assert max(r["output_zeros"] or 0 for r in runs[sharded]) >= 256 / (128 * 256)  # w1's gradient's zero row
 
 
 _COLLECTIVES = textwrap.dedent(r"""
@@ -295,30 +298,42 @@ _COLLECTIVES = textwrap.dedent(r"""
     import xla_fp4
     mesh = jax.make_mesh((8,), ("d",))
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d", None)))
-    w1, w2, x = put(jnp.ones((128, 256))), put(jnp.ones((256, 128))), put(jnp.ones((64, 128)))
-    loss = lambda p, x: jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2)
-    for telemetry in ("", sys.argv[1]):
-      xla_fp4.enable(telemetry=telemetry, stochastic_rounding=False, keep_head=False)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    w1 = put(jax.random.normal(keys[0], (128, 256)) * 0.1)
+    w2 = put(jax.random.normal(keys[1], (256, 128)) * 0.1)
+    x = put(jax.random.normal(keys[2], (256, 128)))
+    def loss(p, x):  # a residual MLP, as benchmarks/telemetry.py's
+      for _ in range(2):
+        x = x + jax.nn.gelu(x @ p[0]) @ p[1]
+      return jnp.mean(x ** 2)
+    for backend, telemetry in [(b, t) for b in ("emulate", "native") for t in ("", sys.argv[1])]:
+      xla_fp4.enable(telemetry=telemetry, stochastic_rounding=False, keep_head=False, backend=backend)
       text = jax.jit(jax.grad(loss)).lower((w1, w2), x).compile().as_text()
       entry = text[text.index("ENTRY"):]
       entry = entry[:entry.index("\n}")]
-      ops = re.findall(r" (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", entry)
-      print(len(ops), text.count("xla_fp4_qdq_and_stats"), text.count("conditional("))
+      ops = re.findall(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                       entry)
+      arrays = sorted(f"{op} {a}" for shape, op in ops for a in re.findall(r"\w+\[[\d,]*\]", shape))
+      stats = text.count("xla_fp4_qdq_and_stats" if backend == "emulate" else "xla_fp4_qdq_stats_keyed")
+      print(";".join(arrays), stats, text.count("conditional("))
 """)
 
 
 def test_sharded_steps_gather_statistics_only_when_recorded(tmp_path):
-  """Under FSDP on 8 host devices the quantizers measure their shards in the same pass (xla_fp4_qdq_and_stats), and
-  the only collectives telemetry adds, the gathers of the per-device rows, run inside the conditional of a recorded
-  step: the step's own computation has as many collectives as without telemetry (each costs ~1 ms on CPU)."""
+  """Under FSDP on 8 host devices the quantizers measure their shards in the same pass (xla_fp4_qdq_and_stats; the
+  native forms requantize the packed operands' shards, xla_fp4_qdq_stats_keyed), and the only collectives telemetry
+  adds, the gathers of the per-device rows, run inside the conditional of a recorded step: the step's own
+  computation has the collectives it has without telemetry (each costs ~1 ms among host devices)."""
   clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
   r = subprocess.run([sys.executable, "-c", _COLLECTIVES, str(tmp_path)], env=clean, capture_output=True, text=True,
                      cwd=ROOT)
   assert r.returncode == 0, r.stderr[-4000:]
-  (off, off_stats, off_cases), (on, on_stats, on_cases) = [map(int, line.split()) for line in r.stdout.split("\n")[:2]]
-  assert off_stats == 0 and on_stats > 0
-  assert on == off > 0
-  assert on_cases >= off_cases + 5  # one conditional record per GEMM
+  lines = [line.rsplit(" ", 2) for line in r.stdout.splitlines()[:4]]
+  for (off, off_stats, off_cases), (on, on_stats, on_cases) in (lines[0:2], lines[2:4]):  # emulate, native
+    assert int(off_stats) == 0 and int(on_stats) > 0
+    assert on == off and "all-gather" in off  # the same collectives of the same arrays (XLA may combine them
+    # otherwise): FSDP's weight gathers (packed in the native form), the amax reductions, the gradients' reductions
+    assert int(on_cases) >= int(off_cases) + 5  # one conditional record per GEMM
 
 
 @pytest.mark.benchmark  # runs benchmarks/telemetry.py --small (a minute)
@@ -377,6 +392,8 @@ def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, 
   q3, skipped = kernels.qdq_and_stats(x, s_dec, key, step=-1, **recipe)
   assert_same_bits(q3, want_q2)
   assert not np.asarray(skipped).any()
+  np.testing.assert_array_equal(np.asarray(kernels.qdq_stats_keyed(x, s_dec, key, step=4, **recipe)), row2)
+  assert not np.asarray(kernels.qdq_stats_keyed(x, s_dec, key, step=-1, **recipe)).any()
   y = x.at[:2].set(0)
   np.testing.assert_array_equal(np.asarray(kernels.output_stats(y, 0)), np.asarray(st.output_stats(y, 0)))
   assert np.asarray(kernels.output_stats(y, 0))[0] >= 2 * np.prod(shape[1:])

@@ -310,16 +310,39 @@ __global__ void StatsKeyKernel(const T* x, int64_t n, const int32_t* step, uint3
 
 __global__ void SaltKeyKernel(uint32_t* key, uint32_t salt) { *key ^= salt; }
 
+// With `given_key` (xla_fp4_qdq_stats_keyed: a partitioned program's, the whole tensor's key) the key is read from it;
+// else it is made as the whole-tensor quantizer made it (salt ^ x's digest).
+ffi::Error QdqStatsCommon(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer& x,
+                          ffi::AnyBuffer& s_dec, const uint32_t* given_key, ffi::Buffer<ffi::S32>& step,
+                          ffi::Buffer<ffi::F32>& stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
+                          int64_t rht_seed, int64_t salt);
+
 ffi::Error QdqStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
                     ffi::Buffer<ffi::S32> step, ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis,
                     bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
+  return QdqStatsCommon(stream, scratch, x, s_dec, nullptr, step, *stats, axis, block_2d, stochastic, rht, rht_seed,
+                        salt);
+}
+
+ffi::Error QdqStatsKeyed(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
+                         ffi::AnyBuffer key, ffi::Buffer<ffi::S32> step, ffi::Result<ffi::Buffer<ffi::F32>> stats,
+                         int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
+  return QdqStatsCommon(stream, scratch, x, s_dec, static_cast<const uint32_t*>(key.untyped_data()), step, *stats,
+                        axis, block_2d, stochastic, rht, rht_seed, 0);
+}
+
+ffi::Error QdqStatsCommon(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer& x,
+                          ffi::AnyBuffer& s_dec, const uint32_t* given_key, ffi::Buffer<ffi::S32>& step,
+                          ffi::Buffer<ffi::F32>& stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
+                          int64_t rht_seed, int64_t salt) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckAxis(x.dimensions(), axis, &shape));
   XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
   XLA_FP4_RETURN_IF_ERROR(CheckCounterRange(stochastic, shape.size(), x.dimensions()));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
   XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
-  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_qdq_stats"));
+  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats.element_count(), ffi::F32, "xla_fp4_qdq_stats"));
   constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double) + sizeof(uint64_t);
   std::optional<void*> words = scratch.Allocate(kBytes, alignof(double));
   if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the stats");
@@ -334,20 +357,23 @@ ffi::Error QdqStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
-    if (stochastic && n > 0) {
+    if (given_key == nullptr && stochastic && n > 0) {
       const unsigned blocks = GridSize(n) < 1024u ? GridSize(n) : 1024u;
       StatsKeyKernel<<<blocks, kThreadsPerBlock, 0, stream>>>(xp, n, step.typed_data(), key);
       XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats key kernel"));
     }
-    SaltKeyKernel<<<1, 1, 0, stream>>>(key, static_cast<uint32_t>(salt));
-    XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats salt kernel"));
+    if (given_key == nullptr) {
+      SaltKeyKernel<<<1, 1, 0, stream>>>(key, static_cast<uint32_t>(salt));
+      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats salt kernel"));
+    }
     if (g.Threads() > 0) {
       QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
-          xp, g, r, s, key, StatsSink<T>{xp, r, step.typed_data(), counts, energies});
+          xp, g, r, s, given_key != nullptr ? given_key : key,
+          StatsSink<T>{xp, r, step.typed_data(), counts, energies});
       XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats kernel"));
     }
     StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s, step.typed_data(), static_cast<float>(n),
-                                           stats->typed_data());
+                                           stats.typed_data());
     return LaunchStatus("xla_fp4_qdq_stats finish kernel");
   });
 }
@@ -431,6 +457,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCuda, xla_fp4::cuda::QdqStats,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded, no work)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsKeyedCuda, xla_fp4::cuda::QdqStatsKeyed,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x (a shard, in a partitioned program)
+                                  .Arg<xla::ffi::AnyBuffer>()              // s_dec (float32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()              // key (uint32 scalar)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded, no work)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_AND_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCuda, xla_fp4::cuda::QdqAndStats,
                               xla::ffi::Ffi::Bind()

@@ -38,6 +38,9 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       xla_fp4_qdq's result with apply_global_scale false, and where step >= 0 the statistics of that quantization of
       x from the same pass, else zeros (== numerics.telemetry.qdq_and_stats). Block-local: a partitioned program's
       quantizer with telemetry, x a shard (sharding/partition.py: the row per device).
+  xla_fp4_qdq_stats_keyed(x: f32|bf16|f16[...], s_dec: f32[], key: u32[], step: i32[]) -> f32[11]
+      attrs as xla_fp4_qdq_and_stats's: its statistics row alone, reading x only where step >= 0
+      (== numerics.telemetry.qdq_stats_keyed). Block-local (the native forms' partitioned telemetry).
   xla_fp4_output_stats(y: f32|bf16|f16[...], step: i32[]) -> f32[11]; no attrs
       (exact zeros of y, elements, 0, ...), or zeros where step < 0          (== numerics.telemetry.output_stats)
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
@@ -149,6 +152,13 @@ def qdq_and_stats(x, s_dec, key=0, *, step=0, axis=-1, block_2d=False, stochasti
   return _call(targets.QDQ_AND_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
                                        _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d, stochastic=stochastic,
                rht=rht, rht_seed=rht_seed)
+
+
+def qdq_stats_keyed(x, s_dec, key=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """The statistics row of xla_fp4_qdq's quantization of x with s_dec and `key`, with the C++ kernel."""
+  return _call(targets.QDQ_STATS_KEYED, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
+                                         _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d,
+               stochastic=stochastic, rht=rht, rht_seed=rht_seed)
 
 
 def output_stats(y, step=0):

@@ -145,6 +145,10 @@ QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE},
                         lambda operands, attrs, dtype: _like_x(operands, attrs, dtype) + _ROW(operands, attrs, dtype),
                         twin=telemetry.qdq_and_stats,
                         block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True))
+# The statistics of that quantization without its result, in a recorded step only (the native forms' partitioned
+# telemetry: the packed quantizer's q·scale never exists as a tensor), with the GEMM's decode scale and key.
+QDQ_STATS_KEYED = _target("xla_fp4_qdq_stats_keyed", {"axis": int, **_QUANTIZE}, _ROW, twin=telemetry.qdq_stats_keyed,
+                          block_local=BlockLocal(key_operand=2, takes_2d=True, device_stats=True))
 QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE, "salt": int}, _ROW, twin=telemetry.qdq_stats,
                     twin_operands=("salt",))
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
@@ -168,6 +172,6 @@ TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, 
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, QDQ_STATS_KEYED, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
        DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

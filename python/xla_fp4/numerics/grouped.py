@@ -222,6 +222,23 @@ def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, r
                 lhs_recipe, rhs_recipe, rht_seed, dtype):
   """chlo.ragged_dot with lhs [M, K] in groups of rows and rhs [G, ...] one matrix per group (a forward or dgrad of
   an expert layer) in the grouped recipe, as one ragged GEMM. Recipes are (block_2d, stochastic, rht)."""
+  _, qx, s_x, _, qw, s_w = ragged_rows_operands(
+      lhs, rhs, group_sizes, lhs_salt, rhs_salt, lhs_contracting=lhs_contracting, rhs_contracting=rhs_contracting,
+      rhs_group=rhs_group, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, rht_seed=rht_seed)
+  group = _group_of_rows(group_sizes, lhs.shape[0])
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([lhs_contracting], [rhs_contracting]), ([], [])), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[rhs_group])
+  acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qw, group_sizes, dims,
+                                   preferred_element_type=jnp.float32)
+  alpha = jnp.take(s_x * s_w, group, mode="fill", fill_value=0.0)
+  return (acc * alpha[:, None]).astype(dtype)
+
+
+def ragged_rows_operands(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
+                         lhs_recipe, rhs_recipe, rht_seed):
+  """ragged_rows' quantized operands: (lhs in float32 as quantized (rows outside the groups zeroed, after any RHT), its
+  q·scale, s_dec per group, s_dec per row, rhs's q·scale, s_dec per expert)."""
   lhs_recipe, rhs_recipe = _recipe(*lhs_recipe), _recipe(*rhs_recipe)
   num_groups = rhs.shape[rhs_group]
   group = _group_of_rows(group_sizes, lhs.shape[0])
@@ -236,13 +253,7 @@ def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, r
                           s_row[:, None, None])
   qw, s_w = slice_qdq(rhs, rhs_salt, groups=(rhs_group,), axis=rhs_contracting, block_2d=rhs_recipe.block_2d,
                       stochastic=rhs_recipe.stochastic, rht=rhs_recipe.rht, rht_seed=rht_seed)
-  dims = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(([lhs_contracting], [rhs_contracting]), ([], [])), lhs_ragged_dimensions=[0],
-      rhs_group_dimensions=[rhs_group])
-  acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qw, group_sizes, dims,
-                                   preferred_element_type=jnp.float32)
-  alpha = jnp.take(s_x * s_w, group, mode="fill", fill_value=0.0)
-  return (acc * alpha[:, None]).astype(dtype)
+  return x32, qx, s_x, s_row, qw, s_w
 
 
 def _padded_rows(group_sizes, num_rows):
@@ -265,28 +276,31 @@ def _padded_rows(group_sizes, num_rows):
   return jnp.clip(original, 0, num_rows - 1), holds, group, padded_sizes
 
 
+def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed):
+  """One operand of ragged_contracting as it quantizes it: (the `_padded_rows` copy in float32 after any RHT, its
+  q·scale in x's dtype, s_dec per group, s_dec per 16-row block)."""
+  num_groups = group_sizes.shape[0]
+  original, holds, group, _ = _padded_rows(group_sizes, x.shape[0])
+  recipe = _recipe(*recipe)
+  v = jnp.where(holds[:, None], x.astype(jnp.float32)[original], 0.0)
+  if recipe.rht:
+    v = rht_f32(v, 0, rht_seed)
+  block_amax = qz._max(jnp.abs(v).reshape(-1, formats.BLOCK, v.shape[1]), axis=(1, 2))
+  s_dec, s_block = _group_scales(block_amax, group[::formats.BLOCK], num_groups)
+  key, bits = _operand_key(x, salt, recipe.stochastic), None
+  if key is not None:  # element (r, c) draws at its position in the original operand, with its group's key
+    index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
+    bits = formats.random_bits(_group_key(key, group)[:, None], v.shape, index)
+  q = qz.unscaled_values(v, 0, recipe.block_2d, recipe.rounding, None, s_block[None, :, None], bits)
+  return v, q.astype(x.dtype), s_dec, s_block
+
+
 def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype):
   """chlo.ragged_dot with lhs [M, K] and rhs [M, N] contracted over the rows of each group -> [G, K, N] (an expert
   layer's wgrad) in the grouped recipe: both operands along the rows, copied into `_padded_rows`' layout."""
-  num_rows, num_groups = lhs.shape[0], group_sizes.shape[0]
-  original, holds, group, padded_sizes = _padded_rows(group_sizes, num_rows)
-  block_group = group[::formats.BLOCK]
-
-  def quantized(x, salt, recipe):
-    recipe = _recipe(*recipe)
-    v = jnp.where(holds[:, None], x.astype(jnp.float32)[original], 0.0)
-    if recipe.rht:
-      v = rht_f32(v, 0, rht_seed)
-    block_amax = qz._max(jnp.abs(v).reshape(-1, formats.BLOCK, v.shape[1]), axis=(1, 2))
-    s_dec, s_block = _group_scales(block_amax, block_group, num_groups)
-    key, bits = _operand_key(x, salt, recipe.stochastic), None
-    if key is not None:  # element (r, c) draws at its position in the original operand, with its group's key
-      index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
-      bits = formats.random_bits(_group_key(key, group)[:, None], v.shape, index)
-    q = qz.unscaled_values(v, 0, recipe.block_2d, recipe.rounding, None, s_block[None, :, None], bits)
-    return q.astype(x.dtype), s_dec
-
-  (qx, s_x), (qy, s_y) = quantized(lhs, lhs_salt, lhs_recipe), quantized(rhs, rhs_salt, rhs_recipe)
+  _, qx, s_x, _ = ragged_contracting_operand(lhs, group_sizes, lhs_salt, lhs_recipe, rht_seed)
+  _, qy, s_y, _ = ragged_contracting_operand(rhs, group_sizes, rhs_salt, rhs_recipe, rht_seed)
+  padded_sizes = _padded_rows(group_sizes, lhs.shape[0])[3]
   dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
   acc = jax.lax.ragged_dot_general(qx, qy, padded_sizes, dims, preferred_element_type=jnp.float32)

@@ -63,13 +63,46 @@ def operand_stats(x, q, s_dec, *, axis, block_2d, rht, rht_seed):
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)
   s_dec = jnp.asarray(s_dec, jnp.float32)
-  _, block_amax, wanted = nvfp4.block_scales(x32, axis, block_2d, s_dec)
+  return _row(x32, q, s_dec, s_dec, s_dec, axis=axis, block_2d=block_2d, elements=x.size)
+
+
+def _row(x32, q, s_elements, s_blocks, s_dec, *, axis, block_2d, elements):
+  """The FIELDS row of float32 x32 (after any RHT) quantized along `axis` to q with decode scales `s_elements`
+  (broadcast against x32) and `s_blocks` (against nvfp4.block_scales' block amaxes); `s_dec` the row's s_dec field
+  (the largest group's where groups have their own), `elements` its element count (the operand's, not a padded copy's)."""
+  _, block_amax, wanted = nvfp4.block_scales(x32, axis, block_2d, s_blocks)
   live = block_amax > 0
   scales = formats.round_e4m3(wanted).astype(jnp.float32)
-  amax, nonzero, underflow, kept, energy, error = _element_sums(x32, q.astype(jnp.float32), s_dec)
+  amax, nonzero, underflow, kept, energy, error = _element_sums(x32, q.astype(jnp.float32), s_elements)
   f = lambda v: v.astype(jnp.float32)  # noqa: E731
-  return jnp.stack([amax, s_dec, jnp.float32(x.size), f(nonzero), f(underflow), f(kept), energy, error,
-                    _count(live), _count(live & (scales == 0)), _count(live & (wanted >= _CLIPPED))])
+  return jnp.stack([amax, jnp.max(s_dec).astype(jnp.float32), jnp.float32(elements), f(nonzero), f(underflow),
+                    f(kept), energy, error, _count(live), _count(live & (scales == 0)),
+                    _count(live & (wanted >= _CLIPPED))])
+
+
+def ragged_rows_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
+                      lhs_recipe, rhs_recipe, rht_seed, dtype):
+  """[2, FIELDS]: the rows of grouped.ragged_rows' operands as it quantizes them (the token rows with their group's
+  scale; the expert weights per expert: sliced_stats)."""
+  x32, qx, s_x, s_row, qw, s_w = grouped.ragged_rows_operands(
+      lhs, rhs, group_sizes, lhs_salt, rhs_salt, lhs_contracting=lhs_contracting, rhs_contracting=rhs_contracting,
+      rhs_group=rhs_group, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, rht_seed=rht_seed)
+  x_row = _row(x32, qx, s_row[:, None], s_row[:, None, None], s_x, axis=lhs_contracting, block_2d=lhs_recipe[0],
+               elements=lhs.size)
+  w_row = sliced_stats(rhs, qw, s_w, groups=(rhs_group,), axis=rhs_contracting, block_2d=rhs_recipe[0],
+                       rht=rhs_recipe[2], rht_seed=rht_seed)
+  return jnp.stack([x_row, w_row])
+
+
+def ragged_contracting_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype):
+  """[2, FIELDS]: the rows of grouped.ragged_contracting's operands as it quantizes them (along the rows, in blocks of
+  one group each, each group's scale)."""
+  rows = []
+  for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)):
+    v, q, s_dec, s_block = grouped.ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed)
+    rows.append(_row(v, q, jnp.repeat(s_block, formats.BLOCK)[:, None], s_block[None, :, None], s_dec, axis=0,
+                     block_2d=recipe[0], elements=x.size))
+  return jnp.stack(rows)
 
 
 def combine(rows):
@@ -103,6 +136,12 @@ def qdq_and_stats(x, s_dec, key, step, *, axis, block_2d, stochastic, rht, rht_s
   q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
   row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
   return q, jnp.where(step >= 0, row, 0)
+
+
+def qdq_stats_keyed(x, s_dec, key, step, *, axis, block_2d, stochastic, rht, rht_seed):
+  """The twin of xla_fp4_qdq_stats_keyed: qdq_and_stats's row alone."""
+  return qdq_and_stats(x, s_dec, key, step, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
+                       rht_seed=rht_seed)[1]
 
 
 def output_zeros(y):

@@ -20,8 +20,12 @@ extent along those dims keeps whole blocks. Both halves of XLA's sharding get wh
   replicas of one shard the same bits, and the same program gives the same bits every run.
 
 The telemetry targets (side-effecting: XLA requires each such op to carry a sharding, and refuses a replicated one
-unless its partitioner allows it) get a partitioner that runs them on every device on whole operands: their operands
-are the whole tensors' statistics, which XLA has already reduced across shards.
+unless its partitioner allows it) get a partitioner that runs them on every device on whole operands (the record
+gathers the per-device statistics there). The statistics kernels (a record's `device_stats`: xla_fp4_qdq_and_stats,
+xla_fp4_qdq_stats_keyed, and the element-wise xla_fp4_output_stats) run on shards like the others; their statistics
+result is declared f32[devices, FIELDS] with an `sdy.sharding` over every mesh axis (device_stats_sharding), so that
+each device returns one row: its kernel's row of its shard, times 0 on a replica of a shard (a table indexed by
+`stablehlo.partition_id`), so that the sum over devices counts every element once. No collective runs for them.
 
 The global amax stays a plain max reduction of xla_fp4_block_amax's per-block maxima in the pass's output, which the
 SPMD partitioner turns into a scalar all-reduce.

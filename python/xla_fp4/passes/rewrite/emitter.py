@@ -51,6 +51,7 @@ from xla_fp4.kernels import targets
 from xla_fp4.numerics import formats
 from xla_fp4.numerics import grouped
 from xla_fp4.numerics import kernel_twins
+from xla_fp4.numerics import telemetry
 from xla_fp4.passes.analysis import ragged
 from xla_fp4.passes.analysis.records import Grouping
 from xla_fp4.passes.analysis.trace import ragged_dot_dims
@@ -111,7 +112,7 @@ class Emitter:
     y = build()
     measures, output = self._measures, self._output
     self._measures, self._output, self._step = None, None, None
-    self.probes.emit(plan, measures, output or y, probe)
+    self.probes.emit(plan, measures, output or y, probe, result=y)
     return y
 
   def _measure(self, i, **measure):
@@ -290,10 +291,10 @@ class Emitter:
     # the nearest-rounded operand after the gradient, as `_quantize` does, took tensor parallelism to 1.36x.)
     measured = [(v, c[0]) if len(c) == 1 else (m, 1) for v, c, m in ((lhs, lc, a), (rhs, rc, b))]
     packed = [self._packed(m, measured[i], plan.operands[i]) for i, m in enumerate((a, b))]
-    (pa, sa), (pb, sb) = packed
-    for i, (v, s_dec) in enumerate(((a, sa), (b, sb))):
+    (pa, sa, ka), (pb, sb, kb) = packed
+    for i, (v, s_dec, key) in enumerate(((a, sa, ka), (b, sb, kb))):
       self._measure(i, x=v, axis=1, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
-                    s_dec=s_dec)
+                    s_dec=s_dec, key=key)
     alpha = hlo.MulOp(sa, sb).result
     m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
     return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], dict(emulate=self.emulate),
@@ -325,14 +326,14 @@ class Emitter:
     return total if out_type.element_type == f32() else hlo.ConvertOp(out_type, total).result
 
   def _packed(self, x, measured, operand):
-    """((codes, scales), s_dec) of the K-major matrix x; `measured`: (the same values, their K axis), from which the
-    decode scale and the key are taken."""
+    """((codes, scales), s_dec, key) of the K-major matrix x; `measured`: (the same values, their K axis), from which
+    the decode scale and the stochastic-rounding key are taken."""
     s_dec, key = self._scale_and_key(*measured, operand)
     recipe = operand.recipe
     packed = self.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key],
                                dict(block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
                                     rht_seed=self.seed))
-    return tuple(packed), s_dec
+    return tuple(packed), s_dec, key
 
 
   # -- expert GEMMs (Form.GROUPED) -------------------------------------------------------------------------------
@@ -405,12 +406,16 @@ class Emitter:
     recipes = {name: (o.recipe.block_2d, o.recipe.stochastic, o.recipe.rht)
                for name, o in zip(("lhs_recipe", "rhs_recipe"), plan.operands)}
     operands = [lhs, rhs, sizes] + [self._salt(o) for o in plan.operands]
-    common = dict(rht_seed=self.seed, dtype=_dtype_name(out_type), **recipes)
+    params = dict(rht_seed=self.seed, dtype=_dtype_name(out_type), **recipes)
+    fn, stats_fn = grouped.ragged_contracting, telemetry.ragged_contracting_stats
     if site.groups.kind is Grouping.RAGGED_ROWS:
       ((lc, rc), _), rhs_groups, _ = ragged_dot_dims(op)
-      return self.twins.call(grouped.ragged_rows, operands, [out_type], lhs_contracting=lc[0],
-                             rhs_contracting=rc[0], rhs_group=rhs_groups[0], **common)[0]
-    return self.twins.call(grouped.ragged_contracting, operands, [out_type], **common)[0]
+      params.update(lhs_contracting=lc[0], rhs_contracting=rc[0], rhs_group=rhs_groups[0])
+      fn, stats_fn = grouped.ragged_rows, telemetry.ragged_rows_stats
+    # Telemetry: the operands' rows from the twin that quantizes them as `fn` does (probes.py, in recorded steps).
+    self._measure(0, x=lhs, axis=None, recipe=plan.operands[0].recipe, salt=None, s_dec=None,
+                  ragged=(stats_fn, operands, params))
+    return self.twins.call(fn, operands, [out_type], **params)[0]
 
 
 def _slice(x, dim, index):

@@ -13,10 +13,21 @@ unrecorded step:
     form: the statistics from the same pass over x that quantizes it);
   - else xla_fp4_qdq_stats(%x, %s_dec, %step) {salt}: the quantizer run again on x with the GEMM's scale and key
     (bit-identical q; the native forms, whose q·scale never exists as a tensor);
-  - xla_fp4_output_stats(%y, %step) for a wgrad's output;
-and in a partitioned program (or for per-slice expert operands) from the twins inside a stablehlo.case on the step:
-plain JAX reductions, which XLA partitions, so a sharded tensor's statistics are the whole tensor's. (On XLA CPU such
-a case costs about 5% of an unrecorded step, as it holds the tensors it reads; the kernels' path has none.)
+  - xla_fp4_output_stats(%y, %step) for a wgrad's output.
+In a partitioned program (with a Shardy mesh over all devices) the same kernels measure shards, and each device
+contributes its own rows (sharding/partition.py: replicas contribute zeros):
+  %q, %rows_a = xla_fp4_qdq_and_stats(%x, %s_dec, %key, %step)        (the partitioned quantizer, the same pass)
+  %rows_b     = xla_fp4_qdq_stats_keyed(%x, %s_dec, %key, %step)      (native forms: requantized on the shard)
+  %rows_y     = xla_fp4_output_stats(%y, %step)
+  each f32[devices, FIELDS], split one row per device; %table = f32[devices, 3, FIELDS] (sdy.sharding_constraint)
+  %r = stablehlo.case(%step >= 0) { record(%table, %step, %block) }      (CPU; on GPU the record runs unconditionally)
+XLA gathers the table where the record reads it (one all-gather of devices x 33 floats per GEMM), inside the case on
+CPU, so an unrecorded step runs no collective for telemetry (one costs ~1 ms among 8 host devices); on GPU a
+conditional's predicate is read on the host, a synchronisation, while a gather of a few hundred bytes is cheap. The
+record combines the devices' tables (telemetry_sink.h CombineDevices): the whole tensors' statistics.
+Per-slice expert operands (and partitioned programs without a Shardy mesh) take the twins instead, inside a
+stablehlo.case on the step: plain JAX reductions, which XLA partitions. (On XLA CPU such a case costs about 5% of an
+unrecorded step, as it holds the tensors it reads; the kernels' paths have none.)
 
 Nothing the program computes reads the statistics or either call: its values are those of the run without
 telemetry, bit for bit. The rows reach the host through the record call, with no synchronisation on CUDA
@@ -32,7 +43,7 @@ from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
 from xla_fp4.numerics import telemetry as stats
-from xla_fp4.passes.analysis.records import Grouping, Role
+from xla_fp4.passes.analysis.records import Role
 from xla_fp4.passes.policy import Operand
 from xla_fp4.passes.rewrite.values import const, f32, scalar_type, tensor_type, u32
 
@@ -51,7 +62,13 @@ class Measure:
   s_dec: Any
   q: Any = None
   groups: Optional[tuple] = None
-  row: Any = None  # the FIELDS row the quantizer itself computed (xla_fp4_qdq_with_scale_stats), where it did
+  # the statistics the quantizer itself computed, where it did: a FIELDS row (xla_fp4_qdq_with_scale_stats), or in a
+  # partitioned program [devices, FIELDS] (xla_fp4_qdq_and_stats)
+  row: Any = None
+  key: Any = None  # the stochastic-rounding key the quantizer took (the native forms'), where it took one
+  # a chlo.ragged_dot's (statistics twin, its operands, its parameters): the twin's [2, FIELDS] rows are both
+  # operands' as the GEMM's twin quantizes them (numerics/telemetry.py ragged_rows_stats, ragged_contracting_stats)
+  ragged: Optional[tuple] = None
 
 
 class Step(typing.NamedTuple):
@@ -83,11 +100,9 @@ class Probes:
     self.measured = []  # the sites that got probes
 
   def begin(self, plan, block_value, select):
-    """The telemetry Step of `plan`'s GEMM, taken before its operands are quantized; None for a form whose quantized values stay inside one twin (a chlo.ragged_dot's), which is not measured.
+    """The telemetry Step of `plan`'s GEMM, taken before its operands are quantized.
     `block_value`: a scanned stack's iteration (or None), `select`: true in kept iterations, which record nothing."""
     site = plan.site
-    if site.groups is not None and site.groups.kind is not Grouping.SLICES:
-      return None
     i32 = ir.IntegerType.get_signless(32)
     if block_value is not None:
       block = block_value
@@ -103,11 +118,13 @@ class Probes:
       step = hlo.SelectOp(select, const(-1, i32), step).result
     return Step(step, block)
 
-  def emit(self, plan, measures, output, probe):
+  def emit(self, plan, measures, output, probe, result=None):
     """The statistics and the record of `plan`'s GEMM in the Step `probe` (begin), whose operands were quantized as
     `measures` ([lhs Measures], [rhs Measures]) and whose result is `output`: the value, or an emulated GEMM's (f32
     accumulator, alpha), from which the statistics make it (so that the result itself is not held for them, where
-    XLA would otherwise fuse it into its readers)."""
+    XLA would otherwise fuse it into its readers). `result`: the result value itself, which a partitioned program
+    measures (made again from the accumulator, XLA computed it a second time in every step, recorded or not: a 6%
+    longer FSDP step of benchmarks/telemetry.py, measured)."""
     site, step = plan.site, probe.value
     gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
     strict_row = gradients[0] if self.settings.strict and gradients else -1
@@ -116,36 +133,44 @@ class Probes:
         targets.TELEMETRY_RECORD, [table, step, probe.block], attrs)[0]
     if self.kernels.partitioned and self._per_device(measures):
       from xla_fp4.sharding import partition  # with the compiled kernels, as FfiKernels
-      table = partition.device_rows_constraint(self.kernels.mesh, self._device_table(plan, measures, output, step))
+      table = partition.device_rows_constraint(self.kernels.mesh, self._device_table(plan, measures, result, step))
       if self.settings.gather_in_case:
         _when_recorded(step, lambda: record(table))
       else:
         record(table)
     else:
-      if self.kernels.partitioned or any(m.groups is not None for ms in measures for m in ms):
+      if self.kernels.partitioned or any(m.groups is not None or m.ragged for ms in measures for m in ms):
         table = self._computed_in_case(plan, measures, output, step)
       else:
         table = _stacked([self._kernel_row(ms, step) for ms in measures] + [self._output_row(plan, output, step)])
       record(table)
     self.measured.append(plan)
 
-  @staticmethod
-  def _per_device(measures):
-    """Whether every operand was quantized once by a partitioned quantizer that measured its shard per device
-    (xla_fp4_qdq_and_stats: a [devices, FIELDS] row)."""
-    return all(len(ms) == 1 and ms[0].groups is None and ms[0].row is not None
-               and len(tensor_type(ms[0].row).shape) == 2 for ms in measures)
+  def _per_device(self, measures):
+    """Whether every operand was quantized once, by a partitioned quantizer that measured its shard per device
+    (xla_fp4_qdq_and_stats) or by the packed quantizer with its key (measured by xla_fp4_qdq_stats_keyed)."""
+    if getattr(self.kernels, "mesh", None) is None:
+      return False
+    def measured(m):
+      return m.row is not None and len(tensor_type(m.row).shape) == 2 or m.q is None and m.key is not None
+    return all(len(ms) == 1 and ms[0].groups is None and measured(ms[0]) for ms in measures)
+
+  def _device_row(self, m, step):
+    """[devices, FIELDS]: the quantizer's own rows, or the packed quantization measured again on the shards."""
+    if m.row is not None:
+      return m.row
+    attrs = dict(axis=m.axis, block_2d=m.recipe.block_2d, stochastic=m.recipe.stochastic, rht=m.recipe.rht,
+                 rht_seed=self.seed)
+    return self.kernels.call(targets.QDQ_STATS_KEYED, [m.x, m.s_dec, m.key, step], attrs,
+                             result_types=[device_rows_type(self.kernels.mesh)])[0]
 
   def _device_table(self, plan, measures, output, step):
     """[devices, operands + 1, FIELDS] of a partitioned GEMM: each device's rows (what its shards contribute, zeros on
-    a replica: sharding/partition.py), then its output's zeros (a wgrad) or zeros. The record sums the devices."""
-    rows = [ms[0].row for ms in measures]
+    a replica: sharding/partition.py), then its output's zeros (a wgrad: `output`, the GEMM's result) or zeros. The
+    record sums the devices."""
+    rows = [self._device_row(ms[0], step) for ms in measures]
     rows_type = tensor_type(rows[0])
     if plan.site.role is Role.WGRAD:
-      if isinstance(output, tuple):  # an emulated GEMM's (acc, alpha): its output, made where it is measured
-        dtype = targets.shape_dtype(plan.record.op.results[0].type).dtype.name
-        output = self.twins.call(stats.scaled_output, list(output), [plan.record.op.results[0].type],
-                                 dtype=dtype)[0]
       rows.append(self.kernels.call(targets.OUTPUT_STATS, [output, step], {}, result_types=[rows_type])[0])
     else:
       rows.append(_zeros(rows_type))
@@ -186,7 +211,14 @@ class Probes:
     with ir.InsertionPoint(case.regions[0].blocks.append()):
       hlo.ReturnOp([_zeros(table_type)])
     with ir.InsertionPoint(case.regions[1].blocks.append()):
-      rows = [self._twin_row(ms) for ms in measures]
+      ragged = [m.ragged for ms in measures for m in ms if m.ragged]
+      if ragged:  # both operands' rows from one twin
+        fn, operands, params = ragged[0]
+        pair = self.twins.call(fn, operands, [ir.RankedTensorType.get([2, _ROW], f32())], **params)[0]
+        rows = [hlo.SliceOp(pair, ir.DenseI64ArrayAttr.get([i, 0]), ir.DenseI64ArrayAttr.get([i + 1, _ROW]),
+                            ir.DenseI64ArrayAttr.get([1, 1])).result for i in (0, 1)]
+      else:
+        rows = [self._twin_row(ms) for ms in measures]
       if plan.site.role is Role.WGRAD:
         if isinstance(output, tuple):
           dtype = targets.shape_dtype(plan.record.op.results[0].type).dtype.name
