@@ -16,6 +16,7 @@ import pytest
 
 import xla_fp4
 from nvfp4_testing import assert_same_bits, extension_or_skip
+from xla_fp4 import config
 from xla_fp4 import numerics as nv
 from xla_fp4 import state
 from xla_fp4 import telemetry
@@ -398,3 +399,64 @@ def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, 
   np.testing.assert_array_equal(np.asarray(kernels.output_stats(y, 0)), np.asarray(st.output_stats(y, 0)))
   assert np.asarray(kernels.output_stats(y, 0))[0] >= 2 * np.prod(shape[1:])
   assert not np.asarray(kernels.output_stats(y, -1)).any()
+
+
+_SIZES = (20, 0, 9, 40, 11)  # an empty group, groups off the 16-row blocks, 16 rows after the last group
+
+
+def _expert_layer(w, x, ct, sizes):
+  """An expert layer (a ragged dot over groups of token rows) and its two gradients."""
+  y, vjp = jax.vjp(lambda w, x: jax.lax.ragged_dot(x, w, sizes), w, x)
+  return (y,) + vjp(ct)
+
+
+def _expert_inputs():
+  k = jax.random.split(jax.random.PRNGKey(3), 3)
+  w = jax.random.normal(k[0], (len(_SIZES), 32, 48)) * jnp.array([1.0, 3.0, 0.01, 1.0, 100.0])[:, None, None]
+  x = jax.random.normal(k[1], (96, 32)) * jnp.linspace(0.1, 10, 96)[:, None]
+  return w, x, jax.random.normal(k[2], (96, 48)), jnp.asarray(_SIZES, jnp.int32)
+
+
+def test_ragged_dot_statistics_are_the_cpu_expansions(tmp_path):
+  """A chlo.ragged_dot (an expert GEMM lowered for GPU) is measured by twins of the grouped quantizers it runs
+  (numerics/telemetry.py ragged_rows_stats, ragged_contracting_stats). On CPU JAX expands the same layer into masked
+  dot_generals, each group a slice with its own scale, whose telemetry the pass records: the twins' rows, computed
+  here on the same tensors, are those records (the same groups, blocks and scales), in all three roles."""
+  from xla_fp4.numerics import telemetry as st
+  w, x, ct, sizes = _expert_inputs()
+  _, records = _run(tmp_path, jax.jit(_expert_layer), (w, x, ct, sizes), stochastic_rounding=False, min_dim=1, seed=5)
+  salt = jnp.uint32(0)  # nearest rounding: the salts are not read
+  recipe = lambda block_2d=False, rht=False: (block_2d, False, rht)  # noqa: E731
+  rows = dict(fprop=st.ragged_rows_stats(x, w, sizes, salt, salt, lhs_contracting=1, rhs_contracting=1, rhs_group=0,
+                                         lhs_recipe=recipe(), rhs_recipe=recipe(True), rht_seed=5, dtype="float32"),
+              dgrad=st.ragged_rows_stats(ct, w, sizes, salt, salt, lhs_contracting=1, rhs_contracting=2,
+                                         rhs_group=0, lhs_recipe=recipe(), rhs_recipe=recipe(True), rht_seed=5,
+                                         dtype="float32"),
+              wgrad=st.ragged_contracting_stats(x, ct, sizes, salt, salt, lhs_recipe=recipe(rht=True),
+                                                rhs_recipe=recipe(rht=True), rht_seed=5, dtype="float32"))
+  operands = dict(fprop=("activation", "weight"), dgrad=("gradient", "weight"), wgrad=("activation", "gradient"))
+  for role, pair in rows.items():
+    for operand, row in zip(operands[role], np.asarray(pair)):
+      got, want = st.summary(row), _one(records, role, operand)
+      assert got["amax"] == pytest.approx(want["amax"], rel=1e-6), (role, operand)
+      for field in ("underflow", "scale_underflow", "scale_saturated"):
+        assert got[field] == pytest.approx(want[field], abs=1e-9), (role, operand, field)
+      assert got["snr_db"] == pytest.approx(want["snr_db"], abs=1e-3), (role, operand)
+  assert _one(records, "wgrad", "gradient")["output_zeros"] >= 32 * 48 / (len(_SIZES) * 32 * 48)  # the empty group
+
+
+def test_ragged_dots_lowered_for_gpu_are_recorded(tmp_path):
+  """Lowered for CUDA the layer keeps three chlo.ragged_dot ops; with telemetry each gets a step, its statistics twin
+  inside a case on the step (recorded steps only) and a record: every expert GEMM is measured on GPU too."""
+  from xla_fp4.passes import pipeline
+  from xla_fp4.passes.rewrite import FfiKernels
+  lowered = jax.jit(_expert_layer).trace(*_expert_inputs()).lower(lowering_platforms=("cuda",))
+  options = dict(stochastic_rounding=False, keep_head=False, min_dim=1, telemetry=str(tmp_path))
+  result = pipeline.transform(lowered.compiler_ir("stablehlo"), config.load(environ={}, enabled=True, **options),
+                              platform="cuda", kernels=lambda m: FfiKernels())
+  text = str(result.module)
+  assert text.count('"chlo.ragged_dot"(') == 3
+  assert text.count("@xla_fp4_telemetry_record") == 3 and text.count("@xla_fp4_telemetry_step") == 3
+  assert text.count("call @xla_fp4_twin_ragged_rows_stats") == 2
+  assert text.count("call @xla_fp4_twin_ragged_contracting_stats") == 1
+  assert text.count("stablehlo.case") >= 3
