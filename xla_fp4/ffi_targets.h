@@ -23,7 +23,10 @@
 // numbers either way.
 #define XLA_FP4_GEMM_PACKED_ATTRIBUTES(A) A(bool, emulate)
 #define XLA_FP4_TELEMETRY_STEP_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, every) A(int64_t, calls)
-#define XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, strict_row)
+// parts: how many devices record parts of the GEMM's statistics (a partitioned program in one process; the sink sums
+// them), 1 where the record's table is whole (or every device's, gathered: [devices, rows, FIELDS]).
+#define XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES(A) \
+  A(int64_t, module) A(int64_t, site) A(int64_t, strict_row) A(int64_t, parts)
 #define XLA_FP4_NO_ATTRIBUTES(A)
 
 // X(constant, handler stem, attribute list): every target. A platform's handler of target `stem` is

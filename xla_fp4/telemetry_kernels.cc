@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -26,7 +27,7 @@ ffi::Error TelemetryStep(int32_t device, ffi::ResultBuffer<ffi::S32> step, int64
 
 ffi::Error TelemetryRecord(int32_t device, ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::S32> step,
                            ffi::Buffer<ffi::S32> block, ffi::ResultBuffer<ffi::S32> done, int64_t module, int64_t site,
-                           int64_t strict_row) {
+                           int64_t strict_row, int64_t parts) {
   done->typed_data()[0] = step.typed_data()[0];
   if (step.typed_data()[0] < 0) return ffi::Error::Success();  // not a recorded step
   // [rows, FIELDS], or a partitioned program's [devices, rows, FIELDS] (telemetry::CombineDevices)
@@ -36,8 +37,14 @@ ffi::Error TelemetryRecord(int32_t device, ffi::Buffer<ffi::F32> stats, ffi::Buf
                            telemetry::CombineDevices(stats.typed_data(), devices,
                                                      static_cast<int64_t>(stats.element_count()) / devices /
                                                          telemetry::kNumFields)};
-  std::string error = telemetry::AllZeroMessage(record, strict_row);
-  Sink::Get().Add(std::move(record));
+  std::string error;
+  if (parts > 1) {  // this device's part: the sink sums the GEMM's parts, and the last one in checks the whole
+    std::optional<telemetry::Record> whole = Sink::Get().AddPart(record, parts);
+    if (whole.has_value()) error = telemetry::AllZeroMessage(*whole, strict_row);
+  } else {
+    error = telemetry::AllZeroMessage(record, strict_row);
+    Sink::Get().Add(std::move(record));
+  }
   if (!error.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, error);
   return ffi::Error::Success();
 }

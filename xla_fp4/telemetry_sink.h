@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -27,6 +28,24 @@ struct Record {
   int32_t block, step, device;
   std::vector<float> values;  // rows of kNumFields: the GEMM's operands, then its output's (zeros, elements, ...)
 };
+
+// Adds `part` into `sum` (rows of kNumFields, `rows` of them): an operand row's amax and s_dec the largest, its other
+// fields (counts, energies) the sum; the last row (the output's zeros and elements) all sums.
+inline void AddRows(float* sum, const float* part, int64_t rows) {
+  for (int64_t i = 0; i < rows * kNumFields; ++i) {
+    const int field = static_cast<int>(i % kNumFields);
+    const bool maxed = i / kNumFields < rows - 1 && (field == kAmax || field == kDecodeScale);
+    sum[i] = maxed ? std::max(sum[i], part[i]) : sum[i] + part[i];
+  }
+}
+
+// The rows of one record from a partitioned program's gathered per-device tables: `values` holds `devices` tables of
+// `rows` rows each, what one device's shards contribute (a replica's are zeros): the whole tensors' rows.
+inline std::vector<float> CombineDevices(const float* values, int64_t devices, int64_t rows) {
+  std::vector<float> out(values, values + rows * kNumFields);
+  for (int64_t d = 1; d < devices; ++d) AddRows(out.data(), values + d * rows * kNumFields, rows);
+  return out;
+}
 
 class Sink {
  public:
@@ -60,6 +79,25 @@ class Sink {
     if (owner->second == record.device) records_.push_back(std::move(record));
   }
 
+  // One device's part of a partitioned GEMM's statistics (its shards' rows: a replica's are zeros), `parts` devices
+  // in all, all in this process. Once the last part is in, the parts are added in device order (AddRows: the same
+  // sums whatever order the devices ran in) and the GEMM's record is added, and returned for the strict-mode check;
+  // before, nullopt.
+  std::optional<Record> AddPart(const Record& part, int64_t parts) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto key = std::make_tuple(part.module, part.site, part.step, part.block);
+    std::vector<Record>& in = parts_[key];
+    in.push_back(part);
+    if (static_cast<int64_t>(in.size()) < parts) return std::nullopt;
+    std::sort(in.begin(), in.end(), [](const Record& a, const Record& b) { return a.device < b.device; });
+    Record whole = in[0];
+    const int64_t rows = static_cast<int64_t>(whole.values.size()) / kNumFields;
+    for (size_t d = 1; d < in.size(); ++d) AddRows(whole.values.data(), in[d].values.data(), rows);
+    parts_.erase(key);
+    records_.push_back(whole);
+    return whole;
+  }
+
   std::vector<Record> Drain() {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<Record> out;
@@ -83,27 +121,10 @@ class Sink {
   std::map<std::tuple<int64_t, int64_t, int32_t>, int64_t> counts_;
   std::map<std::tuple<int64_t, int64_t, int32_t>, int32_t> last_;
   std::map<std::pair<int64_t, int64_t>, int32_t> owners_;
+  std::map<std::tuple<int64_t, int64_t, int32_t, int32_t>, std::vector<Record>> parts_;  // AddPart's parts so far
   std::map<std::pair<int64_t, int64_t>, std::string> labels_;
   std::vector<Record> records_;
 };
-
-// The rows of one record from a partitioned program's per-device tables: `values` holds `devices` tables of `rows`
-// rows each, what one device's shards contribute (a replica's are zeros). An operand row's amax and s_dec are the
-// largest, its other fields (counts, energies) the sum; the last row (the output's zeros and elements) is all sums:
-// the whole tensors' rows.
-inline std::vector<float> CombineDevices(const float* values, int64_t devices, int64_t rows) {
-  const int64_t floats = rows * kNumFields;
-  std::vector<float> out(values, values + floats);
-  for (int64_t d = 1; d < devices; ++d) {
-    const float* v = values + d * floats;
-    for (int64_t i = 0; i < floats; ++i) {
-      const int field = static_cast<int>(i % kNumFields);
-      const bool maxed = i / kNumFields < rows - 1 && (field == kAmax || field == kDecodeScale);
-      out[i] = maxed ? std::max(out[i], v[i]) : out[i] + v[i];
-    }
-  }
-  return out;
-}
 
 // The strict-mode check of one record: the message when operand row `row` has nonzero elements and none survives
 // quantization, else "".

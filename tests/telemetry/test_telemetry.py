@@ -4,6 +4,7 @@ xla_fp4.numerics; what they change (nothing); steps, blocks, shards, alerts, str
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -320,11 +321,11 @@ _COLLECTIVES = textwrap.dedent(r"""
 """)
 
 
-def test_sharded_steps_gather_statistics_only_when_recorded(tmp_path):
-  """Under FSDP on 8 host devices the quantizers measure their shards in the same pass (xla_fp4_qdq_and_stats; the
-  native forms requantize the packed operands' shards, xla_fp4_qdq_stats_keyed), and the only collectives telemetry
-  adds, the gathers of the per-device rows, run inside the conditional of a recorded step: the step's own
-  computation has the collectives it has without telemetry (each costs ~1 ms among host devices)."""
+def test_sharded_steps_add_no_collective(tmp_path):
+  """Under FSDP on 8 host devices (one process) the quantizers measure their shards in the same pass
+  (xla_fp4_qdq_and_stats; the native forms requantize the packed operands' shards, xla_fp4_qdq_stats_keyed), each
+  device records its own rows and the sink sums them: the step has the collectives it has without telemetry (each
+  costs ~1 ms among host devices) and no conditional more."""
   clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
   r = subprocess.run([sys.executable, "-c", _COLLECTIVES, str(tmp_path)], env=clean, capture_output=True, text=True,
                      cwd=ROOT)
@@ -334,7 +335,7 @@ def test_sharded_steps_gather_statistics_only_when_recorded(tmp_path):
     assert int(off_stats) == 0 and int(on_stats) > 0
     assert on == off and "all-gather" in off  # the same collectives of the same arrays (XLA may combine them
     # otherwise): FSDP's weight gathers (packed in the native form), the amax reductions, the gradients' reductions
-    assert int(on_cases) >= int(off_cases) + 5  # one conditional record per GEMM
+    assert on_cases == off_cases
 
 
 @pytest.mark.benchmark  # runs benchmarks/telemetry.py --small (a minute)
@@ -457,6 +458,6 @@ def test_ragged_dots_lowered_for_gpu_are_recorded(tmp_path):
   text = str(result.module)
   assert text.count('"chlo.ragged_dot"(') == 3
   assert text.count("@xla_fp4_telemetry_record") == 3 and text.count("@xla_fp4_telemetry_step") == 3
-  assert text.count("call @xla_fp4_twin_ragged_rows_stats") == 2
-  assert text.count("call @xla_fp4_twin_ragged_contracting_stats") == 1
+  calls = lambda twin: len(re.findall(rf"call @xla_fp4_twin_{twin}_[0-9a-f]{{12}}\(", text))  # noqa: E731
+  assert calls("ragged_rows_stats") == 2 and calls("ragged_contracting_stats") == 1
   assert text.count("stablehlo.case") >= 3

@@ -77,7 +77,8 @@ ffi::Error OutputStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
 struct Staging {
   float* host = nullptr;
   size_t floats = 0;
-  int64_t devices = 1;  // a partitioned program's per-device tables (telemetry::CombineDevices)
+  int64_t devices = 1;  // a partitioned program's gathered per-device tables (telemetry::CombineDevices)
+  int64_t parts = 1;    // a partitioned program's parts, one per device (Sink::AddPart)
   telemetry::Record record;
 };
 
@@ -109,14 +110,18 @@ void Deliver(void* data) {  // a host function: no CUDA calls
   s->record.values = telemetry::CombineDevices(s->host, s->devices, rows);
   std::memcpy(&s->record.step, s->host + n, sizeof(int32_t));
   std::memcpy(&s->record.block, s->host + n + 1, sizeof(int32_t));
-  if (s->record.step >= 0) Sink::Get().Add(s->record);  // -1: a kept iteration of a recorded step
+  if (s->record.step >= 0 && s->parts > 1) {  // -1: a kept iteration of a recorded step
+    Sink::Get().AddPart(s->record, s->parts);
+  } else if (s->record.step >= 0) {
+    Sink::Get().Add(s->record);
+  }
   std::lock_guard<std::mutex> lock(pool_mu);
   pool.push_back(s);
 }
 
 ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::F32> stats,
                            ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> block, ffi::ResultBuffer<ffi::S32> done,
-                           int64_t module, int64_t site, int64_t strict_row) {
+                           int64_t module, int64_t site, int64_t strict_row, int64_t parts) {
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(done->typed_data(), step.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToDevice, stream),
       "copy"));
@@ -127,6 +132,7 @@ ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
   XLA_FP4_RETURN_IF_ERROR(Acquire(n + 2, &s));
   s->record = telemetry::Record{module, site, -1, -1, device, std::vector<float>(n)};
   s->devices = stats.dimensions().size() == 3 ? stats.dimensions()[0] : 1;
+  s->parts = parts;
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(s->host, stats.typed_data(), n * sizeof(float), cudaMemcpyDeviceToHost, stream), "copy"));
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(
@@ -139,8 +145,18 @@ ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
   record.values = telemetry::CombineDevices(s->host, s->devices,
                                             static_cast<int64_t>(n) / s->devices / telemetry::kNumFields);
   record.step = *reinterpret_cast<int32_t*>(s->host + n);
-  std::string message = telemetry::AllZeroMessage(record, strict_row);
-  Deliver(s);
+  record.block = *reinterpret_cast<int32_t*>(s->host + n + 1);
+  std::string message;
+  if (parts > 1) {  // this device's part: the last one in checks the whole
+    std::optional<telemetry::Record> whole;
+    if (record.step >= 0) whole = Sink::Get().AddPart(record, parts);
+    if (whole.has_value()) message = telemetry::AllZeroMessage(*whole, strict_row);
+    std::lock_guard<std::mutex> lock(pool_mu);
+    pool.push_back(s);
+  } else {
+    message = telemetry::AllZeroMessage(record, strict_row);
+    Deliver(s);
+  }
   if (!message.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
   return ffi::Error::Success();
 }

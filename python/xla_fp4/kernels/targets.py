@@ -166,12 +166,15 @@ GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool}, _product, packed
 # Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (int32; -1: not recorded),
 # decided on the host (`calls` calls per step); the GEMM's statistics (float32 rows of numerics/telemetry.py FIELDS),
 # with that step and the block index, whose result is the step passed through (XLA's partitioner needs a result to give
-# a side-effecting op its sharding). The statistics are whole tensors', replicated.
+# a side-effecting op its sharding). The statistics are whole tensors', replicated; with `parts` > 1 one device's part
+# of them, [devices, rows, FIELDS] split one row per device (a partitioned program in one process: the sink sums the
+# parts, so that no collective gathers them; sharding/partition.py).
 TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, "every": int, "calls": int},
                          lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
-TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int},
+TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int, "parts": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, QDQ_STATS_KEYED, QDQ_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, QDQ_STATS_KEYED, QDQ_STATS, OUTPUT_STATS, RHT,
+       BLOCK_AMAX, QUANTIZE_PACKED,
        DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

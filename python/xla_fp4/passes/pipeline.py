@@ -12,6 +12,7 @@ import json
 import os
 import warnings
 
+import jax
 from jax._src.lib.mlir import ir
 
 from xla_fp4 import report
@@ -111,7 +112,7 @@ def _telemetry(config, backend, platform):
                     "this platform (python -m xla_fp4 info says why); no telemetry is recorded", stacklevel=2)
     return None
   return rewrite.Settings(module=telemetry.register_module(), every=config.telemetry_every, strict=config.strict,
-                         gather_in_case=not is_cuda(platform))
+                         one_process=jax.process_count() == 1, gather_in_case=not is_cuda(platform))
 
 
 def dump(dump_dir, before: ir.Module, result: Result):

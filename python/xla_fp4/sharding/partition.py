@@ -315,11 +315,11 @@ def _result_sharding(target, shape, sharding, attrs):
   return _replicate_dims(sharding, rank, bad)
 
 
-def device_rows(num_devices):
-  """The sharding of a [devices, FIELDS] statistics result: row d on device d."""
+def device_rows(num_devices, rank=2):
+  """The sharding of [devices, ...] per-device statistics (rank dims): row d on device d."""
   proto = xc.OpSharding()
   proto.type = xc.OpSharding.Type.OTHER
-  proto.tile_assignment_dimensions = [num_devices, 1]
+  proto.tile_assignment_dimensions = [num_devices] + [1] * (rank - 1)
   proto.tile_assignment_devices = list(range(num_devices))
   return xc.HloSharding.from_proto(proto)
 
@@ -359,6 +359,21 @@ def device_rows_constraint(mesh, value):
   axes = ", ".join(f'"{a}"' for a in mesh.axes)
   dims = ", ".join([f"{{{axes}}}"] + ["{}"] * (rank - 1))
   return sdy.ShardingConstraintOp(value, ir.Attribute.parse(f"#sdy.sharding<@{mesh.name}, [{dims}]>")).result
+
+
+def parts_rule(operand_types, result_types):
+  """The `sdy.sharding_rule` of a record of parts (needs a context): the statistics' dims are factors of their own,
+  so that propagation leaves them as they are, one row per device (no reshard before the record)."""
+  sizes, mappings = [], []
+  for t in operand_types:
+    dims = []
+    for n in ir.RankedTensorType(t).shape:
+      sizes.append(n)
+      dims.append(sdy.DimMappingAttr.get(factor_indices=[len(sizes) - 1]))
+    mappings.append(sdy.TensorMappingAttr.get(dim_mappings=dims))
+  scalar = sdy.TensorMappingAttr.get(dim_mappings=[])
+  return sdy.OpShardingRuleAttr.get(factor_sizes=sizes, operand_mappings=mappings,
+                                    result_mappings=[scalar] * len(result_types), is_custom=True)
 
 
 def _one_row_each(sharding, num_devices):
@@ -429,11 +444,21 @@ def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding,
 
 
 def _replicated(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
-  """The partition callback of a side-effecting target (telemetry): every device runs it on whole operands."""
-  module = _per_shard_module(target, _decode_config(target, backend_config), arg_shapes, result_shape, None)
-  if result_sharding.is_manual() or result_sharding.is_maximal():
+  """The partition callback of a side-effecting target (telemetry): every device runs it on whole operands, but a
+  record of parts (`parts` > 1) on its own row of the [devices, rows, FIELDS] statistics: no collective gathers them,
+  the sink sums the devices' parts (they are all in this process)."""
+  attrs = _decode_config(target, backend_config)
+  if result_sharding.is_manual() or (result_sharding.is_maximal() and not result_sharding.is_replicated()):
+    module = _per_shard_module(target, attrs, arg_shapes, result_shape, None)
     return module, [result_sharding] * len(arg_shapes), result_sharding
-  return module, [xc.HloSharding.replicate()] * len(arg_shapes), xc.HloSharding.replicate()
+  shardings = [xc.HloSharding.replicate()] * len(arg_shapes)
+  local = list(arg_shapes)
+  if attrs.get("parts", 1) > 1:
+    dims = arg_shapes[0].dimensions()
+    shardings[0] = arg_shardings[0] if _one_row_each(arg_shardings[0], dims[0]) else device_rows(dims[0], len(dims))
+    local[0] = shardings[0].tile(arg_shapes[0])
+  module = _per_shard_module(target, attrs, local, result_shape, None)
+  return module, shardings, xc.HloSharding.replicate()
 
 
 def _infer_from_operands(target, arg_shapes, arg_shardings, result_shape, backend_config):

@@ -99,7 +99,7 @@ class Emitter:
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
         return probed(lambda: self._slices(plan, select))
       if plan.form is Form.GROUPED:
-        return self._in_case(select, runs, dot, lambda: self._ragged(plan))
+        return self._in_case(select, runs, dot, lambda: probed(lambda: self._ragged(plan)))
       if plan.form is not Form.PACKED:
         return probed(lambda: self._emulated(plan, select))
       return self._in_case(select, runs, dot, lambda: probed(lambda: self._native_gemm(plan)))

@@ -65,9 +65,12 @@ class FfiKernels:
       op.attributes["sdy.sharding_rule"] = self._packed.sharding_rule(target.name, [o.type for o in operands], types,
                                                                    attrs)
     if self.partitioned and target.side_effect:
-      # XLA's partitioner requires a sharding on a side-effecting op: every device runs it on whole values.
+      # XLA's partitioner requires a sharding on a side-effecting op: every device runs it on whole values, but a
+      # record of parts on its own row of the statistics (partition.py).
       op.attributes["sdy.sharding"] = ir.Attribute.parse(
           "#sdy.sharding_per_value<[" + ", ".join("<mesh<[]>, []>" for _ in types) + "]>")
+      if attrs.get("parts", 1) > 1:
+        op.attributes["sdy.sharding_rule"] = self._partition.parts_rule([o.type for o in operands], types)
     return list(op.results)
 
 

@@ -83,9 +83,11 @@ class Settings:
   module: int  # the module's key in the host's registry (xla_fp4/telemetry.py)
   every: int
   strict: bool
-  # A partitioned program's per-device rows are gathered (for the record) inside a conditional on the step: on CPU,
-  # where each collective of 8 host devices costs about 1 ms; not on GPU, where a conditional's predicate is read
-  # on the host (a synchronisation per GEMM and step) and a gather of a few hundred bytes is cheap.
+  # A partitioned program's per-device rows: where all devices are this process's, each device records its own and
+  # the sink sums them (no collective); else they are gathered for the record, inside a conditional on the step on
+  # CPU, where each collective among 8 host devices costs about 1 ms, and not on GPU, where a conditional's predicate
+  # is read on the host (a synchronisation per GEMM and step) and a gather of a few hundred bytes is cheap.
+  one_process: bool = True
   gather_in_case: bool = True
 
 
@@ -128,13 +130,15 @@ class Probes:
     site, step = plan.site, probe.value
     gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
     strict_row = gradients[0] if self.settings.strict and gradients else -1
-    attrs = dict(module=self.settings.module, site=site.index, strict_row=strict_row)
-    record = lambda table: self.kernels.call(  # noqa: E731
-        targets.TELEMETRY_RECORD, [table, step, probe.block], attrs)[0]
+    attrs = dict(module=self.settings.module, site=site.index, strict_row=strict_row, parts=1)
+    record = lambda table, **kw: self.kernels.call(  # noqa: E731
+        targets.TELEMETRY_RECORD, [table, step, probe.block], dict(attrs, **kw))[0]
     if self.kernels.partitioned and self._per_device(measures):
       from xla_fp4.sharding import partition  # with the compiled kernels, as FfiKernels
       table = partition.device_rows_constraint(self.kernels.mesh, self._device_table(plan, measures, result, step))
-      if self.settings.gather_in_case:
+      if self.settings.one_process:
+        record(table, parts=self.kernels.mesh.devices)
+      elif self.settings.gather_in_case:
         _when_recorded(step, lambda: record(table))
       else:
         record(table)
