@@ -290,10 +290,9 @@ Target: every 10 steps within {goal:.0%} of the step without telemetry: at most 
 The ratios are medians of each round's ratio to the step without telemetry in the same round. In a recorded step
 the quantizer measures each operand in the pass in which it quantizes it (xla_fp4_qdq_with_scale_stats on one device;
 under FSDP xla_fp4_qdq_and_stats, each device its shard); in an unrecorded step each GEMM takes its step on the host
-and the measuring kernels return at once. Under FSDP each GEMM's per-device rows are gathered for its record inside a
-conditional on the step (on CPU a collective among 8 host devices costs about 1 ms): an unrecorded step runs no
-collective for telemetry. The records reach the host from the kernels' sinks without a synchronisation
-(docs/design.md §7).
+and the measuring kernels return at once. Under FSDP each device records its own rows and the sink adds them: no
+collective and no conditional for telemetry. The records reach the host from the kernels' sinks without a
+synchronisation (docs/design.md §7).
 """
   layouts = {"one_device": "one device", "fsdp": "FSDP over 8"}
   return text, [["telemetry, train step with records every step / every 10 steps, against none",

@@ -5,8 +5,7 @@ with telemetry every step and every 10 steps (XLA_FP4_TELEMETRY_EVERY), on CPU.
 
 The program is a residual MLP train step (`x = x + gelu(x @ w1) @ w2` per layer, `jax.jit(jax.grad(loss))`, the
 default recipe), on one device, and under FSDP on 8 host devices (weights and tokens sharded over all 8), where each
-device measures its shard in the quantizer's pass and a GEMM's per-device rows are gathered for its record inside a
-conditional on the step (docs/design.md §7). Each mode runs 10 steps per round, one mode after the other, and a
+device measures its shard in the quantizer's pass and records its own rows, which the sink adds (docs/design.md §7). Each mode runs 10 steps per round, one mode after the other, and a
 round's ratio is a mode's mean
 step time over the round's step time without telemetry: the ratio reported is the median over rounds, so a machine
 that other work slows down for a while (this project's machines are shared) moves both sides of a ratio alike. A

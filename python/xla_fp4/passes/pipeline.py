@@ -112,7 +112,7 @@ def _telemetry(config, backend, platform):
                     "this platform (python -m xla_fp4 info says why); no telemetry is recorded", stacklevel=2)
     return None
   return rewrite.Settings(module=telemetry.register_module(), every=config.telemetry_every, strict=config.strict,
-                         one_process=jax.process_count() == 1, gather_in_case=not is_cuda(platform))
+                         one_process=jax.process_count() == 1, record_in_case=not is_cuda(platform))
 
 
 def dump(dump_dir, before: ir.Module, result: Result):

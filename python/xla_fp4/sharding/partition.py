@@ -20,12 +20,14 @@ extent along those dims keeps whole blocks. Both halves of XLA's sharding get wh
   replicas of one shard the same bits, and the same program gives the same bits every run.
 
 The telemetry targets (side-effecting: XLA requires each such op to carry a sharding, and refuses a replicated one
-unless its partitioner allows it) get a partitioner that runs them on every device on whole operands (the record
-gathers the per-device statistics there). The statistics kernels (a record's `device_stats`: xla_fp4_qdq_and_stats,
+unless its partitioner allows it) get a partitioner that runs them on every device on whole operands, except a
+record of parts (`parts` > 1), which each device runs on its own row of the per-device statistics (its Shardy rule,
+parts_rule, keeps them there). The statistics kernels (a record's `device_stats`: xla_fp4_qdq_and_stats,
 xla_fp4_qdq_stats_keyed, and the element-wise xla_fp4_output_stats) run on shards like the others; their statistics
 result is declared f32[devices, FIELDS] with an `sdy.sharding` over every mesh axis (device_stats_sharding), so that
-each device returns one row: its kernel's row of its shard, times 0 on a replica of a shard (a table indexed by
-`stablehlo.partition_id`), so that the sum over devices counts every element once. No collective runs for them.
+each device returns one row: its kernel's row of its shard, zeros on a replica of a shard (whose kernel gets step -1
+through a table indexed by `stablehlo.partition_id`, so it does no work), so that the sum over devices counts every
+element once. No collective runs for them.
 
 The global amax stays a plain max reduction of xla_fp4_block_amax's per-block maxima in the pass's output, which the
 SPMD partitioner turns into a scalar all-reduce.
@@ -262,40 +264,41 @@ def salted(key, salts):
   return hlo.XorOp(key, hlo.ReshapeOp(ir.RankedTensorType.get([], u32), salt).result).result
 
 
-def _per_shard_module(target, attrs, arg_shapes, result_shapes, salts, row_of=False):
+def _per_shard_module(target, attrs, arg_shapes, result_shapes, salts, counted=None):
   """MLIR bytecode of @main(per-shard operands) -> the kernel on the shard; `salts` (per partition) go into the key.
-  A `device_stats` target's row (the kernel's f32[FIELDS], its last result) becomes the declared [n, FIELDS]: with
-  `row_of` (float32 per partition) one row, times row_of[partition id]; with None row 0 of n, the others zeros."""
+  A `device_stats` target's row (the kernel's f32[FIELDS], its last result) becomes the declared [n, FIELDS]: one row
+  (n = 1), or row 0 of n, the others zeros (a call that runs on what the device holds). `counted` (bool per
+  partition, or None: every partition): the partitions whose shard counts; on the others the kernel's step operand
+  (its last) is -1, so that it measures nothing and returns zeros (a replica of a shard that another device counts)."""
   result_shapes = result_shapes if isinstance(result_shapes, (list, tuple)) else [result_shapes]
+  stats = PARTITIONED.get(target) is not None and PARTITIONED[target].device_stats
 
   def body(operands):
     if salts is not None:
       key_index = PARTITIONED[target].key_operand
       operands[key_index] = salted(operands[key_index], salts)
+    if counted is not None and not counted.all():
+      i32 = ir.IntegerType.get_signless(32)
+      table = hlo.ConstantOp(ir.DenseElementsAttr.get(np.where(counted, 0, -1).astype(np.int32),
+                                                      type=ir.RankedTensorType.get([len(counted)], i32)))
+      offset = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
+      offset = hlo.ReshapeOp(ir.RankedTensorType.get([], i32), offset).result
+      operands[-1] = hlo.OrOp(operands[-1], offset).result  # -1 | step == -1
     types = [_ir_type(s) for s in result_shapes]
-    stats = row_of is not False
     if stats:
       types[-1] = ir.RankedTensorType.get([types[-1].shape[-1]], types[-1].element_type)
     results = list(kernels.custom_call(target, types, operands, kernels.backend_config_attributes(target, attrs),
                                        has_side_effect=targets.BY_NAME[target].side_effect).results)
     if stats:
-      results[-1] = _device_row(results[-1], _ir_type(result_shapes[-1]), row_of)
+      results[-1] = _device_row(results[-1], _ir_type(result_shapes[-1]))
     return results
   return per_shard_module(arg_shapes, result_shapes, body)
 
 
-def _device_row(row, declared, row_of):
-  """The kernel's statistics row as the [n, FIELDS] a device returns (_per_shard_module)."""
-  f32 = ir.F32Type.get()
+def _device_row(row, declared):
+  """The kernel's statistics row as the [n, FIELDS] a device returns (_per_shard_module): row 0, the others zeros."""
   n, fields = declared.shape
-  one_row = ir.RankedTensorType.get([1, fields], f32)
-  if row_of is not None:
-    table = hlo.ConstantOp(ir.DenseElementsAttr.get(row_of, type=ir.RankedTensorType.get([len(row_of)], f32)))
-    weight = hlo.DynamicSliceOp(table.result, [hlo.PartitionIdOp().result], ir.DenseI64ArrayAttr.get([1])).result
-    weight = hlo.BroadcastInDimOp(ir.RankedTensorType.get([fields], f32), hlo.ReshapeOp(
-        ir.RankedTensorType.get([], f32), weight).result, ir.DenseI64ArrayAttr.get([])).result
-    row = hlo.MulOp(row, weight).result
-  row = hlo.ReshapeOp(one_row, row).result
+  row = hlo.ReshapeOp(ir.RankedTensorType.get([1, fields], ir.F32Type.get()), row).result
   if n == 1:
     return row
   zero = hlo.ConstantOp(ir.DenseElementsAttr.get(np.zeros((), np.float32))).result
@@ -385,18 +388,18 @@ def _one_row_each(sharding, num_devices):
 
 
 def _first_replicas(table):
-  """float32[devices]: 1 on the first device holding each shard (shard index `table[d]`), 0 on its replicas."""
+  """bool[devices]: true on the first device holding each shard (shard index `table[d]`), false on its replicas."""
   first = {}
   for d, shard in enumerate(table):
     first.setdefault(int(shard), d)
-  return np.array([1.0 if first[int(shard)] == d else 0.0 for d, shard in enumerate(table)], np.float32)
+  return np.array([first[int(shard)] == d for d, shard in enumerate(table)])
 
 
 def _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape, result_sharding):
   """The partition callback of a `device_stats` target: its like-x results as the block-local ones are partitioned,
-  and its statistics result [devices, FIELDS] one row per device: the kernel's row of the device's shard, times 0 on
-  a replica of a shard (the sum over devices then counts every element once). No collective: the record's reshard
-  gathers the rows, in recorded steps only where the pass puts it in a conditional (passes/rewrite/probes.py)."""
+  and its statistics result [devices, FIELDS] one row per device: the kernel's row of the device's shard, zeros on
+  a replica of a shard, whose kernel gets step -1 (the sum over devices then counts every element once). No
+  collective: each device records its row (a record of parts; passes/rewrite/probes.py)."""
   local = PARTITIONED[target]
   shapes = list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
   shardings = list(result_sharding.tuple_elements()) if result_shape.is_tuple() else [result_sharding]
@@ -406,7 +409,7 @@ def _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape
   if x_sharding.is_manual() or shardings[-1].is_manual() or (x_sharding.is_maximal() and not
                                                               x_sharding.is_replicated()):
     # Inside shard_map (or on one device) the call runs on what the device holds: its row first, the others zeros.
-    module = _per_shard_module(target, attrs, arg_shapes, shapes, None, row_of=None)
+    module = _per_shard_module(target, attrs, arg_shapes, shapes, None)
     return module, [x_sharding] * len(arg_shapes), result_sharding
   if local.blocked:
     x_sharding = _result_sharding(target, x_shape, x_sharding, attrs)
@@ -417,7 +420,7 @@ def _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape
     salts = _shard_salts(table)
   local_args = [x_sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
   local_results = [x_sharding.tile(s) for s in shapes[:-1]] + [rows.tile(shapes[-1])]
-  module = _per_shard_module(target, attrs, local_args, local_results, salts, row_of=_first_replicas(table))
+  module = _per_shard_module(target, attrs, local_args, local_results, salts, counted=_first_replicas(table))
   out = [x_sharding] * (len(shapes) - 1) + [rows]
   result = xc.HloSharding.tuple_sharding(result_shape, out) if result_shape.is_tuple() else out[0]
   return module, [x_sharding] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 1), result

@@ -6,7 +6,7 @@ Before the GEMM's operands are quantized, `Probes.begin`:
 The emitter then quantizes with the step at hand and hands over, per operand, what it quantized (`Measure`s), and
 `Probes.emit` adds after the GEMM's pattern:
   %rows  = f32[3, FIELDS] (numerics/telemetry.py): a row per operand and one for a wgrad's output zeros
-  stablehlo.custom_call @xla_fp4_telemetry_record(%rows, %step, %block) {module, site, strict_row}
+  stablehlo.custom_call @xla_fp4_telemetry_record(%rows, %step, %block) {module, site, strict_row, parts = 1}
 where the rows come, in a program whose tensors are whole on the device, from the kernels, which do nothing in an
 unrecorded step:
   - the quantizer itself: %q, %s_dec, %row = xla_fp4_qdq_with_scale_stats(%x, %step) (the emulated GEMM's whole-tensor
@@ -20,18 +20,21 @@ contributes its own rows (sharding/partition.py: replicas contribute zeros):
   %rows_b     = xla_fp4_qdq_stats_keyed(%x, %s_dec, %key, %step)      (native forms: requantized on the shard)
   %rows_y     = xla_fp4_output_stats(%y, %step)
   each f32[devices, FIELDS], split one row per device; %table = f32[devices, 3, FIELDS] (sdy.sharding_constraint)
-  %r = stablehlo.case(%step >= 0) { record(%table, %step, %block) }      (CPU; on GPU the record runs unconditionally)
-XLA gathers the table where the record reads it (one all-gather of devices x 33 floats per GEMM), inside the case on
-CPU, so an unrecorded step runs no collective for telemetry (one costs ~1 ms among 8 host devices); on GPU a
-conditional's predicate is read on the host, a synchronisation, while a gather of a few hundred bytes is cheap. The
-record combines the devices' tables (telemetry_sink.h CombineDevices): the whole tensors' statistics.
+  xla_fp4_telemetry_record(%table, %step, %block) {parts = devices}   (each device records its row: its part)
+and the sink adds a GEMM's parts in device order once all are in (telemetry_sink.h AddPart): no collective, no
+conditional. Where the devices span several processes a process sees only its own parts, so the table is gathered
+for the record instead (parts = 1; the record adds the gathered rows): on CPU inside a stablehlo.case on the step
+(a collective among 8 host devices costs ~1 ms), on GPU unconditionally (a conditional's predicate is read on the
+host, a synchronisation; a gather of a few hundred bytes is cheap).
+A chlo.ragged_dot's operands exist only inside its twin: twins of the grouped quantizers measure them
+(numerics/telemetry.py ragged_rows_stats, ragged_contracting_stats), inside a case on the step.
 Per-slice expert operands (and partitioned programs without a Shardy mesh) take the twins instead, inside a
 stablehlo.case on the step: plain JAX reductions, which XLA partitions. (On XLA CPU such a case costs about 5% of an
 unrecorded step, as it holds the tensors it reads; the kernels' paths have none.)
 
 Nothing the program computes reads the statistics or either call: its values are those of the run without
 telemetry, bit for bit. The rows reach the host through the record call, with no synchronisation on CUDA
-(telemetry_kernels.cu); every device records the same rows.
+(telemetry_kernels.cu); every device records the same rows, or its part of them.
 """
 
 import dataclasses
@@ -84,11 +87,12 @@ class Settings:
   every: int
   strict: bool
   # A partitioned program's per-device rows: where all devices are this process's, each device records its own and
-  # the sink sums them (no collective); else they are gathered for the record, inside a conditional on the step on
-  # CPU, where each collective among 8 host devices costs about 1 ms, and not on GPU, where a conditional's predicate
-  # is read on the host (a synchronisation per GEMM and step) and a gather of a few hundred bytes is cheap.
+  # the sink adds them (no collective); else they are gathered for the record.
   one_process: bool = True
-  gather_in_case: bool = True
+  # ... and its record sits in a conditional on the step: on CPU, where an unconditional record after each GEMM cost
+  # an unrecorded FSDP step 4% (measured; XLA orders side-effecting calls) and a collective among 8 host devices
+  # costs ~1 ms; not on GPU, where a conditional's predicate is read on the host, a synchronisation per GEMM and step.
+  record_in_case: bool = True
 
 
 def device_rows_type(mesh):
@@ -135,13 +139,13 @@ class Probes:
         targets.TELEMETRY_RECORD, [table, step, probe.block], dict(attrs, **kw))[0]
     if self.kernels.partitioned and self._per_device(measures):
       from xla_fp4.sharding import partition  # with the compiled kernels, as FfiKernels
-      table = partition.device_rows_constraint(self.kernels.mesh, self._device_table(plan, measures, result, step))
-      if self.settings.one_process:
-        record(table, parts=self.kernels.mesh.devices)
-      elif self.settings.gather_in_case:
-        _when_recorded(step, lambda: record(table))
+      rows = self._device_rows(plan, measures, result, step)
+      parts = self.kernels.mesh.devices if self.settings.one_process else 1
+      table = lambda: partition.device_rows_constraint(self.kernels.mesh, _stacked_rows(rows))  # noqa: E731
+      if self.settings.record_in_case:  # the table made and recorded in recorded steps only
+        _when_recorded(step, lambda: record(table(), parts=parts))
       else:
-        record(table)
+        record(table(), parts=parts)
     else:
       if self.kernels.partitioned or any(m.groups is not None or m.ragged for ms in measures for m in ms):
         table = self._computed_in_case(plan, measures, output, step)
@@ -168,19 +172,15 @@ class Probes:
     return self.kernels.call(targets.QDQ_STATS_KEYED, [m.x, m.s_dec, m.key, step], attrs,
                              result_types=[device_rows_type(self.kernels.mesh)])[0]
 
-  def _device_table(self, plan, measures, output, step):
-    """[devices, operands + 1, FIELDS] of a partitioned GEMM: each device's rows (what its shards contribute, zeros on
-    a replica: sharding/partition.py), then its output's zeros (a wgrad: `output`, the GEMM's result) or zeros. The
-    record sums the devices."""
+  def _device_rows(self, plan, measures, output, step):
+    """The [devices, FIELDS] rows of a partitioned GEMM's operands (what each device's shards contribute, zeros on a
+    replica: sharding/partition.py), then its output's zeros (a wgrad: `output`, the GEMM's result), or None."""
     rows = [self._device_row(ms[0], step) for ms in measures]
-    rows_type = tensor_type(rows[0])
     if plan.site.role is Role.WGRAD:
-      rows.append(self.kernels.call(targets.OUTPUT_STATS, [output, step], {}, result_types=[rows_type])[0])
+      rows.append(self.kernels.call(targets.OUTPUT_STATS, [output, step], {}, result_types=[rows[0].type])[0])
     else:
-      rows.append(_zeros(rows_type))
-    devices = rows_type.shape[0]
-    row_type = ir.RankedTensorType.get([devices, 1, _ROW], f32())
-    return hlo.ConcatenateOp([hlo.ReshapeOp(row_type, r).result for r in rows], 1).result
+      rows.append(None)
+    return rows
 
   def _kernel_row(self, measures, step):
     """An operand's row from the kernels, which do nothing in an unrecorded step: the quantizer's own (Measure.row,
@@ -249,6 +249,14 @@ class Probes:
         rows.append(self.twins.call(stats.qdq_stats, [m.x, m.s_dec, const(0, i32), const(m.salt, u32())],
                                     [_row_type()], axis=m.axis, stochastic=m.recipe.stochastic, **recipe)[0])
     return rows[0] if len(rows) == 1 else self.twins.call(stats.combine, [_stacked(rows)], [_row_type()])[0]
+
+
+def _stacked_rows(rows):
+  """[devices, n, FIELDS] from n [devices, FIELDS] rows (None: zeros)."""
+  devices = tensor_type(next(r for r in rows if r is not None)).shape[0]
+  row_type = ir.RankedTensorType.get([devices, 1, _ROW], f32())
+  return hlo.ConcatenateOp([_zeros(row_type) if r is None else hlo.ReshapeOp(row_type, r).result for r in rows],
+                           1).result
 
 
 def _when_recorded(step, build):
