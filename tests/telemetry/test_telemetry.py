@@ -324,8 +324,8 @@ _COLLECTIVES = textwrap.dedent(r"""
 def test_sharded_steps_add_no_collective(tmp_path):
   """Under FSDP on 8 host devices (one process) the quantizers measure their shards in the same pass
   (xla_fp4_qdq_and_stats; the native forms requantize the packed operands' shards, xla_fp4_qdq_stats_keyed), each
-  device records its own rows and the sink sums them: the step has the collectives it has without telemetry (each
-  costs ~1 ms among host devices) and no conditional more."""
+  device records its own rows and the sink adds them: the step has the collectives it has without telemetry (each
+  costs ~1 ms among host devices); on CPU each GEMM's record sits in a conditional on the step."""
   clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
   r = subprocess.run([sys.executable, "-c", _COLLECTIVES, str(tmp_path)], env=clean, capture_output=True, text=True,
                      cwd=ROOT)
@@ -335,7 +335,7 @@ def test_sharded_steps_add_no_collective(tmp_path):
     assert int(off_stats) == 0 and int(on_stats) > 0
     assert on == off and "all-gather" in off  # the same collectives of the same arrays (XLA may combine them
     # otherwise): FSDP's weight gathers (packed in the native form), the amax reductions, the gradients' reductions
-    assert on_cases == off_cases
+    assert int(on_cases) >= int(off_cases) + 5
 
 
 @pytest.mark.benchmark  # runs benchmarks/telemetry.py --small (a minute)
