@@ -291,8 +291,8 @@ The ratios are medians of each round's ratio to the step without telemetry in th
 the quantizer measures each operand in the pass in which it quantizes it (xla_fp4_qdq_with_scale_stats on one device;
 under FSDP xla_fp4_qdq_and_stats, each device its shard); in an unrecorded step each GEMM takes its step on the host
 and the measuring kernels return at once. Under FSDP each device records its own rows and the sink adds them: no
-collective and no conditional for telemetry. The records reach the host from the kernels' sinks without a
-synchronisation (docs/design.md §7).
+collective for telemetry (on CPU each GEMM's record sits in a conditional on the step). The records reach the host
+from the kernels' sinks without a synchronisation (docs/design.md §7).
 """
   layouts = {"one_device": "one device", "fsdp": "FSDP over 8"}
   return text, [["telemetry, train step with records every step / every 10 steps, against none",

@@ -5,14 +5,15 @@ with telemetry every step and every 10 steps (XLA_FP4_TELEMETRY_EVERY), on CPU.
 
 The program is a residual MLP train step (`x = x + gelu(x @ w1) @ w2` per layer, `jax.jit(jax.grad(loss))`, the
 default recipe), on one device, and under FSDP on 8 host devices (weights and tokens sharded over all 8), where each
-device measures its shard in the quantizer's pass and records its own rows, which the sink adds (docs/design.md §7). Each mode runs 10 steps per round, one mode after the other, and a
-round's ratio is a mode's mean
-step time over the round's step time without telemetry: the ratio reported is the median over rounds, so a machine
-that other work slows down for a while (this project's machines are shared) moves both sides of a ratio alike. A
-round of every-10 holds exactly one recorded step. The writer thread that drains the sinks runs as it does for a
-user, and each round ends by draining what is left (telemetry.flush) inside the mode's time: on 2 cores the writer's
-Python work for the every-step mode's records otherwise ran on into the every-10 mode's round (measured: FSDP
-every 10 steps 1.17x with it, the same steps timed alone no slower than without telemetry). Target (issue 23): every
+device measures its shard in the quantizer's pass and records its own rows, which the sink adds (docs/design.md §7).
+
+Each mode with telemetry is measured against the mode without, one at a time (so that the writer thread drains only
+that mode's records), in rounds of 10 steps in which the two alternate step by step: a machine that other work
+slows down for a while (this project's machines are shared) slows both alike. A round's ratio is the mode's time
+over the time without telemetry, where the mode's time includes draining what the writer thread has left of the
+round's records (telemetry.flush); the ratio reported is the median over rounds. A round of every-10 holds exactly
+one recorded step. (Rounds of 10 steps of one mode after the other read FSDP every 10 steps at 1.04-1.17x on the
+same code: noise and the every-step mode's records drained during the next mode's round.) Target (issue 23): every
 10 steps within 3% of the step without telemetry.
 """
 
@@ -62,16 +63,22 @@ def measure(layout, dtype, sizes, steps, rounds):
     xla_fp4.enable(telemetry=dirs[mode], telemetry_every=every or 1)
     compiled[mode] = jax.jit(fn).lower(*args).compile()
     jax.block_until_ready(compiled[mode](*args))  # warm-up
-  times = {mode: [] for mode, _ in MODES}
-  for _ in range(rounds):
-    for mode, _ in MODES:
+  times = {mode: [] for mode, _ in MODES}  # per round, the mean step time
+  ratios = {mode: [] for mode, _ in MODES if mode != "off"}
+  for mode in ratios:  # one mode with telemetry at a time, so that the writer drains that mode's records only
+    for _ in range(rounds):
+      spent = {"off": 0.0, mode: 0.0}
+      for _ in range(steps):  # the two alternate step by step: a machine slowed by other work slows both alike
+        for m in spent:
+          start = time.perf_counter()
+          jax.block_until_ready(compiled[m](*args))
+          spent[m] += time.perf_counter() - start
       start = time.perf_counter()
-      for _ in range(steps):
-        out = compiled[mode](*args)
-      jax.block_until_ready(out)
-      telemetry.flush()  # the mode's own records drained and written in its time, not in the next mode's
-      times[mode].append((time.perf_counter() - start) / steps)
-  ratios = {mode: [t / o for t, o in zip(times[mode], times["off"])] for mode, _ in MODES if mode != "off"}
+      telemetry.flush()  # what the writer thread has left of the round's records, in the mode's time
+      spent[mode] += time.perf_counter() - start
+      ratios[mode].append(spent[mode] / spent["off"])
+      for m, t in spent.items():
+        times[m].append(t / steps)
   telemetry.flush()
   records = {mode: len(telemetry.load(d)) if d else 0 for mode, d in dirs.items()}
   for d in dirs.values():

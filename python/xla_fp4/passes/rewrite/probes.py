@@ -19,13 +19,14 @@ contributes its own rows (sharding/partition.py: replicas contribute zeros):
   %q, %rows_a = xla_fp4_qdq_and_stats(%x, %s_dec, %key, %step)        (the partitioned quantizer, the same pass)
   %rows_b     = xla_fp4_qdq_stats_keyed(%x, %s_dec, %key, %step)      (native forms: requantized on the shard)
   %rows_y     = xla_fp4_output_stats(%y, %step)
-  each f32[devices, FIELDS], split one row per device; %table = f32[devices, 3, FIELDS] (sdy.sharding_constraint)
-  xla_fp4_telemetry_record(%table, %step, %block) {parts = devices}   (each device records its row: its part)
-and the sink adds a GEMM's parts in device order once all are in (telemetry_sink.h AddPart): no collective, no
-conditional. Where the devices span several processes a process sees only its own parts, so the table is gathered
-for the record instead (parts = 1; the record adds the gathered rows): on CPU inside a stablehlo.case on the step
-(a collective among 8 host devices costs ~1 ms), on GPU unconditionally (a conditional's predicate is read on the
-host, a synchronisation; a gather of a few hundred bytes is cheap).
+  each f32[devices, FIELDS], split one row per device (a replica's kernel gets step -1: zeros)
+  stablehlo.case(%step >= 0) {                                        (on CPU; on GPU unconditionally: Settings)
+    %table = f32[devices, 3, FIELDS] of the rows (sdy.sharding_constraint: one row per device)
+    xla_fp4_telemetry_record(%table, %step, %block) {parts = devices}  (each device records its row: its part)
+  }
+and the sink adds a GEMM's parts in device order once all are in (telemetry_sink.h AddPart): no collective. Where
+the devices span several processes a process sees only its own parts, so the table is gathered for the record
+instead (parts = 1; the record adds the gathered rows).
 A chlo.ragged_dot's operands exist only inside its twin: twins of the grouped quantizers measure them
 (numerics/telemetry.py ragged_rows_stats, ragged_contracting_stats), inside a case on the step.
 Per-slice expert operands (and partitioned programs without a Shardy mesh) take the twins instead, inside a
