@@ -278,11 +278,14 @@ def telemetry():
 
 `python benchmarks/telemetry.py` (writes `benchmarks/results/telemetry.json`): a {z['layers']}-layer residual MLP
 train step (d_model {z['d_model']}, d_ff {z['d_ff']}, {z['tokens']} tokens, the default recipe) under the pass,
-without telemetry and with `XLA_FP4_TELEMETRY` every step and every 10 steps, {d['rounds']} interleaved rounds of
-{d['steps_per_round']} steps each. {d['cpus']} CPU cores, jax {d['jax']}.
+without telemetry and with `XLA_FP4_TELEMETRY` every step and every 10 steps, each against the step without in
+{d['rounds']} rounds of {d['steps_per_round']} steps, the two alternating step by step. {d['cpus']} CPU cores, jax
+{d['jax']}.
 
 Target: every 10 steps within {goal:.0%} of the step without telemetry: at most {x(worst, 3)}
-({met(worst <= 1 + goal)}).
+({met(worst <= 1 + goal)}). The rows run in this order in one process, every 10 steps before every step: a telemetry
+mode measured after another's every-step phase reads slower (FSDP float32 every 10 steps: 1.11x after its every-step
+phase, 0.98x alone, on the same code), which is not understood yet; the later rows may carry some of it.
 
 {table(["layout", "dtype", "step without telemetry", "every step", "every 10 steps", "records (every step)",
         "records (every 10)"], rows)}
