@@ -37,14 +37,9 @@ ffi::Error TelemetryRecord(int32_t device, ffi::Buffer<ffi::F32> stats, ffi::Buf
                            telemetry::CombineDevices(stats.typed_data(), devices,
                                                      static_cast<int64_t>(stats.element_count()) / devices /
                                                          telemetry::kNumFields)};
-  std::string error;
-  if (parts > 1) {  // this device's part: the sink sums the GEMM's parts, and the last one in checks the whole
-    std::optional<telemetry::Record> whole = Sink::Get().AddPart(record, parts);
-    if (whole.has_value()) error = telemetry::AllZeroMessage(*whole, strict_row);
-  } else {
-    error = telemetry::AllZeroMessage(record, strict_row);
-    Sink::Get().Add(std::move(record));
-  }
+  // With parts, this device's part: the sink adds the GEMM's parts, and the last one in checks the whole.
+  std::optional<telemetry::Record> whole = Sink::Get().Put(std::move(record), parts);
+  const std::string error = whole.has_value() ? telemetry::AllZeroMessage(*whole, strict_row) : "";
   if (!error.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, error);
   return ffi::Error::Success();
 }

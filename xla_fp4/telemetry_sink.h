@@ -98,6 +98,14 @@ class Sink {
     return whole;
   }
 
+  // A GEMM's record, or with `parts` > 1 one device's part of it (AddPart) -> the whole record where it is complete
+  // (what the strict-mode check reads), else nullopt.
+  std::optional<Record> Put(Record record, int64_t parts) {
+    if (parts > 1) return AddPart(record, parts);
+    Add(record);
+    return record;
+  }
+
   std::vector<Record> Drain() {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<Record> out;

@@ -103,20 +103,28 @@ ffi::Error Acquire(size_t floats, Staging** out) {
                     "telemetry staging");
 }
 
-void Deliver(void* data) {  // a host function: no CUDA calls
-  auto* s = static_cast<Staging*>(data);
-  const size_t n = s->record.values.size();
-  const int64_t rows = static_cast<int64_t>(n) / s->devices / telemetry::kNumFields;
-  s->record.values = telemetry::CombineDevices(s->host, s->devices, rows);
-  std::memcpy(&s->record.step, s->host + n, sizeof(int32_t));
-  std::memcpy(&s->record.block, s->host + n + 1, sizeof(int32_t));
-  if (s->record.step >= 0 && s->parts > 1) {  // -1: a kept iteration of a recorded step
-    Sink::Get().AddPart(s->record, s->parts);
-  } else if (s->record.step >= 0) {
-    Sink::Get().Add(s->record);
-  }
+// The record a staging buffer holds, once its copies are done: the statistics (gathered devices' tables added up),
+// step and block.
+telemetry::Record Unstaged(const Staging* s) {
+  telemetry::Record record = s->record;
+  const size_t n = record.values.size();
+  record.values = telemetry::CombineDevices(s->host, s->devices,
+                                            static_cast<int64_t>(n) / s->devices / telemetry::kNumFields);
+  std::memcpy(&record.step, s->host + n, sizeof(int32_t));
+  std::memcpy(&record.block, s->host + n + 1, sizeof(int32_t));
+  return record;
+}
+
+void Release(Staging* s) {
   std::lock_guard<std::mutex> lock(pool_mu);
   pool.push_back(s);
+}
+
+void Deliver(void* data) {  // a host function: no CUDA calls
+  auto* s = static_cast<Staging*>(data);
+  telemetry::Record record = Unstaged(s);
+  if (record.step >= 0) Sink::Get().Put(std::move(record), s->parts);  // -1: a kept iteration of a recorded step
+  Release(s);
 }
 
 ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::F32> stats,
@@ -141,22 +149,12 @@ ffi::Error TelemetryRecord(cudaStream_t stream, int32_t device, ffi::Buffer<ffi:
       cudaMemcpyAsync(s->host + n + 1, block.typed_data(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream), "copy"));
   if (strict_row < 0) return CudaStatus(cudaLaunchHostFunc(stream, Deliver, s), "telemetry host function");
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "telemetry (strict) synchronize"));
-  telemetry::Record record = s->record;
-  record.values = telemetry::CombineDevices(s->host, s->devices,
-                                            static_cast<int64_t>(n) / s->devices / telemetry::kNumFields);
-  record.step = *reinterpret_cast<int32_t*>(s->host + n);
-  record.block = *reinterpret_cast<int32_t*>(s->host + n + 1);
-  std::string message;
-  if (parts > 1) {  // this device's part: the last one in checks the whole
-    std::optional<telemetry::Record> whole;
-    if (record.step >= 0) whole = Sink::Get().AddPart(record, parts);
-    if (whole.has_value()) message = telemetry::AllZeroMessage(*whole, strict_row);
-    std::lock_guard<std::mutex> lock(pool_mu);
-    pool.push_back(s);
-  } else {
-    message = telemetry::AllZeroMessage(record, strict_row);
-    Deliver(s);
-  }
+  telemetry::Record record = Unstaged(s);
+  Release(s);
+  // With parts, this device's part: the last one in checks the whole.
+  std::optional<telemetry::Record> whole;
+  if (record.step >= 0) whole = Sink::Get().Put(std::move(record), parts);
+  const std::string message = whole.has_value() ? telemetry::AllZeroMessage(*whole, strict_row) : "";
   if (!message.empty()) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, message);
   return ffi::Error::Success();
 }

@@ -350,18 +350,22 @@ def device_stats_sharding(mesh, result_types):
   its [devices, FIELDS] statistics split over every axis of `mesh` (device_mesh), one row per device."""
   open_dims = lambda t: "[" + ", ".join("{?}" for _ in ir.RankedTensorType(t).shape) + "]"  # noqa: E731
   values = [f"<@{mesh.name}, {open_dims(t)}>" for t in result_types[:-1]]
-  axes = ", ".join(f'"{a}"' for a in mesh.axes)
-  values.append(f"<@{mesh.name}, [{{{axes}}}, {{}}]>")
+  values.append(_device_rows_sharding(mesh, 2))
   return ir.Attribute.parse("#sdy.sharding_per_value<[" + ", ".join(values) + "]>")
+
+
+def _device_rows_sharding(mesh, rank):
+  """The Shardy sharding text of [devices, ...] (rank dims) split over every axis of `mesh`, one row per device."""
+  axes = ", ".join(f'"{a}"' for a in mesh.axes)
+  return f"<@{mesh.name}, [" + ", ".join([f"{{{axes}}}"] + ["{}"] * (rank - 1)) + "]>"
 
 
 def device_rows_constraint(mesh, value):
   """`value` ([devices, ...]: per-device statistics rows) held one row per device of `mesh` (needs a context and an
   insertion point): the reshard that gathers them happens where the record reads them, not where they are made."""
   rank = len(ir.RankedTensorType(value.type).shape)
-  axes = ", ".join(f'"{a}"' for a in mesh.axes)
-  dims = ", ".join([f"{{{axes}}}"] + ["{}"] * (rank - 1))
-  return sdy.ShardingConstraintOp(value, ir.Attribute.parse(f"#sdy.sharding<@{mesh.name}, [{dims}]>")).result
+  return sdy.ShardingConstraintOp(value, ir.Attribute.parse("#sdy.sharding" + _device_rows_sharding(mesh, rank)))\
+      .result
 
 
 def parts_rule(operand_types, result_types):

@@ -144,7 +144,7 @@ class Probes:
       parts = self.kernels.mesh.devices if self.settings.one_process else 1
       table = lambda: partition.device_rows_constraint(self.kernels.mesh, _stacked_rows(rows))  # noqa: E731
       if self.settings.record_in_case:  # the table made and recorded in recorded steps only
-        _when_recorded(step, lambda: record(table(), parts=parts))
+        _when_recorded(step, step.type, lambda: record(table(), parts=parts), lambda: step)
       else:
         record(table(), parts=parts)
     else:
@@ -209,31 +209,29 @@ class Probes:
     """The rows from the twins (plain JAX reductions, which XLA partitions: a sharded tensor's statistics are the
     whole tensor's), inside a stablehlo.case on the step, which computes nothing in an unrecorded step. (Its captures
     cost XLA CPU 5% of an unrecorded step, measured: the kernels' path has no case.)"""
-    i32 = ir.IntegerType.get_signless(32)
-    recorded = hlo.CompareOp(step, const(0, i32), hlo.ComparisonDirectionAttr.get("GE")).result
     table_type = ir.RankedTensorType.get([len(measures) + 1, _ROW], f32())
-    case = hlo.CaseOp([table_type], hlo.SelectOp(recorded, const(1, i32), const(0, i32)).result, 2)
-    with ir.InsertionPoint(case.regions[0].blocks.append()):
-      hlo.ReturnOp([_zeros(table_type)])
-    with ir.InsertionPoint(case.regions[1].blocks.append()):
-      ragged = [m.ragged for ms in measures for m in ms if m.ragged]
-      if ragged:  # both operands' rows from one twin
-        fn, operands, params = ragged[0]
-        pair = self.twins.call(fn, operands, [ir.RankedTensorType.get([2, _ROW], f32())], **params)[0]
-        rows = [hlo.SliceOp(pair, ir.DenseI64ArrayAttr.get([i, 0]), ir.DenseI64ArrayAttr.get([i + 1, _ROW]),
-                            ir.DenseI64ArrayAttr.get([1, 1])).result for i in (0, 1)]
+    return _when_recorded(step, table_type, lambda: self._twin_table(plan, measures, output),
+                          lambda: _zeros(table_type))
+
+  def _twin_table(self, plan, measures, output):
+    """[operands + 1, FIELDS] from the twins (a ragged dot's both operands from one), then the output's row."""
+    ragged = [m.ragged for ms in measures for m in ms if m.ragged]
+    if ragged:  # both operands' rows from one twin
+      fn, operands, params = ragged[0]
+      pair = self.twins.call(fn, operands, [ir.RankedTensorType.get([2, _ROW], f32())], **params)[0]
+      rows = [hlo.SliceOp(pair, ir.DenseI64ArrayAttr.get([i, 0]), ir.DenseI64ArrayAttr.get([i + 1, _ROW]),
+                          ir.DenseI64ArrayAttr.get([1, 1])).result for i in (0, 1)]
+    else:
+      rows = [self._twin_row(ms) for ms in measures]
+    if plan.site.role is Role.WGRAD:
+      if isinstance(output, tuple):
+        dtype = targets.shape_dtype(plan.record.op.results[0].type).dtype.name
+        rows.append(self.twins.call(stats.scaled_output_zeros, list(output), [_row_type()], dtype=dtype)[0])
       else:
-        rows = [self._twin_row(ms) for ms in measures]
-      if plan.site.role is Role.WGRAD:
-        if isinstance(output, tuple):
-          dtype = targets.shape_dtype(plan.record.op.results[0].type).dtype.name
-          rows.append(self.twins.call(stats.scaled_output_zeros, list(output), [_row_type()], dtype=dtype)[0])
-        else:
-          rows.append(self.twins.call(stats.output_zeros, [output], [_row_type()])[0])
-      else:
-        rows.append(_zeros(_row_type()))
-      hlo.ReturnOp([_stacked(rows)])
-    return case.results[0]
+        rows.append(self.twins.call(stats.output_zeros, [output], [_row_type()])[0])
+    else:
+      rows.append(_zeros(_row_type()))
+    return _stacked(rows)
 
   def _twin_row(self, measures):
     rows = []
@@ -260,13 +258,14 @@ def _stacked_rows(rows):
                            1).result
 
 
-def _when_recorded(step, build):
-  """`build()` (an int32 scalar) inside a stablehlo.case that runs it where `step` >= 0 only."""
+def _when_recorded(step, result_type, build, otherwise):
+  """A stablehlo.case on `step` that runs `build()` where it is >= 0 (a recorded step) and `otherwise()` else, each
+  one value of `result_type`."""
   i32 = ir.IntegerType.get_signless(32)
   recorded = hlo.CompareOp(step, const(0, i32), hlo.ComparisonDirectionAttr.get("GE")).result
-  case = hlo.CaseOp([step.type], hlo.SelectOp(recorded, const(1, i32), const(0, i32)).result, 2)
+  case = hlo.CaseOp([result_type], hlo.SelectOp(recorded, const(1, i32), const(0, i32)).result, 2)
   with ir.InsertionPoint(case.regions[0].blocks.append()):
-    hlo.ReturnOp([step])
+    hlo.ReturnOp([otherwise()])
   with ir.InsertionPoint(case.regions[1].blocks.append()):
     hlo.ReturnOp([build()])
   return case.results[0]
