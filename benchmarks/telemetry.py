@@ -7,22 +7,25 @@ The program is a residual MLP train step (`x = x + gelu(x @ w1) @ w2` per layer,
 default recipe), on one device, and under FSDP on 8 host devices (weights and tokens sharded over all 8), where each
 device measures its shard in the quantizer's pass and records its own rows, which the sink adds (docs/design.md §7).
 
-Each mode with telemetry is measured against the mode without, one at a time (so that the writer thread drains only
-that mode's records), in rounds of 10 steps in which the two alternate step by step: a machine that other work
-slows down for a while (this project's machines are shared) slows both alike. A round's ratio is the mode's time
-over the time without telemetry, where the mode's time includes draining what the writer thread has left of the
-round's records (telemetry.flush); the ratio reported is the median over rounds. A round of every-10 holds exactly
-one recorded step. Every 10 steps is measured first: measured after every step (5000 records in this process), FSDP
-every 10 steps read 1.11x, measured alone 0.98x, on the same code. (Rounds of 10 steps of one mode after the other,
-an earlier method, read it anywhere from 1.04x to 1.17x: noise and the every-step mode's records drained during the
-next mode's round.) Target (issue 23): every 10 steps within 3% of the step without telemetry.
+Each row (layout, dtype) runs in a process of its own, as a training run does. In it each mode with telemetry is
+measured against the mode without, one at a time (so that the writer thread drains only that mode's records), in
+rounds of 10 steps in which the two alternate step by step: a machine that other work slows down for a while (this
+project's machines are shared) slows both alike. A round's ratio is the mode's time over the time without telemetry,
+where the mode's time includes draining what the writer thread has left of the round's records (telemetry.flush);
+the ratio reported is the median over rounds. A round of every-10 holds exactly one recorded step. The control is the
+step without telemetry compiled again and measured the same way against itself: how far two identical programs read
+apart on this machine, the method's noise. (In one process for all rows, a mode measured after another row's
+every-step phase read slower: FSDP float32 every 10 steps 1.11x, against 0.98x alone, on the same code.)
+Target (issue 23): every 10 steps within 3% of the step without telemetry.
 """
 
 import argparse
+import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +38,9 @@ import xla_fp4  # noqa: E402
 from sharding import write_result  # noqa: E402
 from xla_fp4 import telemetry  # noqa: E402
 
-MODES = (("off", None), ("every_10", 10), ("every_1", 1))  # every 10 measured first: see the docstring
+# (mode, telemetry every N steps): every 10 is measured before every step; "control": without, compiled again (the
+# method's noise)
+MODES = (("off", None), ("control", None), ("every_10", 10), ("every_1", 1))
 
 
 def train_step(layers, d_model, d_ff, tokens, dtype):
@@ -97,12 +102,24 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--small", action="store_true", help="tiny sizes (the test suite's run)")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # LAYOUT,DTYPE: one row, in this process
   args = ap.parse_args(argv)
   # (layers, d_model, d_ff, tokens)
   sizes = (2, 64, 128, 64) if args.small else (4, 256, 1024, 1024)
   steps, rounds = (10, 2) if args.small else (10, 15)
-  rows = [measure(layout, dt, sizes, steps, rounds) for layout in ("one_device", "fsdp")
-          for dt in (jnp.float32, jnp.bfloat16)]
+  if args.row:
+    layout, dtype = args.row.split(",")
+    write_result(measure(layout, jnp.dtype(dtype), sizes, steps, rounds), args.out)
+    return
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for layout in ("one_device", "fsdp"):
+      for dtype in ("float32", "bfloat16"):  # each row in a process of its own (the docstring)
+        out = os.path.join(tmp, f"{layout}_{dtype}.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--row", f"{layout},{dtype}", "--out", out]
+                       + (["--small"] if args.small else []), check=True)
+        with open(out) as f:
+          rows.append(json.load(f))
   write_result({"benchmark": "telemetry", "sizes": dict(zip(("layers", "d_model", "d_ff", "tokens"), sizes)),
                 "steps_per_round": steps, "rounds": rounds, "jax": jax.__version__, "machine": platform.machine(),
                 "cpus": os.cpu_count(), "rows": rows}, args.out)
