@@ -156,22 +156,31 @@ inline ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const std::string&
   return CheckBlocks(2 * dims[1], "K = 2 * " + what + ".shape[1]");
 }
 
-// xla_fp4_quantize_packed's operands and results: x (rows, K), scalars, seed, data and scales of x's shape.
+// xla_fp4_quantize_packed's operands and results: x a matrix quantized along `axis` (1: (rows, K), the packed
+// storage's own layout; 0: (K, rows), read as the program holds it), scalars, seed, and data and scales with x's dims,
+// the axis divided by 2 and by 16: (rows, K/2) and (rows, K/16), or (K/2, rows) and (K/16, rows). Fills `shape`.
 inline ffi::Error CheckQuantizePacked(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s_dec, const ffi::AnyBuffer& key,
-                                      const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales, bool stochastic,
-                                      int64_t rht_seed, int64_t* rows, int64_t* k) {
+                                      const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales, int64_t axis,
+                                      bool stochastic, int64_t rht_seed, AxisShape* shape) {
   const auto dims = x.dimensions();
-  if (dims.size() != 2) {
-    return ffi::Error::InvalidArgument("x must be a matrix (rows, K) with K, the contraction axis, last; got shape " +
-                                       ShapeString(dims));
+  if (dims.size() != 2 || (axis != 0 && axis != 1)) {
+    return ffi::Error::InvalidArgument("x must be a matrix and axis, the contraction axis, 0 or 1; got shape " +
+                                       ShapeString(dims) + " and axis " + std::to_string(axis));
   }
-  *rows = dims[0];
-  *k = dims[1];
-  return FirstError({CheckBlocks(*k, "K (x.shape[1])"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+  *shape = AxisShape{axis == 0 ? 1 : dims[0], dims[axis], axis == 0 ? dims[1] : 1};
+  const int64_t rows = dims[1 - axis], k = dims[axis];
+  auto check_u8 = [&](const ffi::AnyBuffer& b, int64_t divisor, const std::string& what) {
+    if (b.element_type() != ffi::DataType::U8) {
+      return ffi::Error::InvalidArgument(what + " must be uint8, got dtype code " +
+                                         std::to_string(static_cast<int>(b.element_type())));
+    }
+    return axis == 1 ? CheckShape(b.dimensions(), {rows, k / divisor}, what)
+                     : CheckShape(b.dimensions(), {k / divisor, rows}, what);
+  };
+  return FirstError({CheckBlocks(k, "K (x.shape[axis])"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
                      CheckScalar(key, ffi::DataType::U32, "key"), CheckSeed(rht_seed),
-                     CheckPackedData(data, "the data result", *rows, *k),
-                     CheckPackedScales(scales, *rows, *k, "the scales result"),
-                     CheckCounterRange(stochastic, *rows * *k, dims)});
+                     check_u8(data, 2, "the data result"), check_u8(scales, kBlock, "the scales result"),
+                     CheckCounterRange(stochastic, rows * k, dims)});
 }
 
 // xla_fp4_dequantize_packed's operands and result: packed data and scales, s_dec, a (rows, K) result.

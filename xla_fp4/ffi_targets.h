@@ -17,7 +17,8 @@
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
 #define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
 #define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed)
-#define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
+#define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) \
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
 // emulate: how XLA's partitioner runs the GEMM on shards (sharding/partition.py): the dequantized operands through
 // XLA's dot (the emulate backend of a partitioned program) instead of the FP4 GEMM. The handlers compute the same
 // numbers either way.

@@ -1,6 +1,7 @@
 // Packed NVFP4 (the native backend's storage, numerics/packing.py) and the CPU reference FP4 GEMM.
 //
-//   xla_fp4_quantize_packed(x (rows, K), s_dec, key) -> data u8 (rows, K/2), scales u8 (rows, K/16)
+//   xla_fp4_quantize_packed(x (rows, K), s_dec, key) {axis = 1} -> data u8 (rows, K/2), scales u8 (rows, K/16)
+//                          (x (K, rows), ...)          {axis = 0} -> data u8 (K/2, rows), scales u8 (K/16, rows)
 //   xla_fp4_dequantize_packed(data, scales, s_dec) -> x (rows, K) in the result's float dtype
 //   xla_fp4_gemm_packed(a_data (M, K/2), a_scales, b_data (N, K/2), b_scales, alpha) -> C (M, N)   ("TN": K-major)
 #include <cstring>
@@ -16,21 +17,35 @@ namespace {
 // ---- Impl: the work ----
 
 template <typename T>
-void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t k, const Recipe& r,
+void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
                         const TensorParams& tensor, uint8_t* data, uint8_t* scales) {
-  // x is (rows, K), the axis last: every tile line is 16 consecutive elements of one row and one block, and data is
-  // the row-major elements two to a byte (the even one in the low nibble).
-  ForEachQuantizedTile</*kDecode=*/false>(pool, x, Geometry{{rows, k, 1}}, r, tensor, /*decode_scale=*/1.0f,
+  // data and scales have x's dims with the axis K divided by 2 and by 16: two elements adjacent along K share a byte
+  // (the even one in the low nibble), and a block's scale sits where its first element's pair would.
+  ForEachQuantizedTile</*kDecode=*/false>(pool, x, g, r, tensor, /*decode_scale=*/1.0f,
                        [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
                            const uint8_t* code) {
-    for (int i = 0; i < p.nl; ++i) {
-      const int64_t e = p.base + i * view.cols;  // the line's first element, row-major
-      scales[e / kBlock] = code[BlockOf<decltype(blocks)::value>(i, 0)];  // (row, block) row-major
-      uint8_t* out = data + e / 2;
-      for (int j = 0; j < kBlock / 2; ++j) {
-        out[j] = static_cast<uint8_t>(E2M1Code(q[i][2 * j]) | (E2M1Code(q[i][2 * j + 1]) << 4));
+    constexpr Blocks kBlocks = decltype(blocks)::value;
+    if (g.axis_last()) {  // (rows, K): every tile line is 16 consecutive elements of one row and one block
+      for (int i = 0; i < p.nl; ++i) {
+        const int64_t e = p.base + i * view.cols;  // the line's first element, row-major
+        scales[e / kBlock] = code[BlockOf<kBlocks>(i, 0)];  // (row, block) row-major
+        uint8_t* out = data + e / 2;
+        for (int j = 0; j < kBlock / 2; ++j) {
+          out[j] = static_cast<uint8_t>(E2M1Code(q[i][2 * j]) | (E2M1Code(q[i][2 * j + 1]) << 4));
+        }
+      }
+      return;
+    }
+    // (K, rows) (outer = 1): lines are K (whole blocks of 16: K % 16 == 0), columns rows; lines i and i + 1 share bytes.
+    const int64_t line = p.base / view.cols, col = p.base % view.cols;
+    for (int i = 0; i < p.nl; i += 2) {
+      uint8_t* out = data + (line + i) / 2 * view.cols + col;
+      for (int j = 0; j < p.nc; ++j) {
+        out[j] = static_cast<uint8_t>(E2M1Code(q[i][j]) | (E2M1Code(q[i + 1][j]) << 4));
       }
     }
+    uint8_t* s = scales + line / kBlock * view.cols + col;
+    for (int j = 0; j < p.nc; ++j) s[j] = code[BlockOf<kBlocks>(0, j)];
   });
 }
 
@@ -81,10 +96,10 @@ void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t*
 // ---- FFI handlers (the checks shared with CUDA: ffi_checks.h) ----
 
 ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-                             ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
-                             bool stochastic, bool rht, int64_t rht_seed) {
-  int64_t rows = 0, k = 0;
-  if (ffi::Error e = CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k); e.failure()) {
+                             ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
+                             bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+  Geometry g;
+  if (ffi::Error e = CheckQuantizePacked(x, s_dec, key, *data, *scales, axis, stochastic, rht_seed, &g); e.failure()) {
     return e;
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed);
@@ -92,7 +107,7 @@ ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
                                                *static_cast<const uint32_t*>(key.untyped_data()));
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    QuantizePackedImpl(pool, static_cast<const T*>(x.untyped_data()), rows, k, recipe, tensor,
+    QuantizePackedImpl(pool, static_cast<const T*>(x.untyped_data()), g, recipe, tensor,
                        static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data()));
     return ffi::Error::Success();
   });
@@ -151,7 +166,7 @@ namespace ffi = xla::ffi;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu, xla_fp4::cpu::QuantizePackedFfi,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x (rows, K)
+                                  .Arg<ffi::AnyBuffer>()  // x (rows, K) or (K, rows)
                                   .Arg<ffi::AnyBuffer>()  // s_dec
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Ret<ffi::AnyBuffer>()  // data

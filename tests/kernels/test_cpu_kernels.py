@@ -181,6 +181,33 @@ def test_packed_quantize_and_dequantize_match_reference(t, recipe, key, out_dtyp
                    ref_dequantize_packed(ref_data, ref_scales, s_dec, x.shape, out_dtype))
 
 
+@SETTINGS
+@given(t=tensors(k_last=True), recipe=recipes, key=st.integers(0, 2**32 - 1))
+def test_packed_along_axis_0_reads_x_as_the_program_holds_it(t, recipe, key):
+  """axis=0: x (K, rows) packs to (K/2, rows) codes and (K/16, rows) scales, read in place (the emitter's x @ w weight
+  and wgrad operands). With nearest rounding they are the transposes of x.T's packed form, bit for bit; with any
+  rounding they decode to qdq along axis 0 (stochastic rounding's bits follow each element's position in x)."""
+  xt, _ = t
+  x = xt.T  # (K, rows)
+  k, rows = x.shape
+  s_dec = s_dec_of(x, 0, recipe["rht"], recipe["rht_seed"])
+  key = jnp.uint32(key)
+  data, scales = kernels.quantize_packed(x, s_dec, key, axis=0, **recipe)
+  assert data.shape == (k // 2, rows) and scales.shape == (k // formats.BLOCK, rows)
+  if not recipe["stochastic"]:
+    along_1 = kernels.quantize_packed(xt, s_dec, key, axis=1, **recipe)
+    np.testing.assert_array_equal(np.asarray(data).T, np.asarray(along_1[0]))
+    np.testing.assert_array_equal(np.asarray(scales).T, np.asarray(along_1[1]))
+  if np.isfinite(np.asarray(x, np.float32)).all():  # E2M1 codes hold no NaN or Inf, which qdq passes through
+    assert_same_bits(kernels.dequantize_packed(data.T, scales.T, s_dec, dtype=x.dtype),
+                     kernels.qdq(x, s_dec, key, axis=0, **recipe).T)
+
+
+def test_packed_rejects_an_axis_it_does_not_read():
+  with pytest.raises(ValueError, match="axis 0 or 1"):
+    kernels.quantize_packed(jnp.ones((16, 16)), 1.0, axis=2)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 1, 16), (130, 40, 256)])
 def test_gemm_matches_emulated_dot_and_float64(m, n, k):
   a = jax.random.normal(jax.random.key(2), (m, k), jnp.float32)

@@ -220,6 +220,19 @@ def test_quantize_packed_matches_reference(gpu, block_2d, stochastic, rht):
     np.testing.assert_array_equal(scales, want_scales)
 
 
+@pytest.mark.parametrize("block_2d,stochastic,rht", list(itertools.product([False, True], repeat=3)))
+def test_quantize_packed_along_axis_0_matches_the_cpu_kernel(gpu, block_2d, stochastic, rht):
+  # x (K, rows) read in place: 80 = 5 blocks down K, 200 rows (a partial 2D tile); codes (K/2, rows), scales (K/16, rows)
+  for dtype in DTYPES:
+    x = _data((80, 200), dtype)
+    s_dec, key = _s_dec(x, 0, rht), np.uint32(99)
+    flags = dict(axis=0, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=RHT_SEED)
+    data, scales = _run(gpu, kernels.quantize_packed, x, s_dec, key, **flags)
+    want_data, want_scales = _run(_cpu(), kernels.quantize_packed, x, s_dec, key, **flags)
+    np.testing.assert_array_equal(data, want_data)
+    np.testing.assert_array_equal(scales, want_scales)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_dequantize_packed_matches_reference(gpu, dtype):
   x = _data((200, 80), jnp.float32)

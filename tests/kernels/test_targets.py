@@ -65,8 +65,10 @@ def test_result_types_are_the_results_as_mlir_types():
     q, s = targets.QDQ_WITH_SCALE.result_types([x], dict(axis=1, **QUANTIZE, salt=0))
     assert str(q) == "tensor<32x64xbf16>" and str(s) == "tensor<f32>"
     scalar = ir.RankedTensorType.get([], ir.F32Type.get())
-    data, scales = targets.QUANTIZE_PACKED.result_types([x, scalar, scalar], dict(QUANTIZE))
-    assert str(data) == "tensor<32x32xui8>" and str(scales).endswith("xui8>")
+    data, scales = targets.QUANTIZE_PACKED.result_types([x, scalar, scalar], dict(QUANTIZE, axis=1))
+    assert str(data) == "tensor<32x32xui8>" and str(scales) == "tensor<32x4xui8>"
+    data, scales = targets.QUANTIZE_PACKED.result_types([x, scalar, scalar], dict(QUANTIZE, axis=0))
+    assert str(data) == "tensor<16x64xui8>" and str(scales) == "tensor<2x64xui8>"
 
 
 def test_the_partitioner_covers_exactly_the_block_local_targets():

@@ -14,17 +14,25 @@
 namespace xla_fp4::cuda {
 namespace {
 
-// Packs a (rows, K) block: rows are `outer` of the (rows, K, 1) view. 16 codes fill 8 aligned bytes.
+// Packs one block of 16 along K into data and scales of x's dims with K divided by 2 and by 16: (rows, K/2), where
+// 16 codes fill 8 aligned bytes (inner == 1), or (K/2, rows) (outer == 1), where they fill 8 bytes a row apart.
 struct PackSink {
   uint8_t* data;
   uint8_t* scales;
   __device__ bool Skip() const { return false; }
   __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale&,
                              const float* q, float /*amax*/) const {
-    uint64_t packed = 0;
-    for (int j = 0; j < kBlock; ++j) packed |= static_cast<uint64_t>(E2M1Code(q[j])) << (4 * j);
-    reinterpret_cast<uint64_t*>(data)[(b.o * g.k + b.kb * kBlock) / kBlock] = packed;  // little-endian: even = low
-    scales[b.o * (g.k / kBlock) + b.kb] = bs.code;
+    if (g.inner == 1) {
+      uint64_t packed = 0;
+      for (int j = 0; j < kBlock; ++j) packed |= static_cast<uint64_t>(E2M1Code(q[j])) << (4 * j);
+      reinterpret_cast<uint64_t*>(data)[(b.o * g.k + b.kb * kBlock) / kBlock] = packed;  // little-endian: even = low
+    } else {
+      for (int j = 0; j < kBlock / 2; ++j) {
+        data[((b.o * g.k + b.kb * kBlock) / 2 + j) * g.inner + b.i] =
+            static_cast<uint8_t>(E2M1Code(q[2 * j]) | (E2M1Code(q[2 * j + 1]) << 4));
+      }
+    }
+    scales[(b.o * (g.k / kBlock) + b.kb) * g.inner + b.i] = bs.code;
   }
 };
 
@@ -40,13 +48,13 @@ __global__ void DequantizePackedKernel(const uint8_t* data, const uint8_t* scale
   StoreBlock(y, g, b, v);
 }
 
-// data is uint8 (rows, K/2), K a multiple of 16.
+// x (rows, K) with axis 1 or (K, rows) with axis 0; data and scales x's dims, K / 2 and K / 16; K a multiple of 16.
 ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-                          ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, bool block_2d,
-                          bool stochastic, bool rht, int64_t rht_seed) {
-  int64_t rows = 0, k = 0;
-  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, stochastic, rht_seed, &rows, &k));
-  const BlockGrid g = BlockGrid::Make(rows, k, 1, block_2d);
+                          ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
+                          bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
+  const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
   const Recipe r(block_2d, stochastic, rht, rht_seed);
   const PackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data())};
@@ -99,11 +107,11 @@ ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t row
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda, xla_fp4::cuda::QuantizePacked,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x (rows, K)
+                                  .Arg<xla::ffi::AnyBuffer>()  // x (rows, K) or (K, rows) (axis 0)
                                   .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
                                   .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
-                                  .Ret<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2)
-                                  .Ret<xla::ffi::AnyBuffer>()  // scales, uint8 (rows, K/16)
+                                  .Ret<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2) or (K/2, rows)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scales, uint8 (rows, K/16) or (K/16, rows)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda, xla_fp4::cuda::DequantizePacked,

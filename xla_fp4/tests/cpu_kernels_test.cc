@@ -185,6 +185,7 @@ void TestPackedRoundTrip() {
                      .Arg(XLA_FFI_DataType_U32, &key, {})
                      .Ret(XLA_FFI_DataType_U8, data.data(), {rows, k / 2})
                      .Ret(XLA_FFI_DataType_U8, scales.data(), {rows, k / kBlock})
+                     .Attr("axis", int64_t{1})
                      .Attr("block_2d", false)
                      .Attr("stochastic", false)
                      .Attr("rht", false)

@@ -49,7 +49,9 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       for partitioned programs: the max over the result, a plain reduction, is the global amax.
   xla_fp4_quantize_packed(x: f32|bf16|f16[rows, K], s_dec: f32[], key: u32[])
       -> (data: u8[rows, K/2], scales: u8[rows, K/16])
-      attrs block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64                 (== numerics.pack(quantize(...)))
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64     (== numerics.pack(quantize(...)))
+      axis 1; with axis 0 x is [K, rows] and data, scales u8[K/2, rows], u8[K/16, rows] (x's dims: the transposes),
+      read as the program holds x (no K-major copy of x; stochastic rounding's bits follow positions in x).
   xla_fp4_dequantize_packed(data: u8[rows, K/2], scales: u8[rows, K/16], s_dec: f32[])
       -> f32|bf16|f16[rows, K]; no attrs
   xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[M, K/16], b_data: u8[N, K/2], b_scales: u8[N, K/16],
@@ -199,13 +201,15 @@ def block_amax(x, *, axis=-1, rht=False, rht_seed=0):
   return _call(targets.BLOCK_AMAX, [jnp.asarray(x)], axis=axis, rht=rht, rht_seed=rht_seed)
 
 
-def quantize_packed(x, s_dec, key=0, *, block_2d=False, stochastic=False, rht=False, rht_seed=0):
-  """x (rows, K) -> (data uint8 (rows, K/2), scales uint8 (rows, K/16)); see numerics.pack."""
+def quantize_packed(x, s_dec, key=0, *, axis=1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """x (rows, K) -> (data uint8 (rows, K/2), scales uint8 (rows, K/16)); see numerics.pack. With axis=0 x is
+  (K, rows) and data and scales (K/2, rows), (K/16, rows): the transposes of the packed form of x.T (bit for bit,
+  stochastic rounding aside, whose bits follow each element's position in x)."""
   x = jnp.asarray(x)
-  if x.ndim != 2:
-    raise ValueError(f"quantize_packed takes a matrix (rows, K) with K last, got shape {x.shape}")
+  if x.ndim != 2 or axis not in (0, 1):
+    raise ValueError(f"quantize_packed takes a matrix and K's axis 0 or 1, got shape {x.shape} and axis {axis}")
   return _call(targets.QUANTIZE_PACKED, [x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)],
-               block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+               axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
 
 
 def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):

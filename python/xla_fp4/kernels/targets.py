@@ -110,8 +110,12 @@ def _block_maxima(operands, attrs, dtype):
 
 
 def _packed(operands, attrs, dtype):
-  rows, k = operands[0].shape
-  return [jax.ShapeDtypeStruct((rows, k // 2), np.uint8), jax.ShapeDtypeStruct((rows, k // BLOCK), np.uint8)]
+  """Codes and scales: x's dims with the axis (K) divided by 2 and by 16."""
+  def along_k(divisor):
+    shape = list(operands[0].shape)
+    shape[attrs["axis"]] //= divisor
+    return jax.ShapeDtypeStruct(tuple(shape), np.uint8)
+  return [along_k(2), along_k(BLOCK)]
 
 
 def _unpacked(operands, attrs, dtype):
@@ -156,7 +160,7 @@ OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_s
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
-QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", dict(_QUANTIZE), _packed,
+QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE}, _packed,
                           packed=Packed("quantize", key_operand=2))
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 # `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,

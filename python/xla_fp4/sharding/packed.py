@@ -1,8 +1,9 @@
 """How XLA's sharding runs the packed targets on shards (docs/design.md §5): quantize on the shard, move the packed
 operands (4.5 bits an element), multiply on the device.
 
-xla_fp4_quantize_packed(x [R, K], s_dec, key) -> codes [R, K/2], scales [R, K/16]: the packed form has x's dims, so a
-shard of x that holds whole blocks quantizes alone and its codes and scales are the whole tensor's shards.
+xla_fp4_quantize_packed(x [R, K], s_dec, key) -> codes [R, K/2], scales [R, K/16] (or, with axis 0, x [K, R] ->
+[K/2, R], [K/16, R]): the packed form has x's dims, so a shard of x that holds whole blocks quantizes alone and its
+codes and scales are the whole tensor's shards.
 - Shardy rule: R (in 16-row groups where the weight's 16x16 tiles span rows) and K (in pairs of blocks, 32 elements:
   cuBLASLt's FP4 GEMM takes K in multiples of 32) are shared by x, codes and scales, the within-group factors
   need_replication. So x's sharding flows to its packed form, and where a reader needs another sharding the reshard
@@ -88,11 +89,12 @@ def sharding_rule(target, operand_types, result_types, attrs):
   scalar = _mapping([])
   f = _Factors()
   if PACKED[target].kind == "quantize":
-    rows, k = shapes[0]
+    axis = attrs["axis"]
+    rows, k = shapes[0][1 - axis], shapes[0][axis]
     row_dims = _rows(f, rows, BLOCK if attrs["block_2d"] else 1)
     x_k, codes_k, scales_k = _k(f, k)
-    return _rule(f, [_mapping([row_dims, x_k]), scalar, scalar],
-                 [_mapping([row_dims, codes_k]), _mapping([row_dims, scales_k])])
+    ordered = lambda k_dims: _mapping([row_dims, k_dims] if axis == 1 else [k_dims, row_dims])  # noqa: E731
+    return _rule(f, [ordered(x_k), scalar, scalar], [ordered(codes_k), ordered(scales_k)])
   (m, half), (n, _) = shapes[0], shapes[2]
   m_dims, n_dims = _rows(f, m, 1), _rows(f, n, 1)
   _, codes_k, scales_k = _k(f, 2 * half, with_x=False, reduction=True)
@@ -150,16 +152,14 @@ def _num_devices(shardings):
   return max((int(np.max(s.tile_assignment_devices())) + 1 for s in tiled), default=1)
 
 
-def _quantize_sharding(x_shape, sharding, block_2d):
-  """The sharding of x, its codes and its scales (the same dims): `sharding` with the dims replicated whose shards
-  would split a group of rows (16x16 tiles) or a pair of blocks."""
-  rows, k = x_shape
+def _quantize_sharding(x_shape, sharding, block_2d, axis):
+  """The sharding of x, its codes and its scales (the same dims; K is dim `axis`): `sharding` with the dims replicated
+  whose shards would split a group of rows (16x16 tiles) or a pair of blocks."""
   tiles = common._tiles_and_devices(sharding, 2)[0]
   bad = set()
-  if block_2d and tiles[0] > 1 and (rows % tiles[0] or (rows // tiles[0]) % BLOCK):
-    bad.add(0)
-  if tiles[1] > 1 and (k % tiles[1] or (k // tiles[1]) % K_PAIR):
-    bad.add(1)
+  for dim, group in ((1 - axis, BLOCK if block_2d else 1), (axis, K_PAIR)):
+    if tiles[dim] > 1 and (x_shape[dim] % tiles[dim] or (x_shape[dim] // tiles[dim]) % group):
+      bad.add(dim)
   return common._replicate_dims(sharding, 2, bad)
 
 
@@ -170,7 +170,7 @@ def _partition_quantize(arg_shapes, arg_shardings, result_shape, result_sharding
   results = result_shape.tuple_shapes()
   if _whole(codes_sharding):
     return _module(target, attrs, arg_shapes, results, None), [codes_sharding] * len(arg_shapes), result_sharding
-  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), codes_sharding, attrs["block_2d"])
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), codes_sharding, attrs["block_2d"], attrs["axis"])
   salts = None
   if attrs["stochastic"] and not sharding.is_replicated():
     salts = common._shard_salts(common._shard_index_table(sharding, 2, _num_devices([sharding])))
@@ -278,7 +278,7 @@ def _infer_quantize(arg_shapes, arg_shardings, result_shape, backend_config):
   if arg_shardings[0] is None:
     return None
   attrs = common._decode_config(targets.QUANTIZE_PACKED.name, backend_config)
-  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"])
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"], attrs["axis"])
   return xc.HloSharding.tuple_sharding(result_shape, [sharding, sharding])
 
 

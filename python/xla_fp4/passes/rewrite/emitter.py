@@ -6,8 +6,10 @@ output as cuBLASLt's alpha):
   Form.PARTITIONED    %b = xla_fp4_block_amax(%x); %s = decode_scale twin(%b) (a max reduce XLA turns into an
                       all-reduce); %key = stochastic_key twin(%x, %salt) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
   then                %acc = dot_general(%qa, %qb) -> f32;  %y = convert(%acc * (%sa * %sb))
-Form.PACKED: operands made K-major matrices, xla_fp4_quantize_packed (codes + swizzled E4M3 scales) and
-xla_fp4_gemm_packed with alpha = s_dec_a * s_dec_b, which writes the dot's own output type. The decode scales come as
+Form.PACKED: each operand read as a matrix in place where its contracting dims lead or trail (`_as_read`: (K, rows)
+or (rows, K), a reshape; else a K-major copy), xla_fp4_quantize_packed along K (codes + E4M3 scales, K-major: where
+K leads, the uint8 codes and scales are transposed, not the wide operand) and xla_fp4_gemm_packed with alpha =
+s_dec_a * s_dec_b, which writes the dot's own output type. The decode scales come as
 in Form.PARTITIONED (block maxima, then a max that XLA all-reduces), so the form partitions (sharding/packed.py): in a
 partitioned program it is also the emulate backend's form, the GEMM's `emulate` making shards dequantize and use
 XLA's dot; packed operands are what the partitioner moves between devices.
@@ -43,6 +45,8 @@ after the gradient without changing a number (StableHLO has no control dependenc
 reused (reuse.py). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed, salt_id)`: they change every step
 and differ between layers, yet are reproducible.
 """
+
+import math
 
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
@@ -282,21 +286,21 @@ class Emitter:
 
   def _fp4_gemm(self, lhs, rhs, lc, rc, plan, element_type):
     """lhs x rhs (contracting lc with rc, no batch dims) as the FP4 GEMM -> (M, N) in `element_type`."""
-    a = dims.matrix(dims.canonical(lhs, (), lc))  # (M, K)
-    b = dims.matrix(dims.canonical(rhs, (), rc))  # (N, K)
+    operands = [_as_read(v, c) for v, c in ((lhs, lc), (rhs, rc))]  # (M, K) or (K, M); (N, K) or (K, N)
     # The decode scale and key read the operand as the program has it where K is one dim (the same blocks; the digest
-    # is order-free): only the quantizer reads the K-major copy, which XLA then need not hold for them. Measured in
-    # float32 (benchmarks/sharding.py's step, stochastic rounding), temporary memory against the unrewritten step:
-    # data parallel 1.16x -> 0.87x, FSDP 0.77x -> 0.57x, 2D 1.26x -> 1.21x, tensor parallel 1.06x -> 1.09x. (Ordering
-    # the nearest-rounded operand after the gradient, as `_quantize` does, took tensor parallelism to 1.36x.)
-    measured = [(v, c[0]) if len(c) == 1 else (m, 1) for v, c, m in ((lhs, lc, a), (rhs, rc, b))]
-    packed = [self._packed(m, measured[i], plan.operands[i]) for i, m in enumerate((a, b))]
+    # is order-free): only the quantizer reads a K-major copy where one is made, which XLA then need not hold for
+    # them. Measured in float32 (benchmarks/sharding.py's step, stochastic rounding), temporary memory against the
+    # unrewritten step: data parallel 1.16x -> 0.87x, FSDP 0.77x -> 0.57x, 2D 1.26x -> 1.21x, tensor parallel 1.06x ->
+    # 1.09x. (Ordering the nearest-rounded operand after the gradient, as `_quantize` does, took tensor parallelism to
+    # 1.36x.)
+    measured = [(v, c[0]) if len(c) == 1 else read for v, c, read in ((lhs, lc, operands[0]), (rhs, rc, operands[1]))]
+    packed = [self._packed(x, axis, measured[i], plan.operands[i]) for i, (x, axis) in enumerate(operands)]
     (pa, sa, ka), (pb, sb, kb) = packed
-    for i, (v, s_dec, key) in enumerate(((a, sa, ka), (b, sb, kb))):
-      self._measure(i, x=v, axis=1, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
+    for i, ((x, axis), s_dec, key) in enumerate(zip(operands, (sa, sb), (ka, kb))):
+      self._measure(i, x=x, axis=axis, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
                     s_dec=s_dec, key=key)
     alpha = hlo.MulOp(sa, sb).result
-    m, n = tensor_type(a).shape[0], tensor_type(b).shape[0]
+    m, n = (tensor_type(pa[0]).shape[0], tensor_type(pb[0]).shape[0])
     return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], dict(emulate=self.emulate),
                              result_types=[ir.RankedTensorType.get([m, n], element_type)])[0]
 
@@ -325,14 +329,18 @@ class Emitter:
     total = hlo.ReshapeOp(ir.RankedTensorType.get(out_type.shape, f32()), total).result
     return total if out_type.element_type == f32() else hlo.ConvertOp(out_type, total).result
 
-  def _packed(self, x, measured, operand):
-    """((codes, scales), s_dec, key) of the K-major matrix x; `measured`: (the same values, their K axis), from which
-    the decode scale and the stochastic-rounding key are taken."""
+  def _packed(self, x, axis, measured, operand):
+    """((codes, scales) K-major, s_dec, key) of the matrix x quantized along `axis` (_as_read); `measured`: (the same
+    values, their K axis), from which the decode scale and the stochastic-rounding key are taken. Where K is x's first
+    axis the codes and scales come (K/2, rows), (K/16, rows) and are transposed as bytes: a pair of codes shares a byte
+    along K either way, so XLA moves a uint8 tensor an eighth the size of a float32 K-major copy of x."""
     s_dec, key = self._scale_and_key(*measured, operand)
     recipe = operand.recipe
     packed = self.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key],
-                               dict(block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
+                               dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
                                     rht_seed=self.seed))
+    if axis == 0:
+      packed = [hlo.TransposeOp(v, ir.DenseI64ArrayAttr.get([1, 0])).result for v in packed]
     return tuple(packed), s_dec, key
 
 
@@ -416,6 +424,17 @@ class Emitter:
     self._measure(0, x=lhs, axis=None, recipe=plan.operands[0].recipe, salt=None, s_dec=None,
                   ragged=(stats_fn, operands, params))
     return self.twins.call(fn, operands, [out_type], **params)[0]
+
+
+def _as_read(x, contract):
+  """(x as a matrix the packed quantizer reads, K's axis in it): (rows, K) where the contracting dims trail in order,
+  (K, rows) where they lead in order (x @ w's weight, a wgrad's operands): reshapes, no data moves. Else the K-major
+  copy (rows, K) (dims.canonical)."""
+  shape, contract = tensor_type(x).shape, list(contract)
+  if contract == list(range(len(contract))) and len(contract) < len(shape):
+    k = math.prod(shape[:len(contract)])
+    return hlo.ReshapeOp(ir.RankedTensorType.get([k, math.prod(shape) // k], tensor_type(x).element_type), x).result, 0
+  return dims.matrix(dims.canonical(x, (), contract)), 1
 
 
 def _slice(x, dim, index):
