@@ -102,3 +102,22 @@ def test_fsdp_gathers_weights_packed(rows, backend):
 def test_data_and_tensor_parallel_move_no_more(rows, layout, backend):
   row = rows[layout]
   assert row[backend]["bytes"] <= 1.0 * row["none"]["bytes"] + 64, row
+
+
+GSPMD_SCRIPT = SCRIPT.replace("import xla_fp4\n",
+                              "import xla_fp4\njax.config.update('jax_use_shardy_partitioner', False)\n")
+
+
+def test_the_packed_path_partitions_under_gspmd_too():
+  """With XLA's older partitioner (jax_use_shardy_partitioner=False: the custom-call partitioners' GSPMD callbacks in
+  sharding/packed.py), both packed backends run every GEMM on shards as with Shardy, equal one device's step, and
+  FSDP gathers no float32 weight."""
+  assert GSPMD_SCRIPT != SCRIPT
+  rows = {r["layout"]: r for r in json.loads(run_python(["-c", GSPMD_SCRIPT]).strip().splitlines()[-1])}
+  for layout, row in rows.items():
+    assert row["native"]["gemms"] == 5, (layout, row)
+    for backend in ("native", "emulate_packed"):
+      assert row[backend]["quantize_packed"] > 0, (layout, row)
+      assert row[backend]["max_abs_sharded_minus_single"] <= 1e-5, (layout, backend, row)
+  assert rows["fsdp"]["none"]["wide_gathers"] == 2, rows["fsdp"]
+  assert rows["fsdp"]["native"]["wide_gathers"] == rows["fsdp"]["emulate_packed"]["wide_gathers"] == 0, rows["fsdp"]
