@@ -143,16 +143,14 @@ inline ffi::Error CheckQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int
   return CheckCounterRange(stochastic, shape->size(), x.dimensions());
 }
 
-// Packed data: uint8 (rows, K/2), two E2M1 codes a byte; K a multiple of 16. `rows` < 0: any rows, K from the data.
-inline ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const std::string& what, int64_t rows = -1,
-                                  int64_t k = -1) {
+// Packed data read by the GEMM or the dequantizer: uint8 (rows, K/2), two E2M1 codes a byte; K a multiple of 16.
+inline ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const std::string& what) {
   const auto dims = data.dimensions();
   if (data.element_type() != ffi::DataType::U8 || dims.size() != 2) {
     return ffi::Error::InvalidArgument(what + " must be a uint8 matrix (rows, K/2), got dtype code " +
                                        std::to_string(static_cast<int>(data.element_type())) + " and shape " +
                                        ShapeString(dims));
   }
-  if (rows >= 0) return CheckShape(dims, {rows, k / 2}, what);
   return CheckBlocks(2 * dims[1], "K = 2 * " + what + ".shape[1]");
 }
 

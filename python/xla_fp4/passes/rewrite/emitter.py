@@ -300,7 +300,7 @@ class Emitter:
       self._measure(i, x=x, axis=axis, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
                     s_dec=s_dec, key=key)
     alpha = hlo.MulOp(sa, sb).result
-    m, n = (tensor_type(pa[0]).shape[0], tensor_type(pb[0]).shape[0])
+    m, n = tensor_type(pa[0]).shape[0], tensor_type(pb[0]).shape[0]
     return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], dict(emulate=self.emulate),
                              result_types=[ir.RankedTensorType.get([m, n], element_type)])[0]
 
