@@ -151,7 +151,9 @@ class Emitter:
     blocks = self.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=self.seed))[0]
     s_dec = self.twins.call(kernel_twins.decode_scale, [blocks], [scalar_type(f32())])[0]
     salt = const(formats.fold_in_int(self.seed, operand.salt_id), u32())
-    key = self.twins.call(kernel_twins.stochastic_key, [x, salt], [scalar_type(u32())])[0] \
+    # The digest is order-free, so it reads the value x reshapes (the same elements): a gradient's dgrad and its
+    # wgrad (which reads it merged) then digest one value alike, which XLA computes once.
+    key = self.twins.call(kernel_twins.stochastic_key, [dims.reshape_source(x), salt], [scalar_type(u32())])[0] \
         if recipe.stochastic else salt
     return s_dec, key
 
