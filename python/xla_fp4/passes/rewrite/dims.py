@@ -2,8 +2,9 @@
 
 The kernels quantize along one axis, so several contracting dims (a wgrad over batch and sequence, an einsum over
 heads) are merged into one: in place by a reshape when they are adjacent and in order (no data moves), else by a
-transpose to (batch, free, K). The FP4 GEMM takes K-major matrices (`canonical`, then `matrix`); XLA CPU needs some
-bf16 dots as plain (batch, rows, cols) matrices (`as_matrices`).
+transpose to (batch, free, K). The packed quantizer reads an operand as a matrix along either axis (`as_read`: a
+reshape where the contracting dims lead or trail, else `canonical`, then `matrix`); XLA CPU needs some bf16 dots as
+plain (batch, rows, cols) matrices (`as_matrices`).
 """
 
 import math
@@ -36,6 +37,18 @@ def as_matrices(a, b, dims, reshape):
                                      lhs_contracting_dimensions=[new_dims[0][0]],
                                      rhs_contracting_dimensions=[new_dims[1][0]])
   return out[0], out[1], dims, shape
+
+
+def as_read(x, contract, reshape):
+  """(x as a matrix the packed quantizer reads, K's axis in it): (K, rows) where the contracting dims lead in order
+  (x @ w's weight, a wgrad's operands), (rows, K) where they trail in order, each by reshape(value, shape) (no data
+  moves); else the K-major copy (rows, K) (`canonical`)."""
+  shape, contract, n = list(tensor_type(x).shape), list(contract), len(contract)
+  if n < len(shape) and contract == list(range(n)):
+    return reshape(x, [math.prod(shape[:n]), math.prod(shape[n:])]), 0
+  if n < len(shape) and contract == list(range(len(shape) - n, len(shape))):
+    return reshape(x, [math.prod(shape[:-n]), math.prod(shape[-n:])]), 1
+  return matrix(canonical(x, (), contract)), 1
 
 
 def reshape_source(x):

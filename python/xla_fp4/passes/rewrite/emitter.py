@@ -6,7 +6,7 @@ output as cuBLASLt's alpha):
   Form.PARTITIONED    %b = xla_fp4_block_amax(%x); %s = decode_scale twin(%b) (a max reduce XLA turns into an
                       all-reduce); %key = stochastic_key twin(%x, %salt) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
   then                %acc = dot_general(%qa, %qb) -> f32;  %y = convert(%acc * (%sa * %sb))
-Form.PACKED: each operand read as a matrix in place where its contracting dims lead or trail (`_as_read`: (K, rows)
+Form.PACKED: each operand read as a matrix in place where its contracting dims lead or trail (`dims.as_read`: (K, rows)
 or (rows, K), a reshape; else a K-major copy), xla_fp4_quantize_packed along K (codes + E4M3 scales, K-major: where
 K leads, the uint8 codes and scales are transposed, not the wide operand) and xla_fp4_gemm_packed with alpha =
 s_dec_a * s_dec_b, which writes the dot's own output type. The decode scales come as
@@ -45,8 +45,6 @@ after the gradient without changing a number (StableHLO has no control dependenc
 reused (reuse.py). Stochastic-rounding keys are `digest(operand) ^ fold_in(seed, salt_id)`: they change every step
 and differ between layers, yet are reproducible.
 """
-
-import math
 
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
@@ -288,7 +286,8 @@ class Emitter:
 
   def _fp4_gemm(self, lhs, rhs, lc, rc, plan, element_type):
     """lhs x rhs (contracting lc with rc, no batch dims) as the FP4 GEMM -> (M, N) in `element_type`."""
-    operands = [_as_read(v, c) for v, c in ((lhs, lc), (rhs, rc))]  # (M, K) or (K, M); (N, K) or (K, N)
+    reshape = lambda v, shape: self.reuse.reshaped(v, shape, plan.record.op)  # noqa: E731
+    operands = [dims.as_read(v, c, reshape) for v, c in ((lhs, lc), (rhs, rc))]  # (M, K) or (K, M); (N, K) or (K, N)
     # The decode scale and key read the operand as the program has it where K is one dim (the same blocks; the digest
     # is order-free): only the quantizer reads a K-major copy where one is made, which XLA then need not hold for
     # them. Measured in float32 (benchmarks/sharding.py's step, stochastic rounding), temporary memory against the
@@ -332,10 +331,10 @@ class Emitter:
     return total if out_type.element_type == f32() else hlo.ConvertOp(out_type, total).result
 
   def _packed(self, x, axis, measured, operand):
-    """((codes, scales) K-major, s_dec, key) of the matrix x quantized along `axis` (_as_read); `measured`: (the same
-    values, their K axis), from which the decode scale and the stochastic-rounding key are taken. Where K is x's first
-    axis the codes and scales come (K/2, rows), (K/16, rows) and are transposed as bytes: a pair of codes shares a byte
-    along K either way, so XLA moves a uint8 tensor an eighth the size of a float32 K-major copy of x."""
+    """((codes, scales) K-major, s_dec, key) of the matrix x quantized along `axis` (dims.as_read); `measured`: (the
+    same values, their K axis), from which the decode scale and the stochastic-rounding key are taken. Where K is x's
+    first axis the codes and scales come (K/2, rows), (K/16, rows) and are transposed as bytes: a pair of codes shares
+    a byte along K either way, so XLA moves a uint8 tensor an eighth the size of a float32 K-major copy of x."""
     s_dec, key = self._scale_and_key(*measured, operand)
     recipe = operand.recipe
     packed = self.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key],
@@ -426,17 +425,6 @@ class Emitter:
     self._measure(0, x=lhs, axis=None, recipe=plan.operands[0].recipe, salt=None, s_dec=None,
                   ragged=(stats_fn, operands, params))
     return self.twins.call(fn, operands, [out_type], **params)[0]
-
-
-def _as_read(x, contract):
-  """(x as a matrix the packed quantizer reads, K's axis in it): (rows, K) where the contracting dims trail in order,
-  (K, rows) where they lead in order (x @ w's weight, a wgrad's operands): reshapes, no data moves. Else the K-major
-  copy (rows, K) (dims.canonical)."""
-  shape, contract = tensor_type(x).shape, list(contract)
-  if contract == list(range(len(contract))) and len(contract) < len(shape):
-    k = math.prod(shape[:len(contract)])
-    return hlo.ReshapeOp(ir.RankedTensorType.get([k, math.prod(shape) // k], tensor_type(x).element_type), x).result, 0
-  return dims.matrix(dims.canonical(x, (), contract)), 1
 
 
 def _slice(x, dim, index):
