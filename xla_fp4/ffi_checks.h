@@ -192,6 +192,75 @@ inline ffi::Error CheckDequantizePacked(const ffi::AnyBuffer& data, const ffi::A
                      CheckShape(out.dimensions(), {*rows, *k}, "the result")});
 }
 
+// xla_fp4_ragged_gemm_packed's operands and result (numerics/grouped.py's packed operands; G groups, K-major):
+//   ragged_k false: a (M, K/2) and (M, K/16), b (G, N, K/2) and (G, N, K/16), C (M, N): the groups split a's rows;
+//   ragged_k true:  a (M, K/2) and (M, K/16), b (N, K/2) and (N, K/16), C (G, M, N): the groups split K, in whole
+//                   16-element blocks;
+// group_sizes int32 (G,), alpha float32 (G,). Fills `shape`.
+struct RaggedGemmShape {
+  int64_t groups = 0, m = 0, n = 0, k = 0;
+};
+
+inline ffi::Error CheckRaggedGemmPacked(const ffi::AnyBuffer& a_data, const ffi::AnyBuffer& a_scales,
+                                        const ffi::AnyBuffer& b_data, const ffi::AnyBuffer& b_scales,
+                                        const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& alpha,
+                                        const ffi::AnyBuffer& out, bool ragged_k, RaggedGemmShape* shape) {
+  if (ffi::Error e = CheckPackedData(a_data, "a_data"); e.failure()) return e;
+  const auto b = b_data.dimensions();
+  const size_t b_rank = ragged_k ? 2 : 3;
+  if (b_data.element_type() != ffi::DataType::U8 || b.size() != b_rank) {
+    return ffi::Error::InvalidArgument(std::string("b_data must be uint8 ") + (ragged_k ? "(N, K/2)" : "(G, N, K/2)") +
+                                       " with ragged_k " + (ragged_k ? "true" : "false") + ", got dtype code " +
+                                       std::to_string(static_cast<int>(b_data.element_type())) + " and shape " +
+                                       ShapeString(b));
+  }
+  if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument("group_sizes must be an int32 vector (G,), got dtype code " +
+                                       std::to_string(static_cast<int>(group_sizes.element_type())) + " and shape " +
+                                       ShapeString(group_sizes.dimensions()));
+  }
+  const int64_t groups = group_sizes.dimensions()[0], m = a_data.dimensions()[0], k = 2 * a_data.dimensions()[1];
+  const int64_t n = b[b_rank - 2];
+  *shape = RaggedGemmShape{groups, m, n, k};
+  auto u8 = [](const ffi::AnyBuffer& x, const std::string& what) {
+    return x.element_type() == ffi::DataType::U8
+               ? ffi::Error::Success()
+               : ffi::Error::InvalidArgument(what + " must be uint8 (E4M3 codes), got dtype code " +
+                                             std::to_string(static_cast<int>(x.element_type())));
+  };
+  const bool f32_alpha = alpha.element_type() == ffi::DataType::F32;
+  return FirstError({
+      u8(a_scales, "a_scales"), u8(b_scales, "b_scales"),
+      CheckShape(a_scales.dimensions(), {m, k / kBlock}, "a_scales"),
+      ragged_k ? CheckShape(b, {n, k / 2}, "b_data") : CheckShape(b, {groups, n, k / 2}, "b_data"),
+      ragged_k ? CheckShape(b_scales.dimensions(), {n, k / kBlock}, "b_scales")
+               : CheckShape(b_scales.dimensions(), {groups, n, k / kBlock}, "b_scales"),
+      f32_alpha ? CheckShape(alpha.dimensions(), {groups}, "alpha (one float32 per group)")
+                : ffi::Error::InvalidArgument("alpha must be float32 (G,), got dtype code " +
+                                              std::to_string(static_cast<int>(alpha.element_type()))),
+      ragged_k ? CheckShape(out.dimensions(), {groups, m, n}, "the result") : CheckShape(out.dimensions(), {m, n},
+                                                                                          "the result"),
+  });
+}
+
+// The [begin, end) of each group of a ragged GEMM, from its sizes on the host: consecutive from 0, clipped to
+// `extent` (a group past it is empty, as are negative sizes); for ragged_k the groups must hold whole blocks.
+inline ffi::Error RaggedGroupRanges(const int32_t* sizes, int64_t groups, int64_t extent, bool whole_blocks,
+                                    int64_t* begin, int64_t* end) {
+  int64_t at = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t size = std::max<int64_t>(sizes[g], 0);
+    if (whole_blocks && size % kBlock != 0) {
+      return ffi::Error::InvalidArgument("with ragged_k every group must hold whole blocks of 16 along K; group " +
+                                         std::to_string(g) + " has " + std::to_string(size));
+    }
+    begin[g] = std::min(at, extent);
+    end[g] = std::min(at + size, extent);
+    at += size;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace xla_fp4
 
 #endif  // XLA_FP4_FFI_CHECKS_H_

@@ -23,6 +23,9 @@
 // XLA's dot (the emulate backend of a partitioned program) instead of the FP4 GEMM. The handlers compute the same
 // numbers either way.
 #define XLA_FP4_GEMM_PACKED_ATTRIBUTES(A) A(bool, emulate)
+// ragged_k: the groups split the contraction (an expert layer's wgrad, C (G, M, N)) instead of a's rows (its forward
+// and dgrad, C (M, N)).
+#define XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES(A) A(bool, ragged_k)
 #define XLA_FP4_TELEMETRY_STEP_ATTRIBUTES(A) A(int64_t, module) A(int64_t, site) A(int64_t, every) A(int64_t, calls)
 // parts: how many devices record parts of the GEMM's statistics (a partitioned program in one process; the sink sums
 // them), 1 where the record's table is whole (or every device's, gathered: [devices, rows, FIELDS]).
@@ -45,6 +48,7 @@
   X(kQuantizePackedTarget, QuantizePacked, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)   \
   X(kDequantizePackedTarget, DequantizePacked, XLA_FP4_NO_ATTRIBUTES)            \
   X(kGemmPackedTarget, GemmPacked, XLA_FP4_GEMM_PACKED_ATTRIBUTES)             \
+  X(kRaggedGemmPackedTarget, RaggedGemmPacked, XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES) \
   X(kTelemetryStepTarget, TelemetryStep, XLA_FP4_TELEMETRY_STEP_ATTRIBUTES)      \
   X(kTelemetryRecordTarget, TelemetryRecord, XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)
 
@@ -66,6 +70,7 @@ inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";
 inline constexpr char kQuantizePackedTarget[] = "xla_fp4_quantize_packed";
 inline constexpr char kDequantizePackedTarget[] = "xla_fp4_dequantize_packed";
 inline constexpr char kGemmPackedTarget[] = "xla_fp4_gemm_packed";
+inline constexpr char kRaggedGemmPackedTarget[] = "xla_fp4_ragged_gemm_packed";
 inline constexpr char kTelemetryStepTarget[] = "xla_fp4_telemetry_step";
 inline constexpr char kTelemetryRecordTarget[] = "xla_fp4_telemetry_record";
 

@@ -4,6 +4,8 @@
 //                          (x (K, rows), ...)          {axis = 0} -> data u8 (K/2, rows), scales u8 (K/16, rows)
 //   xla_fp4_dequantize_packed(data, scales, s_dec) -> x (rows, K) in the result's float dtype
 //   xla_fp4_gemm_packed(a_data (M, K/2), a_scales, b_data (N, K/2), b_scales, alpha) -> C (M, N)   ("TN": K-major)
+//   xla_fp4_ragged_gemm_packed(a_data, a_scales, b_data, b_scales, group_sizes, alpha) {ragged_k}: the grouped form
+//                          (expert GEMMs), one FP4 GEMM per group (ffi_checks.h CheckRaggedGemmPacked)
 #include <cstring>
 #include <vector>
 
@@ -68,20 +70,18 @@ void DequantizePackedImpl(ffi::ThreadPool& pool, const uint8_t* data, const uint
   });
 }
 
-// C = alpha * A·Bᵀ with float32 accumulation in a fixed order: 16 lane sums over K, then a pairwise tree.
+// C[i, j] = alpha * Σ_{p in [k0, k1)} a[i, p] b[j, p] for a (m, k) and b (n, k) dequantized row-major, float32
+// accumulation in a fixed order: 16 lane sums over K (k0 a multiple of 16), then a pairwise tree. C (m, n) row-major.
 template <typename T>
-void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t* a_scales, const uint8_t* b_data,
-                    const uint8_t* b_scales, int64_t m, int64_t n, int64_t k, float alpha, T* c) {
-  std::vector<float> a(m * k), b(n * k);
-  DequantizePackedImpl(pool, a_data, a_scales, m, k, 1.0f, a.data());
-  DequantizePackedImpl(pool, b_data, b_scales, n, k, 1.0f, b.data());
-  ParallelFor(pool, m, n * k, [&](int64_t begin, int64_t end) {
+void Accumulate(ffi::ThreadPool& pool, const float* a, const float* b, int64_t m, int64_t n, int64_t k, int64_t k0,
+                int64_t k1, float alpha, T* c) {
+  ParallelFor(pool, m, n * (k1 - k0), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* ai = a.data() + i * k;
+      const float* ai = a + i * k;
       for (int64_t j = 0; j < n; ++j) {
-        const float* bj = b.data() + j * k;
+        const float* bj = b + j * k;
         float acc[kBlock] = {};
-        for (int64_t p = 0; p < k; p += kBlock) {
+        for (int64_t p = k0; p < k1; p += kBlock) {
           for (int l = 0; l < kBlock; ++l) acc[l] += ai[p + l] * bj[p + l];
         }
         for (int width = kBlock / 2; width > 0; width /= 2) {
@@ -91,6 +91,48 @@ void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t*
       }
     }
   });
+}
+
+// q·scale of packed (rows, K) operands, float32 (exact), for Accumulate.
+std::vector<float> Dequantized(ffi::ThreadPool& pool, const uint8_t* data, const uint8_t* scales, int64_t rows,
+                               int64_t k) {
+  std::vector<float> out(rows * k);
+  DequantizePackedImpl(pool, data, scales, rows, k, 1.0f, out.data());
+  return out;
+}
+
+// C = alpha * A·Bᵀ.
+template <typename T>
+void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t* a_scales, const uint8_t* b_data,
+                    const uint8_t* b_scales, int64_t m, int64_t n, int64_t k, float alpha, T* c) {
+  const std::vector<float> a = Dequantized(pool, a_data, a_scales, m, k), b = Dequantized(pool, b_data, b_scales, n, k);
+  Accumulate(pool, a.data(), b.data(), m, n, k, 0, k, alpha, c);
+}
+
+// The grouped GEMM (ffi_checks.h CheckRaggedGemmPacked): group g's rows of A times its B (C's rows outside every group
+// zero), or with ragged_k A·Bᵀ over group g's range of K into C[g]; each group's products times alpha[g].
+template <typename T>
+void RaggedGemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t* a_scales,
+                          const uint8_t* b_data, const uint8_t* b_scales, const int64_t* begin, const int64_t* end,
+                          const float* alpha, const RaggedGemmShape& s, bool ragged_k, T* c) {
+  const int64_t m = s.m, n = s.n, k = s.k;
+  const std::vector<float> a = Dequantized(pool, a_data, a_scales, m, k);
+  if (ragged_k) {
+    const std::vector<float> b = Dequantized(pool, b_data, b_scales, n, k);
+    for (int64_t g = 0; g < s.groups; ++g) Accumulate(pool, a.data(), b.data(), m, n, k, begin[g], end[g], alpha[g],
+                                                      c + g * m * n);
+    return;
+  }
+  std::vector<bool> covered(m, false);
+  for (int64_t g = 0; g < s.groups; ++g) {
+    if (begin[g] == end[g]) continue;
+    const std::vector<float> b = Dequantized(pool, b_data + g * n * (k / 2), b_scales + g * n * (k / kBlock), n, k);
+    Accumulate(pool, a.data() + begin[g] * k, b.data(), end[g] - begin[g], n, k, 0, k, alpha[g], c + begin[g] * n);
+    for (int64_t r = begin[g]; r < end[g]; ++r) covered[r] = true;
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    if (!covered[r]) for (int64_t j = 0; j < n; ++j) Store(c + r * n + j, 0.0f);
+  }
 }
 
 // ---- FFI handlers (the checks shared with CUDA: ffi_checks.h) ----
@@ -158,6 +200,33 @@ ffi::Error GemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBu
   });
 }
 
+ffi::Error RaggedGemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBuffer a_scales,
+                               ffi::AnyBuffer b_data, ffi::AnyBuffer b_scales, ffi::AnyBuffer group_sizes,
+                               ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c, bool ragged_k) {
+  RaggedGemmShape shape;
+  if (ffi::Error e = CheckRaggedGemmPacked(a_data, a_scales, b_data, b_scales, group_sizes, alpha, *c, ragged_k,
+                                           &shape);
+      e.failure()) {
+    return e;
+  }
+  std::vector<int64_t> begin(shape.groups), end(shape.groups);
+  if (ffi::Error e = RaggedGroupRanges(static_cast<const int32_t*>(group_sizes.untyped_data()), shape.groups,
+                                       ragged_k ? shape.k : shape.m, ragged_k, begin.data(), end.data());
+      e.failure()) {
+    return e;
+  }
+  return DispatchFloat(c->element_type(), "the result", [&](auto tag) {
+    using T = decltype(tag);
+    RaggedGemmPackedImpl(pool, static_cast<const uint8_t*>(a_data.untyped_data()),
+                         static_cast<const uint8_t*>(a_scales.untyped_data()),
+                         static_cast<const uint8_t*>(b_data.untyped_data()),
+                         static_cast<const uint8_t*>(b_scales.untyped_data()), begin.data(), end.data(),
+                         static_cast<const float*>(alpha.untyped_data()), shape, ragged_k,
+                         static_cast<T*>(c->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace xla_fp4::cpu
 
@@ -191,3 +260,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4GemmPackedCpu, xla_fp4::cpu::GemmPackedFfi,
                                   .Arg<ffi::AnyBuffer>()  // alpha
                                   .Ret<ffi::AnyBuffer>()
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_GEMM_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RaggedGemmPackedCpu, xla_fp4::cpu::RaggedGemmPackedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // a_data
+                                  .Arg<ffi::AnyBuffer>()  // a_scales
+                                  .Arg<ffi::AnyBuffer>()  // b_data
+                                  .Arg<ffi::AnyBuffer>()  // b_scales
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Arg<ffi::AnyBuffer>()  // alpha, one per group
+                                  .Ret<ffi::AnyBuffer>()
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES));

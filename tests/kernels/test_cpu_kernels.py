@@ -231,6 +231,65 @@ def test_gemm_matches_emulated_dot_and_float64(m, n, k):
   assert kernels.gemm_packed(a_data, a_scales, b_data, b_scales, sa * sb, dtype=jnp.bfloat16).dtype == jnp.bfloat16
 
 
+def _packed_rows(seed, shape, block_2d=False):
+  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * (1 + seed)
+  s_dec = s_dec_of(x, -1, False, 0)
+  return (*kernels.quantize_packed(x, s_dec, block_2d=block_2d), s_dec)
+
+
+@pytest.mark.parametrize("sizes", [(20, 0, 9, 40, 11), (50, 60, -3, 7, 0)], ids=["rows_after", "clipped"])
+def test_ragged_gemm_runs_each_group_of_rows_with_its_own_matrix(sizes):
+  """xla_fp4_ragged_gemm_packed (ragged_k false): group g's rows times b[g] and alpha[g], bit for bit the dense FP4
+  GEMM on those rows; rows after the last group are zero; sizes past M are clipped and negative ones are empty."""
+  m, n, k, groups = 96, 24, 64, len(sizes)
+  a_data, a_scales, _ = _packed_rows(1, (m, k))
+  b = [_packed_rows(2 + g, (n, k), block_2d=True) for g in range(groups)]
+  b_data, b_scales = jnp.stack([d for d, _, _ in b]), jnp.stack([s for _, s, _ in b])
+  alpha = jnp.asarray([0.5 + g for g in range(groups)], jnp.float32)
+  c = np.asarray(kernels.ragged_gemm_packed(a_data, a_scales, b_data, b_scales, sizes, alpha))
+  assert c.shape == (m, n)
+  start = 0
+  for g, size in enumerate(sizes):
+    r0, r1 = min(start, m), min(start + max(size, 0), m)
+    start += max(size, 0)
+    if r1 > r0:
+      want = kernels.gemm_packed(a_data[r0:r1], a_scales[r0:r1], b_data[g], b_scales[g], alpha[g])
+      assert_same_bits(c[r0:r1], want)
+  assert not c[min(start, m):].any()
+  bf16 = kernels.ragged_gemm_packed(a_data, a_scales, b_data, b_scales, sizes, alpha, dtype=jnp.bfloat16)
+  assert_same_bits(bf16, jnp.asarray(c).astype(jnp.bfloat16))
+
+
+def test_ragged_gemm_with_ragged_k_contracts_each_group_over_its_range_of_k():
+  """ragged_k true (an expert layer's wgrad): C[g] = alpha[g] * A·Bᵀ over group g's columns, bit for bit the dense FP4
+  GEMM on those columns; an empty group, and K after the last group, contribute nothing."""
+  m, n, k, sizes = 40, 24, 160, (32, 0, 64, 16)
+  (a_data, a_scales, _), (b_data, b_scales, _) = _packed_rows(1, (m, k)), _packed_rows(2, (n, k))
+  alpha = jnp.asarray([1.0, 2.0, 0.25, 3.0], jnp.float32)
+  c = np.asarray(kernels.ragged_gemm_packed(a_data, a_scales, b_data, b_scales, sizes, alpha, ragged_k=True))
+  assert c.shape == (len(sizes), m, n)
+  k0 = 0
+  for g, size in enumerate(sizes):
+    if size:
+      cols, blocks = slice(k0 // 2, (k0 + size) // 2), slice(k0 // 16, (k0 + size) // 16)
+      assert_same_bits(c[g], kernels.gemm_packed(a_data[:, cols], a_scales[:, blocks], b_data[:, cols],
+                                                 b_scales[:, blocks], alpha[g]))
+    else:
+      assert not c[g].any()
+    k0 += size
+
+
+def test_ragged_gemm_errors_say_what_was_wrong():
+  (a_data, a_scales, _), (b_data, b_scales, _) = _packed_rows(1, (32, 64)), _packed_rows(2, (16, 64))
+  with pytest.raises(Exception, match="whole blocks of 16"):
+    kernels.ragged_gemm_packed(a_data, a_scales, b_data, b_scales, [8, 8], [1.0, 1.0],
+                               ragged_k=True).block_until_ready()
+  with pytest.raises(Exception, match=r"b_data must be uint8 \(G, N, K/2\)"):
+    kernels.ragged_gemm_packed(a_data, a_scales, b_data, b_scales, [16, 16], [1.0, 1.0]).block_until_ready()
+  with pytest.raises(Exception, match="alpha"):
+    kernels.ragged_gemm_packed(a_data, a_scales, b_data[None], b_scales[None], [16], [1.0, 2.0]).block_until_ready()
+
+
 # ---- contract: errors, registration, attributes ----
 
 def test_errors_say_what_was_wrong():

@@ -49,12 +49,16 @@ def test_kernels_return_what_the_records_say():
       targets.QUANTIZE_PACKED: [data, scales],
       targets.DEQUANTIZE_PACKED: [kernels.dequantize_packed(data, scales, 1.0, dtype=jnp.bfloat16)],
       targets.GEMM_PACKED: [kernels.gemm_packed(data, scales, data, scales, 1.0)],
+      targets.RAGGED_GEMM_PACKED: [kernels.ragged_gemm_packed(data, scales, data[None], scales[None], [32], [1.0]),
+                                   kernels.ragged_gemm_packed(data, scales, data[:16], scales[:16], [32, 0, 32],
+                                                              [1.0] * 3, ragged_k=True)],
   }
   assert [(a.shape, a.dtype) for a in got[targets.BLOCK_AMAX]] == [((2, 64), jnp.float32)]
   assert [(a.shape, a.dtype) for a in got[targets.QUANTIZE_PACKED]][0] == ((32, 32), jnp.uint8)
   (unpacked,) = got[targets.DEQUANTIZE_PACKED]
   assert unpacked.shape == (32, 64) and unpacked.dtype == jnp.bfloat16
   assert got[targets.GEMM_PACKED][0].shape == (32, 32)
+  assert [a.shape for a in got[targets.RAGGED_GEMM_PACKED]] == [(32, 32), (3, 32, 16)]
 
 
 def test_result_types_are_the_results_as_mlir_types():

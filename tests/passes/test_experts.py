@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import xla_fp4
-from xla_fp4 import config, numerics as nv
+from xla_fp4 import config, kernels, numerics as nv
 from xla_fp4.numerics import formats, grouped
 from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.passes import pipeline
@@ -32,11 +32,11 @@ def _layer(w, x, ct, sizes):
   return y, dx, dw
 
 
-def _inputs(dtype=jnp.float32):
+def _inputs(dtype=jnp.float32, n=N):
   k = jax.random.split(jax.random.key(0), 3)
-  w = jax.random.normal(k[0], (len(SIZES), K, N)) * jnp.array([1.0, 3.0, 0.01, 1.0, 100.0])[:, None, None]
+  w = jax.random.normal(k[0], (len(SIZES), K, n)) * jnp.array([1.0, 3.0, 0.01, 1.0, 100.0])[:, None, None]
   x = jax.random.normal(k[1], (M, K)) * jnp.linspace(0.1, 10, M)[:, None]  # groups with different ranges
-  ct = jax.random.normal(k[2], (M, N))
+  ct = jax.random.normal(k[2], (M, n))
   return w.astype(dtype), x.astype(dtype), ct.astype(dtype), jnp.asarray(SIZES, jnp.int32)
 
 
@@ -188,13 +188,76 @@ def test_the_native_backend_runs_the_fp4_gemm_once_per_expert(program):
     assert_same_bits(n, e)
 
 
-def test_a_ragged_dot_lowered_for_gpu_stays_emulated_under_the_native_backend():
-  """A chlo.ragged_dot's groups are sized at run time: no per-expert FP4 GEMM takes them, and the report says so."""
+def test_a_ragged_dot_whose_k_cublaslt_cannot_take_stays_emulated_under_the_native_backend():
+  """Lowered for CUDA with N = 48: the forward (K = 32) and the wgrad (K: the groups' rows, padded to 32) run the
+  grouped FP4 GEMM; the dgrad contracts N = 48, which cuBLASLt's FP4 GEMM does not take, and the report says so."""
   from xla_fp4.passes import analysis, policy
   module = jax.jit(_layer).trace(*_inputs()).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
   with module.context:
     a = analysis.analyze(module)
     decided, _ = policy.decide(a, config.load(environ={}, enabled=True, **OPTIONS))
     plans = policy.plan(a, decided, partitioned=False, native=True, cuda=True)
-  assert len(plans) == 3 and all(p.form is policy.Form.GROUPED for p in plans)
-  assert all(p.notes == ("a ragged dot: no grouped FP4 GEMM takes groups sized at run time: emulated",) for p in plans)
+  got = {str(p.site.role): (p.form, p.notes) for p in plans}
+  assert got == {"fprop": (policy.Form.PACKED_GROUPED, ()), "wgrad": (policy.Form.PACKED_GROUPED, ()),
+                 "dgrad": (policy.Form.GROUPED, ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",))}
+
+
+@pytest.mark.parametrize("form", ["forward", "dgrad", "wgrad"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_the_grouped_fp4_gemm_on_packed_operands_computes_the_gpu_forms(form, stochastic):
+  """The native form of a chlo.ragged_dot: numerics.grouped's ragged_rows_packed / ragged_contracting_packed (the
+  operands packed per group, K-major; the wgrad's groups padded to 32 rows) and xla_fp4_ragged_gemm_packed (here the
+  C++ reference GEMM) equal the emulated forms ragged_rows / ragged_contracting bit for bit, stochastic rounding
+  included."""
+  w, x, ct, sizes = _inputs(n=64)
+  salts = (jnp.uint32(3), jnp.uint32(7))
+  if form == "wgrad":
+    params = dict(lhs_recipe=(False, False, True), rhs_recipe=(False, stochastic, True), rht_seed=SEED)
+    lhs, rhs, emulated, packed = x, ct, grouped.ragged_contracting, grouped.ragged_contracting_packed
+  else:
+    params = dict(lhs_contracting=1, rhs_contracting=1 if form == "forward" else 2, rhs_group=0,
+                  lhs_recipe=(False, stochastic, False), rhs_recipe=(True, False, False), rht_seed=SEED)
+    lhs, rhs, emulated, packed = (x if form == "forward" else ct), w, grouped.ragged_rows, grouped.ragged_rows_packed
+  want = jax.jit(functools.partial(emulated, dtype="float32", **params))(lhs, rhs, sizes, *salts)
+  operands = jax.jit(functools.partial(packed, **params))(lhs, rhs, sizes, *salts)
+  if form == "wgrad":
+    *codes, padded_sizes, alpha = operands
+    assert not np.asarray(padded_sizes % 32).any() and int(padded_sizes.sum()) <= codes[0].shape[1] * 2
+    got = kernels.ragged_gemm_packed(*codes, padded_sizes, alpha, ragged_k=True)
+  else:
+    got = kernels.ragged_gemm_packed(*operands[:4], sizes, operands[4])
+  assert_same_bits(got, want)
+
+
+def _run_on_cpu(module, args):
+  """Compile a StableHLO module (text) for this machine's CPU and run it on `args`."""
+  from jax._src import compiler, xla_bridge
+  from jax._src.lib import xla_client as xc
+  backend = xla_bridge.get_backend("cpu")
+  device = backend.devices()[0]
+  executable = backend.compile_and_load(module, xc.DeviceList((device,)),
+                                        compiler.get_compile_options(num_replicas=1, num_partitions=1))
+  return executable.execute([jax.device_put(a, device) for a in args])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowered_for_blackwell_each_ragged_dot_is_one_grouped_fp4_gemm(monkeypatch, dtype):
+  """XLA_FP4_BACKEND=native where the FP4 GEMM runs (the CUDA lowering, rewritten here with cuBLASLt's FP4 GEMM taken
+  as supported): each chlo.ragged_dot, forward, dgrad and wgrad, becomes the twin that packs its operands per group
+  and one xla_fp4_ragged_gemm_packed, which takes the group sizes at run time. No chlo.ragged_dot is left, so the
+  module compiles for this CPU, where the C++ reference GEMM runs it: equal to numerics.grouped's reference bit for
+  bit."""
+  from xla_fp4.kernels import registry
+  from xla_fp4.passes.rewrite import FfiKernels
+  monkeypatch.setattr(registry, "fp4_gemm_supported", lambda: (True, ""))
+  kernels.register()
+  args = _inputs(dtype, n=64)
+  lowered = jax.jit(_layer).trace(*args).lower(lowering_platforms=("cuda",))
+  result = pipeline.transform(lowered.compiler_ir("stablehlo"),
+                              config.load(environ={}, enabled=True, backend="native", **OPTIONS), platform="cuda",
+                              kernels=lambda m: FfiKernels())
+  text = str(result.module)
+  assert text.count("stablehlo.custom_call @xla_fp4_ragged_gemm_packed") == 3 and "chlo.ragged_dot" not in text
+  assert "mhlo.backend_config = {ragged_k = true}" in text
+  for got, want in zip(_run_on_cpu(text, args), jax.jit(_reference)(*args)):
+    assert_same_bits(got, want)

@@ -23,6 +23,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4BlockAmaxCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4GemmPackedCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RaggedGemmPackedCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4TelemetryStepCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCuda);
 
@@ -33,8 +34,10 @@ namespace xla_fp4::cuda {
 std::pair<bool, std::string> Fp4GemmSupported();
 
 // `out` (numerics/packing.py's swizzled layout, PaddedScaleCount(rows, k) bytes) = the (rows, K/16) scales laid out as
-// cuBLASLt's FP4 GEMM reads them: 128x4 tiles, the padding zero. Enqueued on `stream`.
-xla::ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out);
+// cuBLASLt's FP4 GEMM reads them: 128x4 tiles, the padding zero. Enqueued on `stream`. `stride`: the scales' row
+// stride in bytes where they are columns of a wider matrix (a group's range of K), 0 where they are K/16 apart.
+xla::ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out,
+                              int64_t stride = 0);
 
 }  // namespace xla_fp4::cuda
 

@@ -6,14 +6,21 @@
 // cuBLASLt is column-major, so the row-major C (M, N) is computed as the column-major Cᵀ (N, M) = op(B)·A with
 // cuBLASLt's "A" = our b (transposed: TN, the only layout FP4 supports) and cuBLASLt's "B" = our a.
 //
+// xla_fp4_ragged_gemm_packed (expert GEMMs: ffi_checks.h CheckRaggedGemmPacked) runs the same GEMM once per group: on
+// a group's rows of a (its forward and dgrad) or on a group's range of K (its wgrad: the operands' columns, so the
+// layouts' leading dimension is the whole K and the scales are swizzled from a strided range). The group sizes live
+// on the device and the loop runs on the host: the handler copies them and waits for the stream, a synchronization per
+// call (a grouped GEMM that reads them on the device would not need it).
+//
 // Plans (matrix layouts, the heuristic's algorithm, a device zero for beta) are cached per (device, M, N, K, output
-// type) in one process-wide, mutex-guarded cache rather than in per-instance FFI state: a transformer has a few GEMM
+// type, leading dimensions, pointer alignments) in one process-wide, mutex-guarded cache rather than in per-instance FFI state: a transformer has a few GEMM
 // shapes repeated over dozens of layers, so call sites share plans and a cuBLASLt handle per device, and nothing needs
 // an FFI type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built
 // per call (host-only, microseconds) to keep concurrent calls from different threads independent.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -22,6 +29,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_fp4/cuda/cuda_handlers.h"
@@ -69,9 +77,9 @@ ffi::Error MakeMatmulDesc(MatmulDesc& out) {
   return SetAttr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, vec16);
 }
 
-ffi::Error MakeLayout(cudaDataType type, int64_t rows, int64_t cols, Layout& out) {
+ffi::Error MakeLayout(cudaDataType type, int64_t rows, int64_t cols, int64_t ld, Layout& out) {
   cublasLtMatrixLayout_t layout;
-  XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, /*ld=*/rows),
+  XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, ld),
                                    "cublasLtMatrixLayoutCreate"));
   out.reset(layout);
   return ffi::Error::Success();
@@ -84,7 +92,17 @@ struct Plan {
   float* beta_zero = nullptr;  // POINTER_MODE_DEVICE applies to beta too
 };
 
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, cudaDataType>;  // device, M, N, K, output type
+// device, M, N, K, output type, our a's and b's row strides (elements), the alignments (bytes) of a, b and C
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, cudaDataType, int64_t, int64_t, uint32_t, uint32_t,
+                           uint32_t>;
+
+// The largest power of two (at most 256, what cuBLASLt's heuristic assumes by default) that divides p's address.
+uint32_t Alignment(const void* p) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
 
 // Runs f with `device` current (cuBLASLt's handle and heuristic, and cudaMalloc, follow the current device), then
 // restores the caller's device. Inside an XLA custom call the stream's device is normally current already.
@@ -131,10 +149,10 @@ class PlanCache {
 
  private:
   static ffi::Error Build(const PlanKey& key, cublasLtHandle_t handle, cudaStream_t stream, Plan& plan) {
-    auto [device, m, n, k, out_type] = key;
-    XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, n, plan.a));
-    XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, m, plan.b));
-    XLA_FP4_RETURN_IF_ERROR(MakeLayout(out_type, n, m, plan.c));
+    auto [device, m, n, k, out_type, lda, ldb, a_alignment, b_alignment, c_alignment] = key;
+    XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, n, ldb, plan.a));
+    XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, m, lda, plan.b));
+    XLA_FP4_RETURN_IF_ERROR(MakeLayout(out_type, n, m, n, plan.c));
     MatmulDesc desc;
     XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
     cublasLtMatmulPreference_t raw_pref;
@@ -144,6 +162,14 @@ class PlanCache {
         cublasLtMatmulPreferenceSetAttribute(raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &kMaxWorkspaceBytes,
                                              sizeof(kMaxWorkspaceBytes)),
         "cublasLtMatmulPreferenceSetAttribute"));
+    // cuBLASLt's A is our b and its B our a; C and D are the same buffer.
+    for (auto [attr, bytes] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b_alignment},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a_alignment},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_alignment},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c_alignment}}) {
+      XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulPreferenceSetAttribute(raw_pref, attr, &bytes, sizeof(bytes)),
+                                       "cublasLtMatmulPreferenceSetAttribute"));
+    }
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), plan.a.get(), plan.b.get(),
@@ -170,6 +196,72 @@ class PlanCache {
   std::map<PlanKey, std::unique_ptr<Plan>> plans_;
 };
 
+ffi::Error OutputType(ffi::DataType type, const char* target, cudaDataType* out) {
+  switch (type) {
+    case ffi::F32: *out = CUDA_R_32F; return ffi::Error::Success();
+    case ffi::BF16: *out = CUDA_R_16BF; return ffi::Error::Success();
+    case ffi::F16: *out = CUDA_R_16F; return ffi::Error::Success();
+    default: return InvalidArgument(std::string(target) + " returns float32, bfloat16 or float16");
+  }
+}
+
+// One FP4 GEMM: C (m, n) row-major = alpha · A·Bᵀ, A (m, k) and B (n, k) packed K-major with row strides lda and ldb
+// (elements) and scales (m, k/16) and (n, k/16) with row strides a_scale_stride and b_scale_stride (bytes).
+struct Fp4GemmCall {
+  const uint8_t* a;
+  int64_t lda;
+  const uint8_t* a_scales;
+  int64_t a_scale_stride;
+  const uint8_t* b;
+  int64_t ldb;
+  const uint8_t* b_scales;
+  int64_t b_scale_stride;
+  const float* alpha;  // on the device
+  void* c;
+  int64_t m, n, k;
+
+  PlanKey Key(int device, cudaDataType out_type) const {
+    return {device, m, n, k, out_type, lda, ldb, Alignment(a), Alignment(b), Alignment(c)};
+  }
+  int64_t SwizzledBytes() const { return PaddedScaleCount(m, k) + PaddedScaleCount(n, k); }
+};
+
+// Enqueues `call` with `plan`: its scales swizzled into `swizzled` (call.SwizzledBytes()), then cuBLASLt's GEMM.
+ffi::Error RunFp4Gemm(cudaStream_t stream, cublasLtHandle_t handle, const Plan& plan, const Fp4GemmCall& call,
+                      uint8_t* swizzled, void* workspace) {
+  uint8_t* a_swizzled = swizzled;
+  uint8_t* b_swizzled = swizzled + PaddedScaleCount(call.m, call.k);
+  XLA_FP4_RETURN_IF_ERROR(SwizzleScales(stream, call.a_scales, call.m, call.k, a_swizzled, call.a_scale_stride));
+  XLA_FP4_RETURN_IF_ERROR(SwizzleScales(stream, call.b_scales, call.n, call.k, b_swizzled, call.b_scale_stride));
+  MatmulDesc desc;
+  XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
+  XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                  static_cast<const void*>(b_swizzled)));
+  XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                  static_cast<const void*>(a_swizzled)));
+  return LtStatus(cublasLtMatmul(handle, desc.get(), call.alpha, call.b, plan.a.get(), call.a, plan.b.get(),
+                                 plan.beta_zero, call.c, plan.c.get(), call.c, plan.c.get(), &plan.algo, workspace,
+                                 plan.workspace_bytes, stream),
+                  "cublasLtMatmul");
+}
+
+// Scratch memory for the swizzled scales and the workspace of the largest plan.
+ffi::Error AllocateScratch(ffi::ScratchAllocator& scratch, int64_t swizzled_bytes, size_t workspace_bytes,
+                           const char* target, uint8_t** swizzled, void** workspace) {
+  std::optional<void*> s = scratch.Allocate(std::max<int64_t>(swizzled_bytes, 1), 256);
+  if (!s) return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(target) + ": no memory for the scales");
+  *swizzled = static_cast<uint8_t*>(*s);
+  *workspace = nullptr;
+  if (workspace_bytes > 0) {
+    std::optional<void*> w = scratch.Allocate(workspace_bytes, 256);
+    if (!w) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(target) + ": no memory for the workspace");
+    }
+    *workspace = *w;
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
                       ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data, ffi::AnyBuffer b_scales,
                       ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out,
@@ -183,54 +275,98 @@ ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (c_dims[0] != m || c_dims[1] != n) return InvalidArgument("xla_fp4_gemm_packed: the result must be (M, N)");
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(alpha, ffi::F32, "xla_fp4_gemm_packed: alpha"));
   cudaDataType out_type;
-  switch (out->element_type()) {
-    case ffi::F32: out_type = CUDA_R_32F; break;
-    case ffi::BF16: out_type = CUDA_R_16BF; break;
-    case ffi::F16: out_type = CUDA_R_16F; break;
-    default: return InvalidArgument("xla_fp4_gemm_packed returns float32, bfloat16 or float16");
-  }
+  XLA_FP4_RETURN_IF_ERROR(OutputType(out->element_type(), "xla_fp4_gemm_packed", &out_type));
   XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(a_scales, m, k, "xla_fp4_gemm_packed: a_scales"));
   XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(b_scales, n, k, "xla_fp4_gemm_packed: b_scales"));
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) return CudaStatus(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "cudaMemsetAsync");
 
+  const Fp4GemmCall call{static_cast<const uint8_t*>(a_data.untyped_data()), k,
+                         static_cast<const uint8_t*>(a_scales.untyped_data()), 0,
+                         static_cast<const uint8_t*>(b_data.untyped_data()), k,
+                         static_cast<const uint8_t*>(b_scales.untyped_data()), 0,
+                         static_cast<const float*>(alpha.untyped_data()), out->untyped_data(), m, n, k};
   int device;
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));
   cublasLtHandle_t handle = nullptr;
   const Plan* plan = nullptr;
-  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup({device, m, n, k, out_type}, stream, handle, plan));
-  // The operands' (rows, K/16) scales, laid out as cuBLASLt reads them (128x4 tiles), in scratch memory.
-  const int64_t a_swizzled_bytes = PaddedScaleCount(m, k), b_swizzled_bytes = PaddedScaleCount(n, k);
-  std::optional<void*> swizzled = scratch.Allocate(a_swizzled_bytes + b_swizzled_bytes, 256);
-  if (!swizzled) {
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "xla_fp4_gemm_packed: no memory for the swizzled scales");
-  }
-  uint8_t* a_swizzled = static_cast<uint8_t*>(*swizzled);
-  uint8_t* b_swizzled = a_swizzled + a_swizzled_bytes;
-  XLA_FP4_RETURN_IF_ERROR(
-      SwizzleScales(stream, static_cast<const uint8_t*>(a_scales.untyped_data()), m, k, a_swizzled));
-  XLA_FP4_RETURN_IF_ERROR(
-      SwizzleScales(stream, static_cast<const uint8_t*>(b_scales.untyped_data()), n, k, b_swizzled));
-  MatmulDesc desc;
-  XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
-  XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                  static_cast<const void*>(b_swizzled)));
-  XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                  static_cast<const void*>(a_swizzled)));
+  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup(call.Key(device, out_type), stream, handle, plan));
+  uint8_t* swizzled = nullptr;
   void* workspace = nullptr;
-  if (plan->workspace_bytes > 0) {
-    std::optional<void*> allocated = scratch.Allocate(plan->workspace_bytes, 256);
-    if (!allocated) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "xla_fp4_gemm_packed: no memory for the cuBLASLt workspace");
+  XLA_FP4_RETURN_IF_ERROR(AllocateScratch(scratch, call.SwizzledBytes(), plan->workspace_bytes,
+                                          "xla_fp4_gemm_packed", &swizzled, &workspace));
+  return RunFp4Gemm(stream, handle, *plan, call, swizzled, workspace);
+}
+
+ffi::Error RaggedGemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
+                            ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data, ffi::AnyBuffer b_scales,
+                            ffi::AnyBuffer group_sizes, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out,
+                            bool ragged_k) {
+  RaggedGemmShape s;
+  XLA_FP4_RETURN_IF_ERROR(
+      CheckRaggedGemmPacked(a_data, a_scales, b_data, b_scales, group_sizes, alpha, *out, ragged_k, &s));
+  cudaDataType out_type;
+  XLA_FP4_RETURN_IF_ERROR(OutputType(out->element_type(), "xla_fp4_ragged_gemm_packed", &out_type));
+  // Rows outside every group, and groups without rows or K, are zero; cuBLASLt writes the rest (beta = 0).
+  XLA_FP4_RETURN_IF_ERROR(
+      CudaStatus(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "cudaMemsetAsync"));
+  if (s.groups == 0 || s.m == 0 || s.n == 0 || s.k == 0) return ffi::Error::Success();
+  std::vector<int32_t> sizes(s.groups);
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(sizes.data(), group_sizes.untyped_data(),
+                                                     s.groups * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+                                     "cudaMemcpyAsync(group_sizes)"));
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize"));
+  std::vector<int64_t> begin(s.groups), end(s.groups);
+  XLA_FP4_RETURN_IF_ERROR(
+      RaggedGroupRanges(sizes.data(), s.groups, ragged_k ? s.k : s.m, ragged_k, begin.data(), end.data()));
+
+  const auto* a = static_cast<const uint8_t*>(a_data.untyped_data());
+  const auto* as = static_cast<const uint8_t*>(a_scales.untyped_data());
+  const auto* b = static_cast<const uint8_t*>(b_data.untyped_data());
+  const auto* bs = static_cast<const uint8_t*>(b_scales.untyped_data());
+  const auto* al = static_cast<const float*>(alpha.untyped_data());
+  auto* c = static_cast<uint8_t*>(out->untyped_data());
+  const int64_t element_bytes = ffi::ByteWidth(out->element_type());
+  std::vector<Fp4GemmCall> calls;
+  for (int64_t g = 0; g < s.groups; ++g) {
+    const int64_t size = end[g] - begin[g];
+    if (size == 0) continue;
+    if (ragged_k) {
+      if (size % 32 != 0) {
+        return InvalidArgument("xla_fp4_ragged_gemm_packed: cuBLASLt's FP4 GEMM needs each group's K a multiple of "
+                               "32; group " + std::to_string(g) + " has " + std::to_string(size) +
+                               " (numerics/grouped.py ragged_contracting_packed pads groups to 32)");
+      }
+      calls.push_back({a + begin[g] / 2, s.k, as + begin[g] / kBlock, s.k / kBlock, b + begin[g] / 2, s.k,
+                       bs + begin[g] / kBlock, s.k / kBlock, al + g, c + g * s.m * s.n * element_bytes, s.m, s.n,
+                       size});
+    } else {
+      calls.push_back({a + begin[g] * (s.k / 2), s.k, as + begin[g] * (s.k / kBlock), 0,
+                       b + g * s.n * (s.k / 2), s.k, bs + g * s.n * (s.k / kBlock), 0, al + g,
+                       c + begin[g] * s.n * element_bytes, size, s.n, s.k});
     }
-    workspace = *allocated;
   }
-  return LtStatus(cublasLtMatmul(handle, desc.get(), alpha.untyped_data(), b_data.untyped_data(), plan->a.get(),
-                                 a_data.untyped_data(), plan->b.get(), plan->beta_zero, out->untyped_data(),
-                                 plan->c.get(), out->untyped_data(), plan->c.get(), &plan->algo, workspace,
-                                 plan->workspace_bytes, stream),
-                  "cublasLtMatmul");
+  if (calls.empty()) return ffi::Error::Success();
+  int device;
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));
+  cublasLtHandle_t handle = nullptr;
+  std::vector<const Plan*> plans(calls.size());
+  int64_t swizzled_bytes = 0;
+  size_t workspace_bytes = 0;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup(calls[i].Key(device, out_type), stream, handle, plans[i]));
+    swizzled_bytes = std::max(swizzled_bytes, calls[i].SwizzledBytes());
+    workspace_bytes = std::max(workspace_bytes, plans[i]->workspace_bytes);
+  }
+  // One scratch buffer serves every group: the stream runs a group's swizzle after the previous group's GEMM.
+  uint8_t* swizzled = nullptr;
+  void* workspace = nullptr;
+  XLA_FP4_RETURN_IF_ERROR(AllocateScratch(scratch, swizzled_bytes, workspace_bytes, "xla_fp4_ragged_gemm_packed",
+                                          &swizzled, &workspace));
+  for (size_t i = 0; i < calls.size(); ++i) {
+    XLA_FP4_RETURN_IF_ERROR(RunFp4Gemm(stream, handle, *plans[i], calls[i], swizzled, workspace));
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -270,3 +406,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4GemmPackedCuda, xla_fp4::cuda::GemmPacked,
                                   .Arg<xla::ffi::AnyBuffer>()  // alpha = s_dec_a * s_dec_b (float32 scalar)
                                   .Ret<xla::ffi::AnyBuffer>()  // C (M, N), float32, bfloat16 or float16
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_GEMM_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RaggedGemmPackedCuda, xla_fp4::cuda::RaggedGemmPacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_data, uint8 (M, K/2)
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_scales, uint8 (M, K/16)
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_data, uint8 (G, N, K/2), or (N, K/2) with ragged_k
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_scales, uint8 (G, N, K/16) or (N, K/16)
+                                  .Arg<xla::ffi::AnyBuffer>()  // group_sizes, int32 (G,)
+                                  .Arg<xla::ffi::AnyBuffer>()  // alpha, float32 (G,)
+                                  .Ret<xla::ffi::AnyBuffer>()  // C (M, N), or (G, M, N) with ragged_k
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES));

@@ -83,22 +83,23 @@ ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBu
 }
 
 // One thread per entry of the padded tile grid: the scale of (row, block), or zero in the padding.
-__global__ void SwizzleScalesKernel(const uint8_t* scales, int64_t rows, int64_t cols, int64_t padded_rows,
-                                    int64_t padded_cols, uint8_t* out) {
+__global__ void SwizzleScalesKernel(const uint8_t* scales, int64_t rows, int64_t cols, int64_t stride,
+                                    int64_t padded_rows, int64_t padded_cols, uint8_t* out) {
   const int64_t i = ThreadIndex();
   if (i >= padded_rows * padded_cols) return;
   const int64_t row = i / padded_cols, block = i % padded_cols;
-  out[SwizzledScaleIndex(row, block, padded_cols)] = row < rows && block < cols ? scales[row * cols + block] : 0;
+  out[SwizzledScaleIndex(row, block, padded_cols)] = row < rows && block < cols ? scales[row * stride + block] : 0;
 }
 
 }  // namespace
 
-ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out) {
+ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out,
+                         int64_t stride) {
   const int64_t padded_cols = PaddedScaleCols(k), padded_rows = PaddedScaleCount(rows, k) / padded_cols;
   const int64_t threads = padded_rows * padded_cols;
   if (threads == 0) return ffi::Error::Success();
-  SwizzleScalesKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(scales, rows, k / kBlock, padded_rows,
-                                                                          padded_cols, out);
+  SwizzleScalesKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(
+      scales, rows, k / kBlock, stride > 0 ? stride : k / kBlock, padded_rows, padded_cols, out);
   return LaunchStatus("xla_fp4 scale swizzle kernel");
 }
 

@@ -58,6 +58,14 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
                       alpha: f32[])
       -> f32|bf16|f16[M, N]; attrs emulate: bool (how shards run it: sharding/partition.py; the same numbers).
       C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
+  xla_fp4_ragged_gemm_packed(a_data: u8[M, K/2], a_scales: u8[M, K/16], b_data, b_scales, group_sizes: i32[G],
+                             alpha: f32[G]) -> f32|bf16|f16; attrs ragged_k: bool. Whole tensors only.
+      ragged_k false: b_data u8[G, N, K/2], b_scales u8[G, N, K/16] -> C[M, N]: the rows of group g (consecutive
+      from row 0, group_sizes[g] of them) times b[g] and alpha[g]; rows after the last group are zero.
+      ragged_k true: b_data u8[N, K/2], b_scales u8[N, K/16] -> C[G, M, N]: C[g] = alpha[g] * A·Bᵀ over group g's
+      range of K (group_sizes[g] elements, a multiple of 16). Sizes are clipped to the extent they split; negative
+      sizes count as 0. (== numerics.grouped's ragged_rows / ragged_contracting on ragged_rows_packed /
+      ragged_contracting_packed's operands, up to float32 summation order.)
   xla_fp4_telemetry_step() -> i32[]; attrs module: i64, site: i64, every: i64, calls: i64     (side effect)
       counts this call per (module, site, device), on the host: the n-th call (from 0) is in step n // calls, which it
       returns where step % every == 0, else -1 (not recorded). Every device counts the same sequence.
@@ -222,3 +230,11 @@ def gemm_packed(a_data, a_scales, b_data, b_scales, alpha, *, dtype=jnp.float32)
   """C (M, N) = alpha * A·Bᵀ of two packed K-major operands, float32 accumulation (the CPU reference FP4 GEMM)."""
   return _call(targets.GEMM_PACKED, [jnp.asarray(a_data), _u8_scales(a_scales), jnp.asarray(b_data),
                                      _u8_scales(b_scales), _scalar(alpha, jnp.float32)], dtype=dtype, emulate=False)
+
+
+def ragged_gemm_packed(a_data, a_scales, b_data, b_scales, group_sizes, alpha, *, ragged_k=False, dtype=jnp.float32):
+  """The grouped FP4 GEMM (the contract above): C (M, N) of a's groups of rows, or with ragged_k C (G, M, N) of the
+  groups of K (the CPU reference; cuBLASLt's FP4 GEMM once per group on CUDA)."""
+  return _call(targets.RAGGED_GEMM_PACKED, [jnp.asarray(a_data), _u8_scales(a_scales), jnp.asarray(b_data),
+                                            _u8_scales(b_scales), jnp.asarray(group_sizes, jnp.int32),
+                                            jnp.asarray(alpha, jnp.float32)], dtype=dtype, ragged_k=ragged_k)

@@ -127,6 +127,14 @@ def _product(operands, attrs, dtype):
   return [jax.ShapeDtypeStruct((operands[0].shape[0], operands[2].shape[0]), dtype)]
 
 
+def _ragged_product(operands, attrs, dtype):
+  """C (M, N), or (G, M, N) with ragged_k (the groups split K)."""
+  m, groups = operands[0].shape[0], operands[4].shape[0]
+  if attrs["ragged_k"]:
+    return [jax.ShapeDtypeStruct((groups, m, operands[2].shape[0]), dtype)]
+  return [jax.ShapeDtypeStruct((m, operands[2].shape[1]), dtype)]
+
+
 def _target(name, attributes, results, **kw):
   return Target(name, types.MappingProxyType(attributes), results, **kw)
 
@@ -166,6 +174,9 @@ DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 # `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,
 # which gathers packed operands but has no FP4 GEMM); the numbers are the same.
 GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool}, _product, packed=Packed("gemm"))
+# The grouped FP4 GEMM of expert layers (a chlo.ragged_dot under the native backend), whole tensors only: the groups of
+# a's rows (or with `ragged_k` of K) each with their own B and alpha; numerics/grouped.py packs its operands.
+RAGGED_GEMM_PACKED = _target("xla_fp4_ragged_gemm_packed", {"ragged_k": bool}, _ragged_product)
 
 # Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (int32; -1: not recorded),
 # decided on the host (`calls` calls per step); the GEMM's statistics (float32 rows of numerics/telemetry.py FIELDS),
@@ -180,5 +191,5 @@ TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": i
 
 ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, QDQ_STATS_KEYED, QDQ_STATS, OUTPUT_STATS, RHT,
        BLOCK_AMAX, QUANTIZE_PACKED,
-       DEQUANTIZE_PACKED, GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
+       DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

@@ -46,6 +46,7 @@ import numpy as np
 from xla_fp4.numerics import formats
 from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics import nvfp4 as qz
+from xla_fp4.numerics import packing
 from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.numerics.rht import rht_f32
 
@@ -66,12 +67,31 @@ def _key(key, operand, group):
   return None if key is None else _group_key(formats.fold_in(key, operand), group)
 
 
-def _quantized(x32, axis, recipe, key, rht_seed):
-  """(q·scale in float32, s_dec) of one group's operand (other groups' rows already zero)."""
+def _quantized(x32, axis, recipe, key, rht_seed, encoded=False):
+  """(q·scale in float32, s_dec) of one group's operand (other groups' rows already zero); `encoded`: (q, its E4M3
+  scales) in place of q·scale (`_encoded`)."""
   if recipe.rht:
     x32 = rht_f32(x32, axis, rht_seed)
   s_dec = qz.global_decode_scale(qz.amax(x32))
+  if encoded:
+    return _encoded(x32, axis, recipe, key, s_dec), s_dec
   return qz.unscaled_values(x32, axis, recipe.block_2d, recipe.rounding, key, s_dec), s_dec
+
+
+def _encoded(x32, axis, recipe, key, s_dec, bits=None):
+  """(q on the E2M1 grid in x32's shape, float8_e4m3fn scales: x32's dims with `axis` divided by 16) of the
+  quantization whose q·scale qz.unscaled_values computes with the same arguments (their product, exactly)."""
+  q, scales = qz._encode(x32, axis, recipe.block_2d, recipe.rounding, key, s_dec, bits)
+  return q.reshape(x32.shape), scales.reshape(qz._scale_shape(x32.shape, qz.canonical_axis(x32.shape, axis)[0]))
+
+
+def _k_major_packed(q, scales, axis):
+  """(codes uint8 (rows, K/2), E4M3 scales as uint8 (rows, K/16)) of a matrix `q` on the E2M1 grid quantized along
+  `axis` (0 or 1) with `scales` (`_encoded`): numerics/packing.py's K-major storage, which the FP4 GEMMs read."""
+  if axis == 0:
+    q, scales = q.T, scales.T
+  codes = packing.e2m1_codes(q).reshape(q.shape[0], -1, 2)
+  return codes[..., 0] | (codes[..., 1] << 4), jax.lax.bitcast_convert_type(scales, jnp.uint8)
 
 
 def _prepared(lhs, rhs, group_sizes, recipes, key, preferred_element_type, contracting_rows):
@@ -239,35 +259,63 @@ def ragged_rows_operands(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contr
                          lhs_recipe, rhs_recipe, rht_seed):
   """ragged_rows' quantized operands: (lhs in float32 as quantized (rows outside the groups zeroed, after any RHT), its
   q·scale, s_dec per group, s_dec per row, rhs's q·scale, s_dec per expert)."""
-  lhs_recipe, rhs_recipe = _recipe(*lhs_recipe), _recipe(*rhs_recipe)
-  num_groups = rhs.shape[rhs_group]
-  group = _group_of_rows(group_sizes, lhs.shape[0])
-  in_group = group < num_groups
-  x32 = jnp.where(in_group[:, None], lhs.astype(jnp.float32), 0.0)
-  if lhs_recipe.rht:
-    x32 = rht_f32(x32, lhs_contracting, rht_seed)
-  s_x, s_row = _group_scales(qz._max(jnp.abs(x32), axis=1), group, num_groups)
-  key = _operand_key(lhs, lhs_salt, lhs_recipe.stochastic)
-  row_key = None if key is None else _group_key(key, group)[:, None]
-  qx = qz.unscaled_values(x32, lhs_contracting, lhs_recipe.block_2d, lhs_recipe.rounding, row_key,
-                          s_row[:, None, None])
+  x32, s_x, s_row, row_key, recipe = _token_rows(lhs, group_sizes, lhs_salt, rhs.shape[rhs_group], lhs_contracting,
+                                                 lhs_recipe, rht_seed)
+  qx = qz.unscaled_values(x32, lhs_contracting, recipe.block_2d, recipe.rounding, row_key, s_row[:, None, None])
+  rhs_recipe = _recipe(*rhs_recipe)
   qw, s_w = slice_qdq(rhs, rhs_salt, groups=(rhs_group,), axis=rhs_contracting, block_2d=rhs_recipe.block_2d,
                       stochastic=rhs_recipe.stochastic, rht=rhs_recipe.rht, rht_seed=rht_seed)
   return x32, qx, s_x, s_row, qw, s_w
 
 
-def _padded_rows(group_sizes, num_rows):
+def _token_rows(lhs, group_sizes, salt, num_groups, axis, recipe, rht_seed):
+  """The lhs of ragged_rows as it is quantized: (float32, rows outside the groups zeroed, after any RHT; s_dec per
+  group; s_dec per row; the stochastic-rounding key per row or None; the OperandRecipe)."""
+  recipe = _recipe(*recipe)
+  group = _group_of_rows(group_sizes, lhs.shape[0])
+  x32 = jnp.where((group < num_groups)[:, None], lhs.astype(jnp.float32), 0.0)
+  if recipe.rht:
+    x32 = rht_f32(x32, axis, rht_seed)
+  s_x, s_row = _group_scales(qz._max(jnp.abs(x32), axis=1), group, num_groups)
+  key = _operand_key(lhs, salt, recipe.stochastic)
+  row_key = None if key is None else _group_key(key, group)[:, None]
+  return x32, s_x, s_row, row_key, recipe
+
+
+def ragged_rows_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
+                       lhs_recipe, rhs_recipe, rht_seed):
+  """ragged_rows' operands as the native backend's grouped FP4 GEMM reads them (xla_fp4_ragged_gemm_packed, ragged_k
+  false): (lhs codes (M, K/2), scales (M, K/16), rhs codes (G, N, K/2), scales (G, N, K/16), alpha = s_dec of the
+  tokens times s_dec of the expert, per group). The same quantization as ragged_rows_operands (lhs [M, K] contracting
+  its dim 1), K-major."""
+  if lhs.ndim != 2 or lhs_contracting != 1 or rhs.ndim != 3:
+    raise ValueError(f"ragged_rows_packed takes lhs [M, K] and rhs [G, ., .], got {lhs.shape} contracting "
+                     f"{lhs_contracting} and {rhs.shape}")
+  x32, s_x, s_row, row_key, recipe = _token_rows(lhs, group_sizes, lhs_salt, rhs.shape[rhs_group], 1, lhs_recipe,
+                                                 rht_seed)
+  a_codes, a_scales = _k_major_packed(*_encoded(x32, 1, recipe, row_key, s_row[:, None, None]), 1)
+  recipe = _recipe(*rhs_recipe)
+  key = _operand_key(rhs, rhs_salt, recipe.stochastic)
+  slices, inner, _ = as_slices(rhs, (rhs_group,), rhs_contracting)
+  (q, scales), s_w = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed, encoded=True))(
+      slices.astype(jnp.float32), jnp.arange(slices.shape[0]))
+  b_codes, b_scales = jax.vmap(lambda q, s: _k_major_packed(q, s, inner))(q, scales)
+  return a_codes, a_scales, b_codes, b_scales, s_x * s_w
+
+
+def _padded_rows(group_sizes, num_rows, multiple=formats.BLOCK):
   """The copy of `ragged_contracting`: for each row p of a [P, ...] layout where group g's rows fill whole 16-row
-  blocks of their own, each row at its offset within its block as in the original: (the original row at p, whether p
-  holds one of its group's rows, the group of p (G past the last), the padded group sizes). P = num_rows + 16 G."""
+  blocks of their own, each row at its offset within its block as in the original, a group's blocks rounded up to
+  `multiple` rows with zero blocks: (the original row at p, whether p holds one of its group's rows, the group of p
+  (G past the last), the padded group sizes). P = num_rows + `multiple` G."""
   num_groups = group_sizes.shape[0]
   ends = jnp.cumsum(group_sizes)
   starts = ends - group_sizes
   first = starts // formats.BLOCK
   blocks = jnp.where(group_sizes > 0, -(-ends // formats.BLOCK) - first, 0)
-  padded_sizes = blocks * formats.BLOCK
+  padded_sizes = -(-blocks * formats.BLOCK // multiple) * multiple
   padded_ends = jnp.cumsum(padded_sizes)
-  rows = num_rows + formats.BLOCK * num_groups
+  rows = num_rows + multiple * num_groups
   p = jnp.arange(rows)
   group = jnp.searchsorted(padded_ends, p, side="right").astype(jnp.int32)
   g = jnp.minimum(group, num_groups - 1)
@@ -276,11 +324,12 @@ def _padded_rows(group_sizes, num_rows):
   return jnp.clip(original, 0, num_rows - 1), holds, group, padded_sizes
 
 
-def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed):
+def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, multiple=formats.BLOCK, encoded=False):
   """One operand of ragged_contracting as it quantizes it: (the `_padded_rows` copy in float32 after any RHT, its
-  q·scale in x's dtype, s_dec per group, s_dec per 16-row block)."""
+  q·scale in x's dtype, s_dec per group, s_dec per 16-row block). `multiple`: `_padded_rows`' (a group's zero blocks
+  add nothing); `encoded`: (q, its E4M3 scales) in place of q·scale (`_encoded`)."""
   num_groups = group_sizes.shape[0]
-  original, holds, group, _ = _padded_rows(group_sizes, x.shape[0])
+  original, holds, group, _ = _padded_rows(group_sizes, x.shape[0], multiple)
   recipe = _recipe(*recipe)
   v = jnp.where(holds[:, None], x.astype(jnp.float32)[original], 0.0)
   if recipe.rht:
@@ -291,6 +340,8 @@ def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed):
   if key is not None:  # element (r, c) draws at its position in the original operand, with its group's key
     index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
     bits = formats.random_bits(_group_key(key, group)[:, None], v.shape, index)
+  if encoded:
+    return v, _encoded(v, 0, recipe, None, s_block[None, :, None], bits), s_dec, s_block
   q = qz.unscaled_values(v, 0, recipe.block_2d, recipe.rounding, None, s_block[None, :, None], bits)
   return v, q.astype(x.dtype), s_dec, s_block
 
@@ -305,3 +356,22 @@ def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe,
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
   acc = jax.lax.ragged_dot_general(qx, qy, padded_sizes, dims, preferred_element_type=jnp.float32)
   return (acc * (s_x * s_y)[:, None, None]).astype(dtype)
+
+
+# cuBLASLt's FP4 GEMM takes K a multiple of 32: a group's padded rows (the contraction of its wgrad) are rounded up to it.
+GEMM_K_MULTIPLE = 32
+
+
+def ragged_contracting_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed):
+  """ragged_contracting's operands as the native backend's grouped FP4 GEMM reads them (xla_fp4_ragged_gemm_packed,
+  ragged_k true): (lhs codes (K, P/2), scales (K, P/16), rhs codes (N, P/2), scales (N, P/16), the groups' row counts
+  in the `_padded_rows` layout (P = M + 32 G), alpha per group). The same quantization as ragged_contracting's, each
+  group's rows rounded up to 32 with zero blocks, K-major: the contraction runs over each group's padded rows."""
+  packed = []
+  for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)):
+    _, (q, scales), s_dec, _ = ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed,
+                                                          multiple=GEMM_K_MULTIPLE, encoded=True)
+    packed.append((*_k_major_packed(q, scales, 0), s_dec))
+  (a_codes, a_scales, s_x), (b_codes, b_scales, s_y) = packed
+  sizes = _padded_rows(group_sizes, lhs.shape[0], GEMM_K_MULTIPLE)[3].astype(jnp.int32)
+  return a_codes, a_scales, b_codes, b_scales, sizes, s_x * s_y

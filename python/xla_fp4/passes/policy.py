@@ -241,12 +241,16 @@ def native_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
 
 
 def native_grouped_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
-  """Why the FP4 GEMM cannot run an expert GEMM once per expert, or None: it takes a dot_general with one group dim
-  per operand (no chlo.ragged_dot: its groups' rows are known at run time only) and no other batch dim."""
-  groups, (lb, _) = site.groups, site.gemm.batch
-  if groups.kind is not Grouping.SLICES:
-    return "a ragged dot: no grouped FP4 GEMM takes groups sized at run time"
-  if len(groups.lhs) != 1 or any(d not in groups.lhs for d in lb):
+  """Why the FP4 GEMM cannot run an expert GEMM per expert, or None: a dot_general with one group dim per operand and
+  no other batch dim (the FP4 GEMM once per expert), or a chlo.ragged_dot of jax.lax.ragged_dot's forms, tokens
+  [M, K] in groups of rows (xla_fp4_ragged_gemm_packed: its groups' rows are known at run time only)."""
+  groups, gemm = site.groups, site.gemm
+  if groups.kind is Grouping.RAGGED_CONTRACTING:
+    return None if len(gemm.lhs_shape) == 2 and len(gemm.rhs_shape) == 2 else "the grouped FP4 GEMM takes matrices"
+  if groups.kind is Grouping.RAGGED_ROWS:
+    if len(gemm.lhs_shape) != 2 or gemm.contracting[0] != (1,) or len(gemm.rhs_shape) != 3 or gemm.batch[0]:
+      return "the grouped FP4 GEMM takes tokens [M, K] and one matrix per group"
+  elif len(groups.lhs) != 1 or any(d not in groups.lhs for d in gemm.batch[0]):
     return "the packed GEMM takes no batch dims besides the experts"
   if cuda and groups.k % 32:
     return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={groups.k}"
@@ -287,7 +291,7 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
       ineligible = native_grouped_ineligible if grouped else native_ineligible
       why = ineligible(record.site, cuda)
       if grouped and partitioned:
-        why = "partitioned program: the per-expert FP4 GEMM is not partitioned yet"
+        why = "partitioned program: the grouped FP4 GEMMs are not partitioned yet"
       if why:
         notes.append(f"{why}: emulated")
       else:

@@ -97,7 +97,8 @@ class Emitter:
       probed = lambda build: self._probed(plan, build, probe)  # noqa: E731
       runs = (len(keep_blocks), site.num_stacked - len(keep_blocks)) if select is not None else None
       if plan.form is Form.PACKED_GROUPED:
-        return self._in_case(select, runs, dot, lambda: probed(lambda: self._native_per_expert(plan)))
+        native = self._native_per_expert if site.groups.kind is Grouping.SLICES else self._native_ragged
+        return self._in_case(select, runs, dot, lambda: probed(lambda: native(plan)))
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
         return probed(lambda: self._slices(plan, select))
       if plan.form is Form.GROUPED:
@@ -409,22 +410,58 @@ class Emitter:
 
   def _ragged(self, plan):
     """A chlo.ragged_dot in the grouped recipe: one twin that quantizes per group and runs one ragged GEMM."""
+    rows, operands, params = self._ragged_operands(plan)
+    fn = grouped.ragged_rows if rows else grouped.ragged_contracting
+    return self.twins.call(fn, operands, [tensor_type(plan.record.op.results[0])], **params)[0]
+
+  def _native_ragged(self, plan):
+    """A chlo.ragged_dot under the native backend: the twin that packs its operands as `_ragged`'s quantizes them
+    (numerics/grouped.py ragged_rows_packed, ragged_contracting_packed), then the grouped FP4 GEMM, which takes the
+    group sizes at run time (xla_fp4_ragged_gemm_packed; the wgrad's groups split its K, in a layout of whole blocks
+    per group)."""
+    rows, operands, params = self._ragged_operands(plan)
+    del params["dtype"]
+    out_type = tensor_type(plan.record.op.results[0])
+    lhs, rhs = (tensor_type(v).shape for v in operands[:2])
+    u8 = ir.IntegerType.get_unsigned(8)
+    matrix = lambda *shape: ir.RankedTensorType.get(list(shape), u8)  # noqa: E731
+    groups = ir.RankedTensorType.get([tensor_type(operands[2]).shape[0]], f32())
+    if rows:
+      m, k = lhs
+      rhs_k = rhs[params["rhs_contracting"]]
+      n = [d for i, d in enumerate(rhs) if i not in (params["rhs_group"], params["rhs_contracting"])][0]
+      packed_types = [matrix(m, k // 2), matrix(m, k // formats.BLOCK), matrix(rhs[params["rhs_group"]], n, rhs_k // 2),
+                      matrix(rhs[params["rhs_group"]], n, rhs_k // formats.BLOCK), groups]
+      a, a_scales, b, b_scales, alpha = self.twins.call(grouped.ragged_rows_packed, operands, packed_types, **params)
+      sizes = operands[2]
+    else:
+      padded = lhs[0] + grouped.GEMM_K_MULTIPLE * tensor_type(operands[2]).shape[0]
+      packed_types = [matrix(lhs[1], padded // 2), matrix(lhs[1], padded // formats.BLOCK), matrix(rhs[1], padded // 2),
+                      matrix(rhs[1], padded // formats.BLOCK), tensor_type(operands[2]), groups]
+      a, a_scales, b, b_scales, sizes, alpha = self.twins.call(grouped.ragged_contracting_packed, operands,
+                                                               packed_types, **params)
+    return self.kernels.call(targets.RAGGED_GEMM_PACKED, [a, a_scales, b, b_scales, sizes, alpha],
+                             dict(ragged_k=not rows), result_types=[out_type])[0]
+
+  def _ragged_operands(self, plan):
+    """(whether the groups are the lhs's rows (forward, dgrad) rather than the contraction's (wgrad), the twin's
+    operands: lhs, rhs, group sizes and the two salts, its parameters); telemetry measures them as the twin quantizes
+    them (probes.py, in recorded steps)."""
     op, site = plan.record.op, plan.site
     lhs, rhs, sizes = op.operands
-    out_type = tensor_type(op.results[0])
     recipes = {name: (o.recipe.block_2d, o.recipe.stochastic, o.recipe.rht)
                for name, o in zip(("lhs_recipe", "rhs_recipe"), plan.operands)}
     operands = [lhs, rhs, sizes] + [self._salt(o) for o in plan.operands]
-    params = dict(rht_seed=self.seed, dtype=_dtype_name(out_type), **recipes)
-    fn, stats_fn = grouped.ragged_contracting, telemetry.ragged_contracting_stats
-    if site.groups.kind is Grouping.RAGGED_ROWS:
+    params = dict(rht_seed=self.seed, dtype=_dtype_name(tensor_type(op.results[0])), **recipes)
+    rows = site.groups.kind is Grouping.RAGGED_ROWS
+    stats_fn = telemetry.ragged_contracting_stats
+    if rows:
       ((lc, rc), _), rhs_groups, _ = ragged_dot_dims(op)
       params.update(lhs_contracting=lc[0], rhs_contracting=rc[0], rhs_group=rhs_groups[0])
-      fn, stats_fn = grouped.ragged_rows, telemetry.ragged_rows_stats
-    # Telemetry: the operands' rows from the twin that quantizes them as `fn` does (probes.py, in recorded steps).
+      stats_fn = telemetry.ragged_rows_stats
     self._measure(0, x=lhs, axis=None, recipe=plan.operands[0].recipe, salt=None, s_dec=None,
-                  ragged=(stats_fn, operands, params))
-    return self.twins.call(fn, operands, [out_type], **params)[0]
+                  ragged=(stats_fn, operands, dict(params)))
+    return rows, operands, params
 
 
 def _slice(x, dim, index):
