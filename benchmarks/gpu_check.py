@@ -17,7 +17,9 @@ gradients with XLA_FP4=1 in the emulate backend:
 And one expert layer (`jax.lax.ragged_dot`: its forward, dgrad and wgrad, groups of uneven sizes), with the pass: on a
 GPU XLA keeps each ragged dot a `chlo.ragged_dot`, which the pass turns into the grouped recipe's one ragged GEMM on
 quantized operands (docs/design.md §3); the device's results must equal numerics.grouped's reference computed on the
-CPU up to the GEMM's summation order (float32, rel. L2 <= 1e-4 per output), far from the unquantized layer.
+CPU up to the GEMM's summation order (float32, rel. L2 <= 1e-4 per output), far from the unquantized layer. On
+Blackwell the same layer under the native backend too: each ragged dot one grouped FP4 GEMM (xla_fp4_ragged_gemm_packed,
+cuBLASLt's FP4 GEMM once per group), against the same reference.
 Writes one JSON file (default benchmarks/results/gpu_check.json) and exits non-zero when a check fails.
 """
 
@@ -115,11 +117,12 @@ def _expert_layer():
   return layer, (w, x, ct), reference
 
 
-def _check_experts(device, cpu):
-  """The expert layer with the pass on the device, against the grouped reference on the CPU."""
+def _check_experts(device, cpu, backend="emulate"):
+  """The expert layer with the pass on the device, against the grouped reference on the CPU; under the native backend
+  each of its three ragged dots must run the grouped FP4 GEMM."""
   import xla_fp4
   layer, args, reference = _expert_layer()
-  xla_fp4.enable(backend="emulate", keep_head=False, min_dim=1, stochastic_rounding=False)
+  xla_fp4.enable(backend=backend, keep_head=False, min_dim=1, stochastic_rounding=False)
   compiled = jax.jit(layer).lower(*_on(device, args)).compile()
   got = [np.asarray(v, np.float32) for v in compiled(*_on(device, args))]
   xla_fp4.disable()
@@ -128,10 +131,13 @@ def _check_experts(device, cpu):
   rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))  # noqa: E731
   diffs = [rel(g, r) for g, r in zip(got, want)]
   quantized = [rel(p, r) for p, r in zip(plain, want)]
-  return dict(ok=max(diffs) <= EXPERT_TOL and min(quantized) > 100 * EXPERT_TOL,
+  grouped_fp4_gemms = compiled.as_text().count('custom_call_target="xla_fp4_ragged_gemm_packed"')
+  return dict(ok=(max(diffs) <= EXPERT_TOL and min(quantized) > 100 * EXPERT_TOL
+                  and (backend != "native" or grouped_fp4_gemms == 3)),
               rel_l2=dict(zip(("forward", "wgrad", "dgrad"), diffs)), tolerance=EXPERT_TOL,
               rel_l2_unquantized=dict(zip(("forward", "wgrad", "dgrad"), quantized)),
-              ragged_dots_in_hlo=len(re.findall(r"ragged-dot\(", compiled.as_text())))
+              ragged_dots_in_hlo=len(re.findall(r"ragged-dot\(", compiled.as_text())),
+              grouped_fp4_gemms_in_hlo=grouped_fp4_gemms)
 
 
 def _check_telemetry(step, params, batch, device, cpu):
@@ -216,6 +222,8 @@ def main(argv=None):
         ok="xla_fp4_gemm_packed" in native[2] and loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL,
         targets=native[2], loss_rel_diff=loss_diff, grad_rel_l2=grad_diff)
     result["step_seconds"].update(native=native[3], ratio_native=native[3] / baseline[3])
+    xla_fp4.disable()
+    checks["expert layer native on the device == grouped reference"] = _check_experts(device, cpu, "native")
   xla_fp4.disable()
 
   result["ok"] = all(c["ok"] for c in checks.values())

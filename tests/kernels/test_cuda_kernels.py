@@ -279,6 +279,29 @@ def test_fp4_gemm_matches_dot_general(fp4_gemm, m, n, k, dtype):
   np.testing.assert_array_less(np.abs(got.astype(np.float32) - want), tolerance + 1e-30)
 
 
+@pytest.mark.parametrize("ragged_k", [False, True], ids=["groups_of_rows", "groups_of_k"])
+def test_grouped_fp4_gemm_matches_the_cpu_reference(fp4_gemm, ragged_k):
+  """xla_fp4_ragged_gemm_packed (cuBLASLt's FP4 GEMM once per group, the sizes read on the host) against the C++
+  reference on the same packed operands: uneven groups of rows with rows after the last (a group's rows start
+  anywhere: offset output pointers), or groups of K in multiples of 32, an empty group in each; float32 summation
+  order only."""
+  m, n, k = (200, 96, 128) if not ragged_k else (64, 96, 256)
+  sizes = np.asarray([64, 0, 96, 32] if ragged_k else [37, 0, 100, 41], np.int32)
+  a = _data((m, k), jnp.float32, seed=1)
+  pa = _run(_cpu(), _packed_reference, a, _s_dec(a), np.uint32(0), block_2d=False, stochastic=False, rht=False)
+  experts = 1 if ragged_k else len(sizes)
+  pb = [_run(_cpu(), _packed_reference, b, _s_dec(b), np.uint32(0), block_2d=True, stochastic=False, rht=False)
+        for b in (_data((n, k), jnp.float32, seed=2 + e) for e in range(experts))]
+  b_data, b_scales = (pb[0][0], pb[0][1]) if ragged_k else (np.stack([p[0] for p in pb]), np.stack([p[1] for p in pb]))
+  alpha = np.linspace(0.5, 2.0, len(sizes)).astype(np.float32)
+  args = (pa[0], pa[1], b_data, b_scales, sizes, alpha)
+  got = _run(fp4_gemm, kernels.ragged_gemm_packed, *args, ragged_k=ragged_k)
+  want = _run(_cpu(), kernels.ragged_gemm_packed, *args, ragged_k=ragged_k)
+  magnitude = np.abs(want).max()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=k * 2.0**-23 * magnitude)
+  assert not (got[1] if ragged_k else got[int(sizes.sum()):]).any()
+
+
 def test_fp4_gemm_fails_loudly_where_unsupported(gpu):
   if kernels.fp4_gemm_supported()[0]:
     pytest.skip("the FP4 GEMM is supported on this device")

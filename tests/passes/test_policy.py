@@ -289,25 +289,30 @@ def test_operand_plans_say_what_each_operand_is_and_in_which_order_it_is_quantiz
 
 def test_expert_gemms_take_the_grouped_forms():
   """A dot with Groups (analysis/ragged.py) is planned in the grouped form, partitioned or not; under the native
-  backend, on one device, as the FP4 GEMM once per expert where it has one group dim and no other batch dim, else
-  emulated with the reason. A wgrad's gradient operand is the one the analysis found."""
+  backend, on one device, as the FP4 GEMM once per expert where it has one group dim and no other batch dim, as the
+  grouped FP4 GEMM where it is a chlo.ragged_dot of tokens [M, K] and one matrix per group, else emulated with the
+  reason. A wgrad's gradient operand is the one the analysis found."""
   groups = Groups(kind=Grouping.SLICES, lhs=(0,), rhs=(0,), k=48)
+  ragged = dict(groups=dataclasses.replace(groups, kind=Grouping.RAGGED_ROWS, lhs=(0,), k=64), lhs_shape=(96, 64),
+                contracting=((1,), (1,)))
   sites = [_site(0, groups=groups, batch=((0,), (0,))),
            _site(1, role="wgrad", weight_operand=None, gradient_operand=1, groups=groups),
-           _site(2, groups=dataclasses.replace(groups, kind=Grouping.RAGGED_ROWS))]
+           _site(2, rhs_shape=(4, 64, 32), **ragged),
+           _site(3, **ragged)]
   decided, _ = _decide(sites)
 
   def plans(**kw):
     return [(p.form, p.notes) for p in policy.plan(_analysis(sites), decided, **kw)]
   G, P = policy.Form.GROUPED, policy.Form.PACKED_GROUPED
-  assert plans(partitioned=False, native=False, cuda=False) == [(G, ())] * 3
-  assert plans(partitioned=True, native=False, cuda=False) == [(G, ())] * 3
+  assert plans(partitioned=False, native=False, cuda=False) == [(G, ())] * 4
+  assert plans(partitioned=True, native=False, cuda=False) == [(G, ())] * 4
   assert plans(partitioned=False, native=True, cuda=False) == [
-      (P, ()), (P, ()), (G, ("a ragged dot: no grouped FP4 GEMM takes groups sized at run time: emulated",))]
-  assert plans(partitioned=False, native=True, cuda=True)[0] == (
-      G, ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",))
+      (P, ()), (P, ()), (P, ()),
+      (G, ("the grouped FP4 GEMM takes tokens [M, K] and one matrix per group: emulated",))]
+  assert plans(partitioned=False, native=True, cuda=True)[:3] == [
+      (G, ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",))] * 2 + [(P, ())]
   assert plans(partitioned=True, native=True, cuda=False)[0] == (
-      G, ("partitioned program: the per-expert FP4 GEMM is not partitioned yet: emulated",))
+      G, ("partitioned program: the grouped FP4 GEMMs are not partitioned yet: emulated",))
   wgrad = policy.plan(_analysis(sites), decided, partitioned=False, native=False, cuda=False)[1]
   A, Gr = policy.Operand.ACTIVATION, policy.Operand.GRADIENT
   assert [o.kind for o in wgrad.operands] == [A, Gr] and wgrad.order == (1, 0)

@@ -40,7 +40,8 @@ class Form(enum.StrEnum):
   PARTITIONED = "partitioned"  # per-block maxima, a plain max reduction (XLA's all-reduce), then the qdq kernel
   PACKED = "packed"  # packed FP4 operands and the FP4 GEMM (the native backend; emulated in partitioned programs)
   GROUPED = "grouped"  # expert GEMMs: one global decode scale per expert or group of tokens (numerics/grouped.py)
-  PACKED_GROUPED = "packed_grouped"  # expert GEMMs on the native backend: the FP4 GEMM once per expert
+  # expert GEMMs on the native backend: the FP4 GEMM once per expert, or a chlo.ragged_dot's grouped FP4 GEMM
+  PACKED_GROUPED = "packed_grouped"
 
 
 class Operand(enum.StrEnum):

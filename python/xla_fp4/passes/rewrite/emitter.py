@@ -24,9 +24,14 @@ Form.GROUPED (expert GEMMs, numerics/grouped.py's twins lowered into the program
   a chlo.ragged_dot:  %y = ragged_rows(%x, %w, %group_sizes, %salt, %salt')        (forward, dgrad)
                       %y = ragged_contracting(%x, %dy, %group_sizes, %salt, %salt') (wgrad)
   one ragged GEMM on the quantized operands inside, as many FLOPs as the original.
-Form.PACKED_GROUPED (expert GEMMs with one group dim, the native backend): per expert e, the operands' slices
-  %x_e, %w_e packed with their own decode scales and %y_e = xla_fp4_gemm_packed -> f32; then the %y_e stacked along
-  the expert dim (an einsum's batch dim) or summed in expert order (a contracted group dim), in the dot's type.
+Form.PACKED_GROUPED (expert GEMMs under the native backend): with one group dim per operand, per expert e the
+  operands' slices %x_e, %w_e packed with their own decode scales and %y_e = xla_fp4_gemm_packed -> f32; then the
+  %y_e stacked along the expert dim (an einsum's batch dim) or summed in expert order (a contracted group dim), in
+  the dot's type. A chlo.ragged_dot:
+                      %a, %as, %b, %bs, %alpha = ragged_rows_packed(%x, %w, %group_sizes, %salt, %salt')
+                      %y = xla_fp4_ragged_gemm_packed(%a, %as, %b, %bs, %group_sizes, %alpha) {ragged_k = false}
+  (forward, dgrad); the wgrad's twin ragged_contracting_packed also returns its groups' padded sizes, which the GEMM
+  takes with ragged_k = true (the groups split K) -> [G, K, N].
 
 Per-iteration select of a scanned stack with kept blocks (`block_value` is the iteration's block index): in the
 emulated forms a `stablehlo.select` per operand gives the GEMM the operand itself (and s_dec = 1) in kept iterations
