@@ -240,24 +240,32 @@ def _run_on_cpu(module, args):
   return executable.execute([jax.device_put(a, device) for a in args])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowered_for_blackwell_each_ragged_dot_is_one_grouped_fp4_gemm(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,telemetry", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)],
+                         ids=["float32", "bfloat16", "telemetry"])
+def test_lowered_for_blackwell_each_ragged_dot_is_one_grouped_fp4_gemm(monkeypatch, tmp_path, dtype, telemetry):
   """XLA_FP4_BACKEND=native where the FP4 GEMM runs (the CUDA lowering, rewritten here with cuBLASLt's FP4 GEMM taken
   as supported): each chlo.ragged_dot, forward, dgrad and wgrad, becomes the twin that packs its operands per group
   and one xla_fp4_ragged_gemm_packed, which takes the group sizes at run time. No chlo.ragged_dot is left, so the
   module compiles for this CPU, where the C++ reference GEMM runs it: equal to numerics.grouped's reference bit for
-  bit."""
+  bit, with telemetry too (which records both operands of every role)."""
+  from xla_fp4 import telemetry as telemetry_files
   from xla_fp4.kernels import registry
   from xla_fp4.passes.rewrite import FfiKernels
   monkeypatch.setattr(registry, "fp4_gemm_supported", lambda: (True, ""))
   kernels.register()
   args = _inputs(dtype, n=64)
   lowered = jax.jit(_layer).trace(*args).lower(lowering_platforms=("cuda",))
-  result = pipeline.transform(lowered.compiler_ir("stablehlo"),
-                              config.load(environ={}, enabled=True, backend="native", **OPTIONS), platform="cuda",
-                              kernels=lambda m: FfiKernels())
+  options = dict(OPTIONS, backend="native", **(dict(telemetry=str(tmp_path)) if telemetry else {}))
+  result = pipeline.transform(lowered.compiler_ir("stablehlo"), config.load(environ={}, enabled=True, **options),
+                              platform="cuda", kernels=lambda m: FfiKernels())
   text = str(result.module)
   assert text.count("stablehlo.custom_call @xla_fp4_ragged_gemm_packed") == 3 and "chlo.ragged_dot" not in text
   assert "mhlo.backend_config = {ragged_k = true}" in text
   for got, want in zip(_run_on_cpu(text, args), jax.jit(_reference)(*args)):
     assert_same_bits(got, want)
+  if telemetry:
+    telemetry_files.flush()
+    records = telemetry_files.load(str(tmp_path))
+    assert sorted((r["role"], r["operand"]) for r in records) == [
+        ("dgrad", "gradient"), ("dgrad", "weight"), ("fprop", "activation"), ("fprop", "weight"),
+        ("wgrad", "activation"), ("wgrad", "gradient")]
