@@ -53,10 +53,10 @@ CONFIGS = {
     "fsdp8": ["ici_fsdp_parallelism=8"],
     "fsdp4_tp2": ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
     # Mixture of experts (mixtral's decoder: 8 experts, top-2), its expert GEMMs as ragged dots (sparse_matmul, with
-    # jax.lax.ragged_dot where megablox is off). The dense path (sparse_matmul=false) is not here: its up-projections
-    # (`BSM,EMH->BSEH`) hold the expert as a free dim of the weight, which the pass does not tell from an attention
-    # projection's heads, so they take one scale over all experts (README, Known limitations).
+    # jax.lax.ragged_dot where megablox is off), and dense (every token meets every expert: the up projections
+    # `BSM,EMH->BSEH` hold the expert as a free dim of the weight, found from its flow into the down projection).
     "moe_sparse": [*_MIXTRAL, "sparse_matmul=true", "megablox=false"],
+    "moe_dense": [*_MIXTRAL, "sparse_matmul=false"],
 }
 # Configurations that run on 8 host devices. For these the optimized HLO of both runs' train step is dumped, and the
 # per-device dot FLOPs and collective bytes (xla_fp4.sharding.cost) must stay within issue 8's targets.

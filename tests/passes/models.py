@@ -553,6 +553,30 @@ def ragged_glu_moe(group_sizes=(16, 8, 24, 16)):
   return step, (params, opt_init(params), _x((tokens, D)))
 
 
+def dense_moe(experts=4):
+  """A gated MoE layer as MaxText's dense path writes it (`sparse_matmul=false`): every token meets every expert, the
+  up projections `BSM,EMH->BSEH` have the expert as a free dim of their weights, the down projection `BSEH,EHM->BSEM`
+  as a batch dim, and the router's weights combine the experts' outputs; behind a dense input layer, so that every
+  expert GEMM has its dgrad."""
+  b, s = 2, 16
+  params = {"embed": jax.ShapeDtypeStruct((D, D), jnp.float32),
+            "router": jax.ShapeDtypeStruct((D, experts), jnp.float32),
+            "wi_0": jax.ShapeDtypeStruct((experts, D, H), jnp.float32),
+            "wi_1": jax.ShapeDtypeStruct((experts, D, H), jnp.float32),
+            "wo": jax.ShapeDtypeStruct((experts, H, D), jnp.float32),
+            "head": jax.ShapeDtypeStruct((D, D), jnp.float32)}
+
+  def loss(p, x):
+    x = jnp.tanh(x @ p["embed"])
+    weights = jax.nn.softmax(jnp.einsum("BSM,ME->BSE", x, p["router"]), axis=-1)
+    h = jax.nn.silu(jnp.einsum("BSM,EMH->BSEH", x, p["wi_0"])) * jnp.einsum("BSM,EMH->BSEH", x, p["wi_1"])
+    y = jnp.einsum("BSEM,BSE->BSM", jnp.einsum("BSEH,EHM->BSEM", h, p["wo"]), weights)
+    return jnp.mean((y @ p["head"]) ** 2)
+
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), _x((b, s, D)))
+
+
 # ------------------------------------------------------------------ parameters without names, name scopes of Haiku
 
 

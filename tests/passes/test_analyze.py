@@ -528,6 +528,29 @@ def test_expert_gemms_of_one_helper_pair_by_dataflow(platform):
   assert all(s.gradient_operand == 1 for s in a.sites if s.ragged and s.role == "wgrad")
 
 
+def test_a_dense_moe_finds_the_expert_dim_of_its_up_projections_from_dataflow():
+  """MaxText's dense MoE (`sparse_matmul=false`): the up projections' expert dim is a free dim of their weights
+  (`BSM,EMH->BSEH`), found because it flows, through the activation (an outlined call) and the gate's product, into
+  the down projection's batch dim; their dgrads contract it paired with the gradient's, their wgrads have it free in
+  the gradient. A per-head projection (`bsd,dhk->bshk`, whose heads the next layer contracts) gets no groups."""
+  fn, args = models.dense_moe()
+  module = jax.jit(fn).lower(*args).compiler_ir("stablehlo")
+  with module.context:
+    a = analysis.analyze(module)
+  groups = {(s.layer, str(s.role)): s.groups for s in a.sites if s.layer in ("wi_0", "wi_1")}
+  slices = analysis.Grouping.SLICES
+  for layer in ("wi_0", "wi_1"):
+    assert groups[layer, "fprop"] == analysis.Groups(kind=slices, lhs=(), rhs=(), k=models.D, free=((1, 0),))
+    assert groups[layer, "dgrad"] == analysis.Groups(kind=slices, lhs=(2,), rhs=(0,), k=models.H)
+    assert groups[layer, "wgrad"] == analysis.Groups(kind=slices, lhs=(), rhs=(), k=2 * 16, free=((0, 2),))  # tokens
+  fn, args = models.jax_einsum()
+  module = jax.jit(fn).lower(*args).compiler_ir("stablehlo")
+  with module.context:
+    a = analysis.analyze(module)
+  wq = [s.groups for s in a.sites if s.layer == "wq"]
+  assert len(wq) == 2 and wq == [None, None]  # its fprop and wgrad (x takes no gradient)
+
+
 def test_ragged_dots_are_decided_alike_on_every_platform():
   """Lowered for CUDA (on this CPU machine), a ragged dot stays a chlo.ragged_dot: every one is in the report, with the
   decision and rule of its CPU expansion, so that CPU emulation predicts the GPU run."""

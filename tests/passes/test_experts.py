@@ -147,6 +147,53 @@ def test_an_expert_einsum_scales_each_expert_on_its_own(fp4, dtype):
   assert float(jnp.max(jnp.abs(got[0][:, :, 2].astype(jnp.float32)))) > 0
 
 
+def _dense_moe_layer(wi, wo, x, ct):
+  """A dense MoE expert MLP as MaxText's `sparse_matmul=false` path writes it (every token meets every expert: the up
+  projection's expert dim is a free dim of its weight), its forward and its gradients."""
+  h = jnp.sin(x)
+
+  def mlp(wi, wo, h):
+    return jnp.einsum("BSEH,EHM->BSEM", jax.nn.silu(jnp.einsum("BSM,EMH->BSEH", h, wi)), wo)
+  y, vjp = jax.vjp(mlp, wi, wo, h)
+  return (y,) + vjp(ct)
+
+
+def test_a_dense_moe_scales_each_expert_of_its_up_projection_on_its_own(fp4):
+  """The up projection `BSM,EMH->BSEH` (found by the analysis from its flow into the down projection's batch dim):
+  each expert's weight slice gets its own decode scale and meets the whole activation (one scale: every token meets
+  every expert); its wgrad scales each expert's slice of the gradient, its dgrad each expert's gradient and weight
+  and sums the experts' products. Equal, in all roles of both layers, to the emulated GEMM per expert bit for bit
+  (float32: in bfloat16 XLA CPU's excess precision between the GEMMs differs with the fusions); an expert with small
+  weights keeps them."""
+  k = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(k[0], (2, 16, 32))
+  wi = jax.random.normal(k[1], (4, 32, 64)) * jnp.array([1.0, 1.0, 1e-4, 1.0])[:, None, None]
+  wo = jax.random.normal(k[2], (4, 64, 32))
+  ct = jax.random.normal(k[3], (2, 16, 4, 32))
+  got = jax.jit(_dense_moe_layer)(wi, wo, x, ct)
+  rht, w2d = nv.OperandRecipe(rht=True), nv.OperandRecipe(block_2d=True)
+
+  def reference(wi, wo, h, ct):
+    per_expert = lambda f, *a, **kw: jax.vmap(f, **kw)(*a)  # noqa: E731
+    u = per_expert(lambda w: nv.dot_general(h, w, (((2,), (0,)), ((), ())), b_recipe=w2d), wi, out_axes=2)
+    a, silu_vjp = jax.vjp(jax.nn.silu, u)
+    y = per_expert(lambda a, w: nv.dot_general(a, w, (((2,), (0,)), ((), ())), b_recipe=w2d), a, wo,
+                   in_axes=(2, 0), out_axes=2)
+    wgrad = lambda x, g: nv.dot_general(x, g, (((0, 1), (0, 1)), ((), ())), a_recipe=rht, b_recipe=rht,  # noqa: E731
+                                        rht_seed=SEED)
+    dwo = per_expert(wgrad, a, ct, in_axes=(2, 2))
+    da = per_expert(lambda g, w: nv.dot_general(g, w, (((2,), (1,)), ((), ())), b_recipe=w2d), ct, wo,
+                    in_axes=(2, 0), out_axes=2)
+    (du,) = silu_vjp(da)
+    dwi = per_expert(lambda g: wgrad(h, g), du, in_axes=2)
+    dh = jnp.sum(per_expert(lambda g, w: nv.dot_general(g, w, (((2,), (1,)), ((), ())), b_recipe=w2d), du, wi,
+                            in_axes=(2, 0)), axis=0)
+    return y, dwi, dwo, dh
+  for g, r in zip(got, jax.jit(reference)(wi, wo, jnp.sin(x), ct)):
+    assert_same_bits(g, r)
+  assert float(jnp.max(jnp.abs(got[0][:, :, 2]))) > 0  # one scale over all experts would flush its weights
+
+
 def test_slices_of_an_operand_draw_their_own_stochastic_rounding():
   """slice_qdq (a dot_general's expert slices) with stochastic rounding: slice g is the reference's group g, keyed
   fold_in(the operand's key, g), so experts with equal values still draw different bits."""

@@ -313,6 +313,12 @@ def test_expert_gemms_take_the_grouped_forms():
       (G, ("cuBLASLt's FP4 GEMM needs K a multiple of 32, K=48: emulated",))] * 2 + [(P, ())]
   assert plans(partitioned=True, native=True, cuda=False)[0] == (
       G, ("partitioned program: the grouped FP4 GEMMs are not partitioned yet: emulated",))
+  dense = [_site(0, groups=Groups(kind=Grouping.SLICES, lhs=(), rhs=(), k=64, free=((1, 0),)), rhs_shape=(4, 64, 32))]
+  decided_dense, _ = _decide(dense)
+  assert [(p.form, p.notes) for p in policy.plan(_analysis(dense), decided_dense, partitioned=False, native=True,
+                                                 cuda=False)] == [
+      (G, ("an expert dim free in one operand (every token meets every expert): no per-expert FP4 GEMM form: "
+           "emulated",))]
   wgrad = policy.plan(_analysis(sites), decided, partitioned=False, native=False, cuda=False)[1]
   A, Gr = policy.Operand.ACTIVATION, policy.Operand.GRADIENT
   assert [o.kind for o in wgrad.operands] == [A, Gr] and wgrad.order == (1, 0)

@@ -30,7 +30,9 @@ What the pass emits (its twins, lowered into the program; passes/rewrite/emitter
   group; an expert einsum `ecd,edf->ecf`): `slice_qdq` quantizes each slice along the group dims with its own scale and
   key. The expansion's forward and dgrad then run the program's GEMM over all groups and `masked_output` takes each
   row's own group's alpha (a row holds one group's products only); other dots run the GEMM with the group dims as
-  batch dims and `scaled_output` applies alpha per group (summing over group dims the program contracted).
+  batch dims and `scaled_output` applies alpha per group (summing over group dims the program contracted). A group
+  dim free in one operand (a dense MoE's up projection `BSM,EMH->BSEH`: every token meets every expert, so the other
+  operand is one slice) stays a free dim of the GEMM, and that operand's scales lie along it.
 - a `chlo.ragged_dot` (JAX's lowering for GPU): one ragged GEMM on quantized operands, as many FLOPs as the original.
   `ragged_rows` (forward, dgrad): the rows of lhs quantized with their group's scale and key, one scale per expert
   matrix. `ragged_contracting` (wgrad, blocks along the rows): each group's rows are copied into blocks of their own,
@@ -195,14 +197,20 @@ def as_slices(x, groups, axis):
   return slices, inner, lambda s: jnp.transpose(s.reshape(moved.shape), np.argsort(order))
 
 
-def scaled_output(acc, lhs_scale, rhs_scale, *, groups, summed, dtype):
-  """The GEMM's f32 accumulator `acc` times alpha = lhs_scale * rhs_scale of each group (the group dims of acc are
-  `groups`, in the scales' order), summed over the positions `summed` (the group dims the program contracted), in
-  `dtype`: the reference's `acc * (sx * sw)` and its sum over the groups."""
-  shape = [1] * acc.ndim
-  for d in groups:
-    shape[d] = acc.shape[d]
-  y = acc * (lhs_scale * rhs_scale).reshape(shape)
+def scaled_output(acc, lhs_scale, rhs_scale, *, lhs_groups, rhs_groups, summed, dtype):
+  """The GEMM's f32 accumulator `acc` times alpha = lhs_scale * rhs_scale (each scale's dims lie along acc's dims
+  `lhs_groups`, `rhs_groups`, in the scale's order: both along the same dims for group dims the operands share, one
+  along an operand's own free dim, a scalar where an operand has no group dim), summed over the positions `summed`
+  (the group dims the program contracted), in `dtype`: the reference's `acc * (sx * sw)` and its sum over the
+  groups."""
+  def along(scale, dims):
+    order = sorted(range(len(dims)), key=lambda i: dims[i])
+    shape = [1] * acc.ndim
+    for i in order:
+      shape[dims[i]] = scale.shape[i]
+    return jnp.transpose(scale, order).reshape(shape)
+
+  y = acc * (along(lhs_scale, lhs_groups) * along(rhs_scale, rhs_groups))
   if summed:
     y = jnp.sum(y, axis=tuple(summed))
   return y.astype(dtype)

@@ -251,6 +251,8 @@ def native_grouped_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
   if groups.kind is Grouping.RAGGED_ROWS:
     if len(gemm.lhs_shape) != 2 or gemm.contracting[0] != (1,) or len(gemm.rhs_shape) != 3 or gemm.batch[0]:
       return "the grouped FP4 GEMM takes tokens [M, K] and one matrix per group"
+  elif groups.free:
+    return "an expert dim free in one operand (every token meets every expert): no per-expert FP4 GEMM form"
   elif len(groups.lhs) != 1 or any(d not in groups.lhs for d in gemm.batch[0]):
     return "the packed GEMM takes no batch dims besides the experts"
   if cuda and groups.k % 32:

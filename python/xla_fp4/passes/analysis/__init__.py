@@ -61,6 +61,8 @@ def analyze(module, graph=None) -> Analysis:
   heads = heads_mod.heads(graph, dots)
   blocks, num_blocks = blocks_mod.blocks(graph, arg_names, dots)
 
+  found = {i: ragged.groups(d.op, d.role is not Role.OTHER) for i, d in enumerate(dots)}
+  found.update(ragged.dense_expert_groups(graph, dots, found))
   records = []
   for i, d in enumerate(dots):
     src = d.src
@@ -76,7 +78,7 @@ def analyze(module, graph=None) -> Analysis:
         block=block, num_stacked=stacked, block_offset=offset,
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
         excluded_scope=_excluded(d.op, enclosing), higher_order=names.higher_order(d.stack),
-        ragged=d.ragged, groups=ragged.groups(d.op, linear),
+        ragged=d.ragged, groups=found[i],
         in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing),
         gemm=_gemm(d.op))
     source = blocks_mod.block_source(d.op, src) if stacked is not None else None

@@ -13,6 +13,11 @@ slice of an operand is a matrix of its own, with its own global decode scale (nu
 - the CPU expansion: the masked operand's group dim (the one the broadcast adds) and its partner in the other operand
   (contracted in the forward and dgrad, a batch dim in the wgrad): Grouping.SLICES;
 - an expert einsum (`ecd,edf->ecf`): a linear layer's batch dims, one matrix per expert: Grouping.SLICES;
+- a dense MoE's up projection (`BSM,EMH->BSEH`, every token meets every expert): the expert is a free dim of the
+  weight, which an attention projection's heads are too (`BTD,DNH->BTNH`); it is an expert dim where the output's dim
+  flows, through element-wise ops, into a batch dim of an expert GEMM (the down projection `BSEH,EHM->BSEM`), while
+  heads flow into attention's dots, which read no weight. Its dgrad pairs the gradient's expert dim with the weight's,
+  its wgrad has it free in the gradient: Grouping.SLICES with `free` dims (`dense_expert_groups`);
 - a chlo.ragged_dot: lhs rows in groups times one rhs matrix per group (forward, dgrad: Grouping.RAGGED_ROWS), or
   both operands' rows in groups, contracted per group (wgrad: Grouping.RAGGED_CONTRACTING).
 The rewrite quantizes what the grouping says per slice or group; forms it does not take have no Groups.
@@ -22,8 +27,8 @@ import math
 
 from jax._src.lib.mlir import ir
 
-from xla_fp4.passes.analysis.callgraph import defining_op, shape, unforwarded
-from xla_fp4.passes.analysis.records import Grouping, Groups
+from xla_fp4.passes.analysis.callgraph import defining_op, shape, unforwarded, users
+from xla_fp4.passes.analysis.records import Grouping, Groups, Role
 from xla_fp4.passes.analysis.trace import dot_dims, ragged_dot_dims
 
 _MASK_OPS = {"stablehlo.and", "stablehlo.or", "stablehlo.compare", "stablehlo.broadcast_in_dim", "stablehlo.reshape"}
@@ -107,6 +112,99 @@ def _ragged_groups(op):
   if not rhs_groups and lc == (0,) and rc == (0,) and len(shape(op.operands[1])) == 2:
     return Groups(kind=Grouping.RAGGED_CONTRACTING, lhs=(0,), rhs=(0,), k=k)
   return None
+
+
+def dense_expert_groups(graph, dots, found):
+  """{dot index: Groups} of the expert GEMMs whose expert dim is a free dim of the weight (the module docstring):
+  each fprop without Groups whose weight has a free dim that reaches a batch dim of an expert GEMM (a linear layer
+  whose Groups in `found`, {dot index: Groups}, pair batch dims), and its dgrad and wgrad, read through their
+  gradient operand, which has the fprop's output shape."""
+  experts = {dots[i].op for i, g in found.items()
+             if g is not None and g.kind is Grouping.SLICES and dots[i].role is Role.FPROP and dot_dims(dots[i].op)[1][0]}
+  out = {}
+  for i, d in enumerate(dots):
+    if d.role is not Role.FPROP or found.get(i) is not None or d.op.name != "stablehlo.dot_general":
+      continue
+    (lc, rc), (lb, rb) = dot_dims(d.op)
+    if lb:
+      continue
+    dims_out = _output_dims(d.op)
+    weight_free = [p for p, (side, dim) in enumerate(dims_out) if side == d.w]
+    position = next((p for p in weight_free if _reaches_expert_batch(graph, d.op.results[0], p, experts)), None)
+    if position is None:
+      continue
+    k = math.prod(shape(d.op.operands[0])[c] for c in lc)
+    out[i] = Groups(kind=Grouping.SLICES, lhs=(), rhs=(), k=k, free=(dims_out[position],))
+    for j, b in enumerate(dots):
+      if b.partner == i and b.op.name == "stablehlo.dot_general":
+        groups = _backward_groups(b, position, shape(d.op.results[0]))
+        if groups is not None:
+          out[j] = groups
+  return out
+
+
+def _output_dims(op):
+  """(operand, dim) of each dim of a dot_general's result, in order: batch (as the lhs's), lhs free, rhs free."""
+  (lc, rc), (lb, rb) = dot_dims(op)
+  free = [[(side, x) for x in range(len(shape(op.operands[side]))) if x not in (lc, rc)[side] and x not in (lb, rb)[side]]
+          for side in (0, 1)]
+  return [(0, x) for x in lb] + free[0] + free[1]
+
+
+def _reaches_expert_batch(graph, value, position, experts, depth=0, seen=None):
+  """Whether dim `position` of `value` reaches, through ops that keep its shape (element-wise ops, the calls of
+  outlined activations), a batch dim of a dot in `experts`."""
+  seen = set() if seen is None else seen
+  if depth > 12 or value in seen:
+    return False
+  seen.add(value)
+  for op, number in users(value):
+    if op in experts:
+      (_, _), (lb, rb) = dot_dims(op)
+      if position in (lb, rb)[number]:
+        return True
+      continue
+    if op.name == "func.call":
+      callee = graph.callee(op)
+      if callee is not None and _reaches_expert_batch(graph, callee.regions[0].blocks[0].arguments[number],
+                                                      position, experts, depth + 1, seen):
+        return True
+    if op.name == "func.return":
+      continue
+    for result in op.results:
+      if shape(result) == shape(value) and _reaches_expert_batch(graph, result, position, experts, depth + 1, seen):
+        return True
+  return _returned(graph, value, position, experts, depth, seen)
+
+
+def _returned(graph, value, position, experts, depth, seen):
+  """A value an outlined function returns continues as the results of that function's calls."""
+  for op, number in users(value):
+    if op.name == "func.return":
+      for call in graph.calls.get(graph.enclosing_func(op), ()):
+        if _reaches_expert_batch(graph, call.results[number], position, experts, depth + 1, seen):
+          return True
+  return False
+
+
+def _backward_groups(b, position, out_shape):
+  """The Groups of a dgrad or wgrad of a dense expert fprop whose output's expert dim is `position`: read through its
+  gradient operand (the fprop's output shape), paired with the weight's dim in a dgrad, free in a wgrad."""
+  g = 1 - b.w if b.role is Role.DGRAD else b.gradient if b.role is Role.WGRAD else None
+  if g is None or shape(b.op.operands[g]) != out_shape:
+    return None
+  (lc, rc), (lb, rb) = dot_dims(b.op)
+  mine, other = ((lc, lb), (rc, rb)) if g == 0 else ((rc, rb), (lc, lb))
+  k = math.prod(shape(b.op.operands[0])[c] for c in lc)
+  for dims, partners in zip(mine, other):
+    if position in dims:
+      partner = partners[dims.index(position)]
+      lhs, rhs = (position, partner) if g == 0 else (partner, position)
+      left = [c for c in lc if c != lhs]
+      if not left:
+        return None
+      return Groups(kind=Grouping.SLICES, lhs=(lhs,), rhs=(rhs,), k=math.prod(shape(b.op.operands[0])[c] for c in left))
+  return Groups(kind=Grouping.SLICES, lhs=(), rhs=(), k=k, free=((g, position),)) if b.role is Role.WGRAD else None
 
 
 def _is_zero(value):

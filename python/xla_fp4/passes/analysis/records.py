@@ -38,6 +38,9 @@ class Groups:
   lhs: tuple  # the lhs's group dims (RAGGED_*: its ragged rows)
   rhs: tuple  # the rhs's, paired with the lhs's in order (RAGGED_ROWS: the dim that selects the group's matrix)
   k: int  # the contraction of one group's GEMM, along which its operands are quantized
+  # SLICES: (operand, dim) of group dims that are free dims of one operand (an expert dim of a weight that every token
+  # meets: a dense MoE's up projection, `BSM,EMH->BSEH`, and its wgrad); their slices each meet the other operand whole
+  free: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

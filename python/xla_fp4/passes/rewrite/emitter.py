@@ -364,8 +364,9 @@ class Emitter:
     """A dot_general with group dims (Grouping.SLICES): every slice quantized with its own scale (slice_qdq); a ragged
     dot's CPU expansion then runs its GEMM as the program does, over the groups, and takes alpha per row
     (masked_output); other grouped dots run theirs with the group dims as batch dims and take alpha per group
-    (scaled_output, which sums over group dims the program contracted). Quantizations are not shared between dots
-    here: each dot quantizes its operands."""
+    (scaled_output, which sums over group dims the program contracted). A group dim free in one operand (Groups.free:
+    a dense MoE's up projection and its wgrad) stays free, its scales along the accumulator's dim. Quantizations are
+    not shared between dots here: each dot quantizes its operands."""
     dot, site = plan.record.op, plan.site
     groups = site.groups
     (lc, rc), (lb, rb) = site.gemm.contracting, site.gemm.batch
@@ -374,7 +375,8 @@ class Emitter:
     contracting = ([d for i, d in enumerate(lc) if i not in contracted],
                    [d for i, d in enumerate(rc) if i not in contracted])
     lhs_groups = [d for d in batch[0] if d in groups.lhs]
-    group_dims = (lhs_groups, [batch[1][batch[0].index(d)] for d in lhs_groups])
+    free = [[d for side, d in groups.free if side == i] for i in (0, 1)]  # expert dims free in one operand
+    group_dims = (lhs_groups + free[0], [batch[1][batch[0].index(d)] for d in lhs_groups] + free[1])
     quantized = [None, None]
     for i in plan.order:
       x, recipe = dot.operands[i], plan.operands[i].recipe
@@ -404,12 +406,17 @@ class Emitter:
     numbers = hlo.DotDimensionNumbers.get(
         lhs_batching_dimensions=batch[0], rhs_batching_dimensions=batch[1],
         lhs_contracting_dimensions=contracting[0], rhs_contracting_dimensions=contracting[1])
-    free = lambda v, b, c: [n for d, n in enumerate(tensor_type(v).shape) if d not in b and d not in c]  # noqa: E731
-    acc_shape = ([tensor_type(qa).shape[d] for d in batch[0]] + free(qa, batch[0], contracting[0]) +
-                 free(qb, batch[1], contracting[1]))
+    # The accumulator's dims: the batch dims, then each operand's free dims (dot_general's order).
+    acc_dims = [(0, d) for d in batch[0]] + [
+        (i, d) for i, v in ((0, qa), (1, qb)) for d in range(len(tensor_type(v).shape))
+        if d not in batch[i] and d not in contracting[i]]
+    acc_shape = [tensor_type((qa, qb)[i]).shape[d] for i, d in acc_dims]
     acc = self._f32_dot(dot, qa, qb, numbers, acc_shape)
+    # Where each operand's scales go: paired group dims are batch dims (the lhs's), free ones the operand's own.
+    position = lambda i, d: acc_dims.index((0, batch[0][batch[1].index(d)]) if i == 1 and d in batch[1] else (i, d))  # noqa: E731
     return self.twins.call(grouped.scaled_output, [acc, sa, sb], [out_type],
-                           groups=tuple(batch[0].index(d) for d in lhs_groups),
+                           lhs_groups=tuple(position(0, d) for d in group_dims[0]),
+                           rhs_groups=tuple(position(1, d) for d in group_dims[1]),
                            summed=tuple(len(lb) + j for j in range(len(contracted))),
                            dtype=_dtype_name(out_type))[0]
 
