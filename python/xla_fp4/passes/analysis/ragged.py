@@ -122,7 +122,7 @@ def dense_expert_groups(graph, dots, found):
   experts = {dots[i].op for i, g in found.items()
              if g is not None and g.kind is Grouping.SLICES and dots[i].role is Role.FPROP and dot_dims(dots[i].op)[1][0]}
   out = {}
-  for i, d in enumerate(dots):
+  for i, d in enumerate(dots if experts else ()):
     if d.role is not Role.FPROP or found.get(i) is not None or d.op.name != "stablehlo.dot_general":
       continue
     (lc, rc), (lb, rb) = dot_dims(d.op)
