@@ -4,12 +4,16 @@ device and sharded over 8 host devices (`--xla_force_host_platform_device_count=
 
   python benchmarks/experts.py [--small] [--out benchmarks/results/experts.json]
 
-Two MoE layers as users write them, each `jax.jit(jax.grad(loss))` of a residual stack of `layers` MoE blocks, top-1
-routing, every expert GEMM (forward, dgrad, wgrad) in NVFP4 (keep_head=0, keep_first=0, keep_last=0):
+Three MoE layers as users write them, each `jax.jit(jax.grad(loss))` of a residual stack of `layers` MoE blocks,
+every expert GEMM (forward, dgrad, wgrad) in NVFP4 (keep_head=0, keep_first=0, keep_last=0):
 - `einsum`: GShard-style dispatch and combine einsums around the expert einsums `ecd,edf->ecf` (the expert a batch
   dim), capacity = tokens / experts.
 - `ragged`: tokens sorted by expert and `jax.lax.ragged_dot` (on CPU JAX expands it into dot_generals masked per
   group, which the pass quantizes per group).
+- `dense`: every token meets every expert, weighted by the router's softmax (MaxText's `sparse_matmul=false`): the up
+  projection `td,edf->tef` holds the expert as a free dim of its weight, the down projection `tef,efd->ted` as a
+  batch dim.
+`einsum` and `ragged` route top-1.
 Layouts: `single` (one device), `expert_parallel` (tokens over all 8 devices, experts over all 8: the dispatch is an
 all-to-all), `fsdp` (tokens over all 8 devices, expert weights sharded over all 8 along d_model and gathered).
 Targets (issue 24): dot FLOPs <= 1.05x and collective bytes (scalar all-reduces aside) <= 1.10x of the unrewritten
@@ -38,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharding import difference, time_steps, write_result  # noqa: E402
 
 AXIS = "x"
-PROGRAMS = ("einsum", "ragged")
+PROGRAMS = ("einsum", "ragged", "dense")
 LAYOUTS = {  # (tokens, router, expert weights [layers, E, d, f]) and the dispatched tokens [E, C, d] (einsum only)
     "single": None,
     "expert_parallel": dict(x=P(AXIS), router=P(), w=P(None, AXIS), dispatched=P(AXIS)),
@@ -85,8 +89,15 @@ def _ragged_block(x, router, w_in, w_out, dispatched):
   return jnp.zeros_like(x).at[order].set(ys) * gate[:, None].astype(x.dtype)
 
 
+def _dense_block(x, router, w_in, w_out, dispatched):
+  """Every token through every expert, the outputs weighted by the router's softmax."""
+  weights = jax.nn.softmax((x @ router).astype(jnp.float32)).astype(x.dtype)
+  h = jax.nn.gelu(jnp.einsum("td,edf->tef", x, w_in))
+  return jnp.einsum("ted,te->td", jnp.einsum("tef,efd->ted", h, w_out), weights)
+
+
 def loss(params, x, program, dispatched=None):
-  block = {"einsum": _einsum_block, "ragged": _ragged_block}[program]
+  block = {"einsum": _einsum_block, "ragged": _ragged_block, "dense": _dense_block}[program]
   for i in range(params["router"].shape[0]):
     x = x + block(x, params["router"][i], params["w_in"][i], params["w_out"][i], dispatched)
   return jnp.mean(x.astype(jnp.float32) ** 2)

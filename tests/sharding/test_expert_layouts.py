@@ -1,6 +1,6 @@
 """Mixtures of experts keep their parallelism under the pass (benchmarks/experts.py at small sizes, 8 host devices):
-expert parallelism (experts over the mesh, an all-to-all dispatch) and FSDP of expert weights, for an einsum MoE and a
-ragged-dot MoE, with every expert GEMM in NVFP4."""
+expert parallelism (experts over the mesh, an all-to-all dispatch) and FSDP of expert weights, for an einsum MoE, a
+ragged-dot MoE and a dense MoE (every token through every expert), with every expert GEMM in NVFP4."""
 
 import json
 
@@ -18,7 +18,7 @@ def rows(tmp_path_factory):
 
 @pytest.mark.benchmark  # the module fixture runs benchmarks/experts.py (a minute or two)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("program", ["einsum", "ragged"])
+@pytest.mark.parametrize("program", ["einsum", "ragged", "dense"])
 @pytest.mark.parametrize("layout", ["expert_parallel", "fsdp"])
 def test_expert_layers_keep_their_parallelism(rows, program, layout, dtype):
   row = next(r for r in rows if (r["program"], r["layout"], r["dtype"]) == (program, layout, dtype))
@@ -27,8 +27,9 @@ def test_expert_layers_keep_their_parallelism(rows, program, layout, dtype):
   if program == "einsum" and layout == "expert_parallel":
     assert row["collective_bytes"]["collectives_pass"].get("kAllToAll", 0) > 0  # the dispatch stays an all-to-all
   # Nearest rounding: the sharded step quantizes what one device does, f32 partial sums of split contractions aside
-  # (in bfloat16 their last bits can flip FP4 roundings downstream); a per-shard scale would be off by ~1e-1
-  limit = 1e-5 if dtype == "float32" else 1e-2
+  # (in bfloat16 their last bits can flip FP4 roundings downstream: the dense MoE, whose every token meets all 8
+  # experts, measured 2.2e-2 against 7e-4 without the pass); a per-shard scale would be off by ~1e-1
+  limit = 1e-5 if dtype == "float32" else 1e-2 if program != "dense" else 5e-2
   assert row["rel_l2_sharded_minus_single"]["pass_nearest"] <= limit, row["rel_l2_sharded_minus_single"]
 
 

@@ -260,8 +260,9 @@ class Emitter:
     (qa, sa), (qb, sb) = quantized
     return self._f32_dot(dot, qa, qb, dimension_numbers, tensor_type(dot.results[0]).shape), hlo.MulOp(sa, sb).result
 
-  def _f32_dot(self, dot, qa, qb, dimension_numbers, shape):
-    """dot_general(qa, qb) accumulated in f32 with `dot`'s precision: the emulated GEMM."""
+  def _f32_dot(self, dot, qa, qb, dimension_numbers, shape, shared=False):
+    """dot_general(qa, qb) accumulated in f32 with `dot`'s precision: the emulated GEMM. `shared`: an operand is a
+    quantization other dots read too, which XLA CPU then reads in float32 in all of them (one convert)."""
     acc_type = ir.RankedTensorType.get(shape, f32())
     kwargs = {}
     if "precision_config" in dot.attributes:
@@ -269,14 +270,14 @@ class Emitter:
     if not self.matrix_gemm or tensor_type(qa).element_type == f32():
       return hlo.DotGeneralOp(acc_type, qa, qb, dimension_numbers, **kwargs).result
     reshape = lambda v, shape: self.reuse.reshaped(v, shape, dot)  # noqa: E731
-    matrices = dims.as_matrices(qa, qb, dimension_numbers, reshape)
+    matrices = None if shared else dims.as_matrices(qa, qb, dimension_numbers, reshape)
     if matrices is None:
-      # Not matrices without moving data (batch dims not leading, K inside or several K dims): the operands in f32
-      # (exact: q·scale fits), which XLA CPU multiplies in any layout. Transposing them to matrices would merge
+      # Not matrices without moving data (batch dims not leading, K inside or several K dims), or shared: the
+      # operands in f32 (exact: q·scale fits), which XLA CPU multiplies in any layout. (A shared weight read as bf16
+      # by one dot and in f32 by another was all-gathered twice under FSDP: a dense MoE in bfloat16, measured.) Transposing them to matrices would merge
       # contracting dims, and a merged K keeps only its outer dim's sharding (a ragged dot's groups under expert
       # parallelism, or d_model under FSDP, whichever is inner, was gathered: 2.3x to 5.5x the dot FLOPs, measured).
-      f32_type = lambda v: ir.RankedTensorType.get(tensor_type(v).shape, f32())  # noqa: E731
-      qa, qb = hlo.ConvertOp(f32_type(qa), qa).result, hlo.ConvertOp(f32_type(qb), qb).result
+      qa, qb = self.reuse.converted(qa, f32(), dot), self.reuse.converted(qb, f32(), dot)
       return hlo.DotGeneralOp(acc_type, qa, qb, dimension_numbers, **kwargs).result
     qa, qb, dimension_numbers, matrix_shape = matrices
     acc = hlo.DotGeneralOp(ir.RankedTensorType.get(matrix_shape, f32()), qa, qb, dimension_numbers, **kwargs).result
@@ -365,8 +366,8 @@ class Emitter:
     dot's CPU expansion then runs its GEMM as the program does, over the groups, and takes alpha per row
     (masked_output); other grouped dots run theirs with the group dims as batch dims and take alpha per group
     (scaled_output, which sums over group dims the program contracted). A group dim free in one operand (Groups.free:
-    a dense MoE's up projection and its wgrad) stays free, its scales along the accumulator's dim. Quantizations are
-    not shared between dots here: each dot quantizes its operands."""
+    a dense MoE's up projection and its wgrad) stays free, its scales along the accumulator's dim. Only 16x16-tiled
+    slices (expert weights) are shared between dots; each dot quantizes its other operands."""
     dot, site = plan.record.op, plan.site
     groups = site.groups
     (lc, rc), (lb, rb) = site.gemm.contracting, site.gemm.batch
@@ -377,15 +378,28 @@ class Emitter:
     lhs_groups = [d for d in batch[0] if d in groups.lhs]
     free = [[d for side, d in groups.free if side == i] for i in (0, 1)]  # expert dims free in one operand
     group_dims = (lhs_groups + free[0], [batch[1][batch[0].index(d)] for d in lhs_groups] + free[1])
-    quantized = [None, None]
+    quantized, shared = [None, None], False
     for i in plan.order:
-      x, recipe = dot.operands[i], plan.operands[i].recipe
+      x, recipe, operand = dot.operands[i], plan.operands[i].recipe, plan.operands[i]
       shape = tensor_type(x).shape
       scale_type = ir.RankedTensorType.get([shape[d] for d in group_dims[i]], f32())
-      q, s_dec = self.twins.call(grouped.slice_qdq, [x, self._salt(plan.operands[i])], [x.type, scale_type],
-                                 groups=tuple(group_dims[i]), block_2d=recipe.block_2d,
-                                 axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
-                                 stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed)
+      # A 16x16-tiled matrix per slice quantizes alike along either of its dims: a dgrad reuses its fprop's expert
+      # weights (a second quantization was a second all-gather of the weights under FSDP: a dense MoE moved 1.38x
+      # the bytes, measured).
+      tiled = (recipe.block_2d and not recipe.rht and not recipe.stochastic and not operand.fresh
+               and len(shape) - len(group_dims[i]) == 2)
+      blocks = ("slices", tuple(shape), tuple(group_dims[i])) if tiled else None
+      shared = shared or tiled
+      found = self.reuse.quantized(x, blocks, select, dot) if tiled else None
+      if found is not None:
+        q, s_dec = found
+      else:
+        q, s_dec = self.twins.call(grouped.slice_qdq, [x, self._salt(operand)], [x.type, scale_type],
+                                   groups=tuple(group_dims[i]), block_2d=recipe.block_2d,
+                                   axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
+                                   stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed)
+        if tiled:
+          self.reuse.remember(x, blocks, select, q, s_dec)
       self._measure(i, x=x, axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
                     recipe=recipe, salt=None, q=q, s_dec=s_dec, groups=tuple(group_dims[i]))
       if select is not None:
@@ -411,7 +425,7 @@ class Emitter:
         (i, d) for i, v in ((0, qa), (1, qb)) for d in range(len(tensor_type(v).shape))
         if d not in batch[i] and d not in contracting[i]]
     acc_shape = [tensor_type((qa, qb)[i]).shape[d] for i, d in acc_dims]
-    acc = self._f32_dot(dot, qa, qb, numbers, acc_shape)
+    acc = self._f32_dot(dot, qa, qb, numbers, acc_shape, shared=shared)
     # Where each operand's scales go: paired group dims are batch dims (the lhs's), free ones the operand's own.
     position = lambda i, d: acc_dims.index((0, batch[0][batch[1].index(d)]) if i == 1 and d in batch[1] else (i, d))  # noqa: E731
     return self.twins.call(grouped.scaled_output, [acc, sa, sb], [out_type],

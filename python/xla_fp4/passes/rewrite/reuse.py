@@ -8,6 +8,7 @@
 - reshapes: one per source value and shape. The q, k and v wgrads then see the same merged activation, and XLA sees
   one value where two dots read a weight alike, which a layout then gathers once (an all-gather per reshape
   otherwise: MaxText's attention weights under FSDP, measured).
+- converts: one per value and element type (XLA CPU's float32 GEMM operands).
 - selectors: whether a scanned stack's iteration is kept, once per block index value and kept blocks, so that the
   dots of one iteration select alike (and share quantizations).
 
@@ -30,6 +31,7 @@ class Reuse:
     self._quantized = {}
     self._selectors = {}  # (block index, kept blocks) -> whether the iteration is kept
     self._reshapes = {}  # (source value, shape) -> its reshape
+    self._converts = {}  # (value, element type) -> its convert
 
   def quantized(self, x, blocking_, select, user):
     """(q·scale reshaped like x, s_dec) of an earlier quantization of x's elements in the same blocks that `user`
@@ -49,6 +51,12 @@ class Reuse:
       return source
     t = ir.RankedTensorType.get(list(shape), tensor_type(x).element_type)
     return self._visible_cached(self._reshapes, (source, tuple(shape)), user, lambda: hlo.ReshapeOp(t, source).result)
+
+  def converted(self, x, element_type, user):
+    """x converted to `element_type`, one convert per value while it is visible: XLA then gathers one converted
+    value where two dots read it (a dgrad reusing its fprop's expert weights, both in float32 on XLA CPU)."""
+    t = ir.RankedTensorType.get(tensor_type(x).shape, element_type)
+    return self._visible_cached(self._converts, (x, str(element_type)), user, lambda: hlo.ConvertOp(t, x).result)
 
   def selector(self, block, keep_blocks, user, make):
     """make() (whether the iteration is kept), once per block index value and kept blocks while it is visible."""
