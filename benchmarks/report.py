@@ -240,8 +240,8 @@ def experts():
 `python benchmarks/experts.py` (writes `benchmarks/results/experts.json`; its docstring describes the programs and
 layouts): a {z['layers']}-block MoE train step ({z['experts']} experts, top-1, d_model {z['d_model']}, d_ff
 {z['d_ff']}, {z['tokens']} tokens), every expert GEMM in NVFP4 with one decode scale per expert and per group of
-tokens, as an einsum MoE and as a ragged-dot MoE, on one device and on {n} host devices. {d['cpus']} CPU cores, jax
-{d['jax']}.
+tokens, as an einsum MoE and a ragged-dot MoE (top-1) and a dense MoE (every token through every expert, weighted by
+the router), on one device and on {n} host devices. {d['cpus']} CPU cores, jax {d['jax']}.
 
 Targets: dot FLOPs <= {TARGETS['dot_flops']}x: at most {x(flops, 3)} ({met(flops <= TARGETS['dot_flops'])});
 collective bytes, scalar all-reduces aside, <= {TARGETS['collective_bytes']:.2f}x: at most {x(byts, 3)}
@@ -257,11 +257,15 @@ device's (nearest rounding). Without the pass, a split contraction rounds its pa
 most gradient elements differ in the last bit); an FP4 rounding decision downstream of such a bit can flip, and a
 flipped E2M1 value moves by a whole grid step, so the pass's difference is larger, in bfloat16 by far. At the test
 suite's sizes the float32 difference stays at rounding level (tests/sharding/test_experts.py); a per-shard scale or a
-block split across shards would be off by the NVFP4 error itself, in float32 too. On CPU a ragged dot is JAX's expansion over every group, and the
-pass quantizes every group's masked copy of the tokens: that is the step-time and memory cost here. On GPU the ragged
-dot stays one grouped GEMM and the pass quantizes each token once (docs/design.md §3).
+block split across shards would be off by the NVFP4 error itself, in float32 too. On CPU a ragged dot is JAX's
+expansion over every group, and the pass quantizes every group's masked copy of the tokens: that is the step-time and
+memory cost here. On GPU the ragged dot stays one grouped GEMM and the pass quantizes each token once (docs/design.md
+§3). The dense MoE's dgrads reuse their forward's 16x16-tiled expert weights, so that FSDP gathers each weight once,
+as the program does (quantized anew, the dgrad's copy was a second all-gather: 1.38x the collective bytes,
+measured).
 """
-  return text, [[f"MoE train step, {len(sharded)} sharded rows (expert parallel, FSDP) on {n} host devices: dot FLOPs "
+  return text, [[f"MoE train step, {len(sharded)} sharded rows (einsum, ragged and dense MoE; expert parallel, FSDP) on "
+                 f"{n} host devices: dot FLOPs "
                  "/ collective bytes, pass / none", f"at most {x(flops, 3)} / {x(byts, 3)}",
                  link("Mixtures of experts")]]
 
