@@ -277,13 +277,13 @@ def test_the_grouped_fp4_gemm_on_packed_operands_computes_the_gpu_forms(form, st
 
 
 def _run_on_cpu(module, args):
-  """Compile a StableHLO module (text) for this machine's CPU and run it on `args`."""
+  """Compile a StableHLO module (ir.Module) for this machine's CPU, as JAX does, and run it on `args`."""
   from jax._src import compiler, xla_bridge
   from jax._src.lib import xla_client as xc
   backend = xla_bridge.get_backend("cpu")
   device = backend.devices()[0]
-  executable = backend.compile_and_load(module, xc.DeviceList((device,)),
-                                        compiler.get_compile_options(num_replicas=1, num_partitions=1))
+  executable = compiler.backend_compile_and_load(backend, module, xc.DeviceList((device,)),
+                                                 compiler.get_compile_options(num_replicas=1, num_partitions=1), [])
   return executable.execute([jax.device_put(a, device) for a in args])
 
 
@@ -308,7 +308,7 @@ def test_lowered_for_blackwell_each_ragged_dot_is_one_grouped_fp4_gemm(monkeypat
   text = str(result.module)
   assert text.count("stablehlo.custom_call @xla_fp4_ragged_gemm_packed") == 3 and "chlo.ragged_dot" not in text
   assert "mhlo.backend_config = {ragged_k = true}" in text
-  for got, want in zip(_run_on_cpu(text, args), jax.jit(_reference)(*args)):
+  for got, want in zip(_run_on_cpu(result.module, args), jax.jit(_reference)(*args)):
     assert_same_bits(got, want)
   if telemetry:
     telemetry_files.flush()

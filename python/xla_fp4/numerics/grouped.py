@@ -53,9 +53,17 @@ from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.numerics.rht import rht_f32
 
 
+def _ends(sizes):
+  """The running sums of a few group sizes (exact integers): a sum under a triangular mask, which lowers alike on
+  every platform (jnp.cumsum lowers to chlo.scan for CUDA, which XLA CPU cannot compile: the twins lowered for CUDA
+  are compiled for the CPU in tests/passes/test_experts.py)."""
+  g = jnp.arange(sizes.shape[0])
+  return jnp.sum(jnp.where(g[None, :] <= g[:, None], sizes[None, :], 0), axis=1).astype(sizes.dtype)
+
+
 def _group_masks(group_sizes, num_rows):
   """bool [G, M]: row r belongs to group g."""
-  ends = jnp.cumsum(group_sizes)
+  ends = _ends(group_sizes)
   starts = ends - group_sizes
   rows = jnp.arange(num_rows)
   return (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])
@@ -235,7 +243,7 @@ def masked_output(acc, mask, lhs_scale, rhs_scale, *, group_dim, contracted, row
 
 def _group_of_rows(group_sizes, num_rows):
   """int32 [num_rows]: the group of each row; len(group_sizes) for rows after the last group."""
-  return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(num_rows), side="right").astype(jnp.int32)
+  return jnp.searchsorted(_ends(group_sizes), jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
 def _group_scales(amax, group, num_groups):
@@ -317,12 +325,12 @@ def _padded_rows(group_sizes, num_rows, multiple=formats.BLOCK):
   `multiple` rows with zero blocks: (the original row at p, whether p holds one of its group's rows, the group of p
   (G past the last), the padded group sizes). P = num_rows + `multiple` G."""
   num_groups = group_sizes.shape[0]
-  ends = jnp.cumsum(group_sizes)
+  ends = _ends(group_sizes)
   starts = ends - group_sizes
   first = starts // formats.BLOCK
   blocks = jnp.where(group_sizes > 0, -(-ends // formats.BLOCK) - first, 0)
   padded_sizes = -(-blocks * formats.BLOCK // multiple) * multiple
-  padded_ends = jnp.cumsum(padded_sizes)
+  padded_ends = _ends(padded_sizes)
   rows = num_rows + multiple * num_groups
   p = jnp.arange(rows)
   group = jnp.searchsorted(padded_ends, p, side="right").astype(jnp.int32)
