@@ -261,7 +261,7 @@ def test_ragged_gemm_runs_each_group_of_rows_with_its_own_matrix(sizes):
 
 
 def test_ragged_gemm_with_ragged_k_contracts_each_group_over_its_range_of_k():
-  """ragged_k true (an expert layer's wgrad): C[g] = alpha[g] * A·Bᵀ over group g's columns, bit for bit the dense FP4
+  """ragged_k true (an expert layer's wgrad): C[g] = alpha[g] * A·Bᵀ over group g's columns, bit for bit the FP4
   GEMM on those columns; an empty group, and K after the last group, contribute nothing."""
   m, n, k, sizes = 40, 24, 160, (32, 0, 64, 16)
   (a_data, a_scales, _), (b_data, b_scales, _) = _packed_rows(1, (m, k)), _packed_rows(2, (n, k))

@@ -374,7 +374,7 @@ def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe,
   return (acc * (s_x * s_y)[:, None, None]).astype(dtype)
 
 
-# cuBLASLt's FP4 GEMM takes K a multiple of 32: a group's padded rows (the contraction of its wgrad) are rounded up to it.
+# cuBLASLt's FP4 GEMM takes K a multiple of 32: a group's padded rows (its wgrad's contraction) are rounded up to it.
 GEMM_K_MULTIPLE = 32
 
 

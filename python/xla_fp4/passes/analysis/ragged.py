@@ -119,8 +119,8 @@ def dense_expert_groups(graph, dots, found):
   each fprop without Groups whose weight has a free dim that reaches a batch dim of an expert GEMM (a linear layer
   whose Groups in `found`, {dot index: Groups}, pair batch dims), and its dgrad and wgrad, read through their
   gradient operand, which has the fprop's output shape."""
-  experts = {dots[i].op for i, g in found.items()
-             if g is not None and g.kind is Grouping.SLICES and dots[i].role is Role.FPROP and dot_dims(dots[i].op)[1][0]}
+  experts = {dots[i].op for i, g in found.items() if g is not None and g.kind is Grouping.SLICES
+             and dots[i].role is Role.FPROP and dot_dims(dots[i].op)[1][0]}
   out = {}
   for i, d in enumerate(dots if experts else ()):
     if d.role is not Role.FPROP or found.get(i) is not None or d.op.name != "stablehlo.dot_general":
@@ -146,8 +146,8 @@ def dense_expert_groups(graph, dots, found):
 def _output_dims(op):
   """(operand, dim) of each dim of a dot_general's result, in order: batch (as the lhs's), lhs free, rhs free."""
   (lc, rc), (lb, rb) = dot_dims(op)
-  free = [[(side, x) for x in range(len(shape(op.operands[side]))) if x not in (lc, rc)[side] and x not in (lb, rb)[side]]
-          for side in (0, 1)]
+  free = [[(side, x) for x in range(len(shape(op.operands[side])))
+           if x not in (lc, rc)[side] and x not in (lb, rb)[side]] for side in (0, 1)]
   return [(0, x) for x in lb] + free[0] + free[1]
 
 

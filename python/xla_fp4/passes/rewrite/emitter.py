@@ -273,10 +273,11 @@ class Emitter:
     matrices = None if shared else dims.as_matrices(qa, qb, dimension_numbers, reshape)
     if matrices is None:
       # Not matrices without moving data (batch dims not leading, K inside or several K dims), or shared: the
-      # operands in f32 (exact: q·scale fits), which XLA CPU multiplies in any layout. (A shared weight read as bf16
-      # by one dot and in f32 by another was all-gathered twice under FSDP: a dense MoE in bfloat16, measured.) Transposing them to matrices would merge
-      # contracting dims, and a merged K keeps only its outer dim's sharding (a ragged dot's groups under expert
-      # parallelism, or d_model under FSDP, whichever is inner, was gathered: 2.3x to 5.5x the dot FLOPs, measured).
+      # operands in f32 (exact: q·scale fits), which XLA CPU multiplies in any layout. Transposing them to matrices
+      # would merge contracting dims, and a merged K keeps only its outer dim's sharding (a ragged dot's groups under
+      # expert parallelism, or d_model under FSDP, whichever is inner, was gathered: 2.3x to 5.5x the dot FLOPs,
+      # measured). A shared weight read as bf16 by one dot and in f32 by another was all-gathered twice under FSDP
+      # (a dense MoE in bfloat16, measured).
       qa, qb = self.reuse.converted(qa, f32(), dot), self.reuse.converted(qb, f32(), dot)
       return hlo.DotGeneralOp(acc_type, qa, qb, dimension_numbers, **kwargs).result
     qa, qb, dimension_numbers, matrix_shape = matrices
@@ -427,7 +428,8 @@ class Emitter:
     acc_shape = [tensor_type((qa, qb)[i]).shape[d] for i, d in acc_dims]
     acc = self._f32_dot(dot, qa, qb, numbers, acc_shape, shared=shared)
     # Where each operand's scales go: paired group dims are batch dims (the lhs's), free ones the operand's own.
-    position = lambda i, d: acc_dims.index((0, batch[0][batch[1].index(d)]) if i == 1 and d in batch[1] else (i, d))  # noqa: E731
+    def position(i, d):
+      return acc_dims.index((0, batch[0][batch[1].index(d)]) if i == 1 and d in batch[1] else (i, d))
     return self.twins.call(grouped.scaled_output, [acc, sa, sb], [out_type],
                            lhs_groups=tuple(position(0, d) for d in group_dims[0]),
                            rhs_groups=tuple(position(1, d) for d in group_dims[1]),
