@@ -449,27 +449,13 @@ class Emitter:
     per group)."""
     rows, operands, params = self._ragged_operands(plan)
     del params["dtype"]
-    out_type = tensor_type(plan.record.op.results[0])
-    lhs, rhs = (tensor_type(v).shape for v in operands[:2])
-    u8 = ir.IntegerType.get_unsigned(8)
-    matrix = lambda *shape: ir.RankedTensorType.get(list(shape), u8)  # noqa: E731
-    groups = ir.RankedTensorType.get([tensor_type(operands[2]).shape[0]], f32())
     if rows:
-      m, k = lhs
-      rhs_k = rhs[params["rhs_contracting"]]
-      n = [d for i, d in enumerate(rhs) if i not in (params["rhs_group"], params["rhs_contracting"])][0]
-      packed_types = [matrix(m, k // 2), matrix(m, k // formats.BLOCK), matrix(rhs[params["rhs_group"]], n, rhs_k // 2),
-                      matrix(rhs[params["rhs_group"]], n, rhs_k // formats.BLOCK), groups]
-      a, a_scales, b, b_scales, alpha = self.twins.call(grouped.ragged_rows_packed, operands, packed_types, **params)
+      a, a_scales, b, b_scales, alpha = self.twins.call(grouped.ragged_rows_packed, operands, **params)
       sizes = operands[2]
     else:
-      padded = lhs[0] + grouped.GEMM_K_MULTIPLE * tensor_type(operands[2]).shape[0]
-      packed_types = [matrix(lhs[1], padded // 2), matrix(lhs[1], padded // formats.BLOCK), matrix(rhs[1], padded // 2),
-                      matrix(rhs[1], padded // formats.BLOCK), tensor_type(operands[2]), groups]
-      a, a_scales, b, b_scales, sizes, alpha = self.twins.call(grouped.ragged_contracting_packed, operands,
-                                                               packed_types, **params)
+      a, a_scales, b, b_scales, sizes, alpha = self.twins.call(grouped.ragged_contracting_packed, operands, **params)
     return self.kernels.call(targets.RAGGED_GEMM_PACKED, [a, a_scales, b, b_scales, sizes, alpha],
-                             dict(ragged_k=not rows), result_types=[out_type])[0]
+                             dict(ragged_k=not rows), result_types=[tensor_type(plan.record.op.results[0])])[0]
 
   def _ragged_operands(self, plan):
     """(whether the groups are the lhs's rows (forward, dgrad) rather than the contraction's (wgrad), the twin's

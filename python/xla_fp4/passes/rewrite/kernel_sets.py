@@ -100,17 +100,20 @@ class Twins:
   def __init__(self, module, platform=None):
     self.module = module
     self.platform = platform
-    self.names = set()
+    self.names = {}  # function name -> its result types
 
-  def call(self, fn, operands, result_types, **params):
+  def call(self, fn, operands, result_types=None, **params):
+    """A call of fn(*operands, **params) lowered into the module; `result_types` default to the lowering's."""
     arg_types = [o.type for o in operands]
     sig = repr((fn.__module__, fn.__name__, [str(t) for t in arg_types], sorted(params.items()), self.platform))
     name = "xla_fp4_twin_" + fn.__name__ + "_" + hashlib.sha256(sig.encode()).hexdigest()[:12]
     if name not in self.names:
-      if name not in ir.SymbolTable(self.module.operation):  # another Twins on this module may have defined it
+      table = ir.SymbolTable(self.module.operation)
+      if name not in table:  # another Twins on this module may have defined it
         self._define(name, sig, fn, arg_types, params)
-      self.names.add(name)
-    return func_dialect.CallOp(result_types, ir.FlatSymbolRefAttr.get(name), operands).results
+        table = ir.SymbolTable(self.module.operation)
+      self.names[name] = list(ir.FunctionType(ir.TypeAttr(table[name].attributes["function_type"]).value).results)
+    return func_dialect.CallOp(result_types or self.names[name], ir.FlatSymbolRefAttr.get(name), operands).results
 
   def _define(self, name, sig, fn, arg_types, params):
     lowered_twins = state.current().lowered_twins  # one lowering per signature and process
