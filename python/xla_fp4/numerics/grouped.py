@@ -375,7 +375,7 @@ def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe,
 
 
 # cuBLASLt's FP4 GEMM takes K a multiple of 32: a group's padded rows (its wgrad's contraction) are rounded up to it.
-GEMM_K_MULTIPLE = 32
+_GEMM_K_MULTIPLE = 32
 
 
 def ragged_contracting_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed):
@@ -386,8 +386,8 @@ def ragged_contracting_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_
   packed = []
   for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)):
     _, (q, scales), s_dec, _ = ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed,
-                                                          multiple=GEMM_K_MULTIPLE, encoded=True)
+                                                          multiple=_GEMM_K_MULTIPLE, encoded=True)
     packed.append((*_k_major_packed(q, scales, 0), s_dec))
   (a_codes, a_scales, s_x), (b_codes, b_scales, s_y) = packed
-  sizes = _padded_rows(group_sizes, lhs.shape[0], GEMM_K_MULTIPLE)[3].astype(jnp.int32)
+  sizes = _padded_rows(group_sizes, lhs.shape[0], _GEMM_K_MULTIPLE)[3].astype(jnp.int32)
   return a_codes, a_scales, b_codes, b_scales, sizes, s_x * s_y
