@@ -222,19 +222,18 @@ inline ffi::Error CheckRaggedGemmPacked(const ffi::AnyBuffer& a_data, const ffi:
   const int64_t groups = group_sizes.dimensions()[0], m = a_data.dimensions()[0], k = 2 * a_data.dimensions()[1];
   const int64_t n = b[b_rank - 2];
   *shape = RaggedGemmShape{groups, m, n, k};
-  auto u8 = [](const ffi::AnyBuffer& x, const std::string& what) {
-    return x.element_type() == ffi::DataType::U8
-               ? ffi::Error::Success()
-               : ffi::Error::InvalidArgument(what + " must be uint8 (E4M3 codes), got dtype code " +
-                                             std::to_string(static_cast<int>(x.element_type())));
+  // b's scales per group, (G, N, K/16), where b is one matrix per group
+  auto grouped_scales = [&]() {
+    return b_scales.element_type() == ffi::DataType::U8
+               ? CheckShape(b_scales.dimensions(), {groups, n, k / kBlock}, "b_scales")
+               : ffi::Error::InvalidArgument("b_scales must be uint8 (E4M3 codes), got dtype code " +
+                                             std::to_string(static_cast<int>(b_scales.element_type())));
   };
   const bool f32_alpha = alpha.element_type() == ffi::DataType::F32;
   return FirstError({
-      u8(a_scales, "a_scales"), u8(b_scales, "b_scales"),
-      CheckShape(a_scales.dimensions(), {m, k / kBlock}, "a_scales"),
+      CheckPackedScales(a_scales, m, k, "a_scales"),
       ragged_k ? CheckShape(b, {n, k / 2}, "b_data") : CheckShape(b, {groups, n, k / 2}, "b_data"),
-      ragged_k ? CheckShape(b_scales.dimensions(), {n, k / kBlock}, "b_scales")
-               : CheckShape(b_scales.dimensions(), {groups, n, k / kBlock}, "b_scales"),
+      ragged_k ? CheckPackedScales(b_scales, n, k, "b_scales") : grouped_scales(),
       f32_alpha ? CheckShape(alpha.dimensions(), {groups}, "alpha (one float32 per group)")
                 : ffi::Error::InvalidArgument("alpha must be float32 (G,), got dtype code " +
                                               std::to_string(static_cast<int>(alpha.element_type()))),

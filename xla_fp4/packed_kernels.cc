@@ -123,15 +123,14 @@ void RaggedGemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const ui
                                                       c + g * m * n);
     return;
   }
-  std::vector<bool> covered(m, false);
   for (int64_t g = 0; g < s.groups; ++g) {
     if (begin[g] == end[g]) continue;
     const std::vector<float> b = Dequantized(pool, b_data + g * n * (k / 2), b_scales + g * n * (k / kBlock), n, k);
     Accumulate(pool, a.data() + begin[g] * k, b.data(), end[g] - begin[g], n, k, 0, k, alpha[g], c + begin[g] * n);
-    for (int64_t r = begin[g]; r < end[g]; ++r) covered[r] = true;
   }
-  for (int64_t r = 0; r < m; ++r) {
-    if (!covered[r]) for (int64_t j = 0; j < n; ++j) Store(c + r * n + j, 0.0f);
+  // The groups cover consecutive rows from 0 (RaggedGroupRanges): the rows after the last are zero.
+  for (int64_t i = s.groups > 0 ? end[s.groups - 1] : 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) Store(c + i * n + j, 0.0f);
   }
 }
 
