@@ -122,6 +122,10 @@ def dense_expert_groups(graph, dots, found):
   experts = {dots[i].op for i, g in found.items() if g is not None and g.kind is Grouping.SLICES
              and dots[i].role is Role.FPROP and dot_dims(dots[i].op)[1][0]}
   out = {}
+  backward = {}  # fprop index -> its dgrads and wgrads
+  for j, b in enumerate(dots if experts else ()):
+    if b.partner is not None and b.op.name == "stablehlo.dot_general":
+      backward.setdefault(b.partner, []).append(j)
   for i, d in enumerate(dots if experts else ()):
     if d.role is not Role.FPROP or found.get(i) is not None or d.op.name != "stablehlo.dot_general":
       continue
@@ -135,11 +139,10 @@ def dense_expert_groups(graph, dots, found):
       continue
     k = math.prod(shape(d.op.operands[0])[c] for c in lc)
     out[i] = Groups(kind=Grouping.SLICES, lhs=(), rhs=(), k=k, free=(dims_out[position],))
-    for j, b in enumerate(dots):
-      if b.partner == i and b.op.name == "stablehlo.dot_general":
-        groups = _backward_groups(b, position, shape(d.op.results[0]))
-        if groups is not None:
-          out[j] = groups
+    for j in backward.get(i, ()):
+      groups = _backward_groups(dots[j], position, shape(d.op.results[0]))
+      if groups is not None:
+        out[j] = groups
   return out
 
 
