@@ -192,6 +192,32 @@ inline ffi::Error CheckDequantizePacked(const ffi::AnyBuffer& data, const ffi::A
                      CheckShape(out.dimensions(), {*rows, *k}, "the result")});
 }
 
+// xla_fp4_gemm_packed's operands and result: a (M, K/2) and (M, K/16), b (N, K/2) and (N, K/16) or with b_transposed
+// Bᵀ packed along N, (K, N/2) and (K, N/16), alpha a float32 scalar, C (M, N). Fills m, n, k.
+inline ffi::Error CheckGemmPacked(const ffi::AnyBuffer& a_data, const ffi::AnyBuffer& a_scales,
+                                  const ffi::AnyBuffer& b_data, const ffi::AnyBuffer& b_scales,
+                                  const ffi::AnyBuffer& alpha, const ffi::AnyBuffer& c, bool b_transposed, int64_t* m,
+                                  int64_t* n, int64_t* k) {
+  if (ffi::Error e = FirstError({CheckPackedData(a_data, "a_data"), CheckPackedData(b_data, "b_data")}); e.failure()) {
+    return e;
+  }
+  *m = a_data.dimensions()[0];
+  *k = 2 * a_data.dimensions()[1];
+  *n = b_transposed ? 2 * b_data.dimensions()[1] : b_data.dimensions()[0];
+  const int64_t b_k = b_transposed ? b_data.dimensions()[0] : 2 * b_data.dimensions()[1];
+  if (b_k != *k) {
+    return ffi::Error::InvalidArgument(
+        "a_data " + ShapeString(a_data.dimensions()) + " and b_data " + ShapeString(b_data.dimensions()) +
+        (b_transposed ? " must have K = a_data's 2 * K/2 rows in b_data (b_transposed: b is Bᵀ (K, N/2))"
+                      : " must have the same K/2 (TN layout: both operands K-major)"));
+  }
+  return FirstError({CheckPackedScales(a_scales, *m, *k, "a_scales"),
+                     b_transposed ? CheckPackedScales(b_scales, *k, *n, "b_scales (b_transposed: (K, N/16))")
+                                  : CheckPackedScales(b_scales, *n, *k, "b_scales"),
+                     CheckScalar(alpha, ffi::DataType::F32, "alpha"),
+                     CheckShape(c.dimensions(), {*m, *n}, "the result")});
+}
+
 // xla_fp4_ragged_gemm_packed's operands and result (numerics/grouped.py's packed operands; G groups, K-major):
 //   ragged_k false: a (M, K/2) and (M, K/16), b (G, N, K/2) and (G, N, K/16), C (M, N): the groups split a's rows;
 //   ragged_k true:  a (M, K/2) and (M, K/16), b (N, K/2) and (N, K/16), C (G, M, N): the groups split K, in whole

@@ -21,8 +21,10 @@
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
 // emulate: how XLA's partitioner runs the GEMM on shards (sharding/partition.py): the dequantized operands through
 // XLA's dot (the emulate backend of a partitioned program) instead of the FP4 GEMM. The handlers compute the same
-// numbers either way.
-#define XLA_FP4_GEMM_PACKED_ATTRIBUTES(A) A(bool, emulate)
+// numbers either way. b_transposed: b is given as B's transpose packed along N, b_data (K, N/2) and b_scales
+// (K, N/16), with scales uniform over 16x16 tiles (a weight in 2D blocks: the forward's packed copy, which a dgrad
+// reads along the other axis instead of quantizing and gathering the weight again); B = decode(b)ᵀ.
+#define XLA_FP4_GEMM_PACKED_ATTRIBUTES(A) A(bool, emulate) A(bool, b_transposed)
 // ragged_k: the groups split the contraction (an expert layer's wgrad, C (G, M, N)) instead of a's rows (its forward
 // and dgrad, C (M, N)).
 #define XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES(A) A(bool, ragged_k)

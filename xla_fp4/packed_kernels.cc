@@ -101,11 +101,19 @@ std::vector<float> Dequantized(ffi::ThreadPool& pool, const uint8_t* data, const
   return out;
 }
 
-// C = alpha * A·Bᵀ.
+// C = alpha * A·Bᵀ; with b_transposed b is Bᵀ (k, n), decoded, then transposed (exact).
 template <typename T>
 void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t* a_scales, const uint8_t* b_data,
-                    const uint8_t* b_scales, int64_t m, int64_t n, int64_t k, float alpha, T* c) {
-  const std::vector<float> a = Dequantized(pool, a_data, a_scales, m, k), b = Dequantized(pool, b_data, b_scales, n, k);
+                    const uint8_t* b_scales, int64_t m, int64_t n, int64_t k, bool b_transposed, float alpha, T* c) {
+  const std::vector<float> a = Dequantized(pool, a_data, a_scales, m, k);
+  std::vector<float> b = Dequantized(pool, b_data, b_scales, b_transposed ? k : n, b_transposed ? n : k);
+  if (b_transposed) {
+    std::vector<float> bt(n * k);
+    for (int64_t i = 0; i < k; ++i) {
+      for (int64_t j = 0; j < n; ++j) bt[j * k + i] = b[i * n + j];
+    }
+    b.swap(bt);
+  }
   Accumulate(pool, a.data(), b.data(), m, n, k, 0, k, alpha, c);
 }
 
@@ -170,20 +178,9 @@ ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::A
 
 ffi::Error GemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data,
                          ffi::AnyBuffer b_scales, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
-                         bool /*emulate: this reference GEMM is the emulation*/) {
-  if (ffi::Error e = FirstError({CheckPackedData(a_data, "a_data"), CheckPackedData(b_data, "b_data")}); e.failure()) {
-    return e;
-  }
-  const int64_t m = a_data.dimensions()[0], n = b_data.dimensions()[0], k = 2 * a_data.dimensions()[1];
-  if (2 * b_data.dimensions()[1] != k) {
-    return ffi::Error::InvalidArgument("a_data " + ShapeString(a_data.dimensions()) + " and b_data " +
-                                       ShapeString(b_data.dimensions()) + " must have the same K/2 (TN layout: both "
-                                       "operands K-major)");
-  }
-  if (ffi::Error e = FirstError({CheckPackedScales(a_scales, m, k, "a_scales"),
-                                 CheckPackedScales(b_scales, n, k, "b_scales"),
-                                 CheckScalar(alpha, ffi::DataType::F32, "alpha"),
-                                 CheckShape(c->dimensions(), {m, n}, "the result")});
+                         bool /*emulate: this reference GEMM is the emulation*/, bool b_transposed) {
+  int64_t m, n, k;
+  if (ffi::Error e = CheckGemmPacked(a_data, a_scales, b_data, b_scales, alpha, *c, b_transposed, &m, &n, &k);
       e.failure()) {
     return e;
   }
@@ -193,7 +190,7 @@ ffi::Error GemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBu
     GemmPackedImpl(pool, static_cast<const uint8_t*>(a_data.untyped_data()),
                    static_cast<const uint8_t*>(a_scales.untyped_data()),
                    static_cast<const uint8_t*>(b_data.untyped_data()),
-                   static_cast<const uint8_t*>(b_scales.untyped_data()), m, n, k, al,
+                   static_cast<const uint8_t*>(b_scales.untyped_data()), m, n, k, b_transposed, al,
                    static_cast<T*>(c->untyped_data()));
     return ffi::Error::Success();
   });

@@ -231,6 +231,26 @@ def test_gemm_matches_emulated_dot_and_float64(m, n, k):
   assert kernels.gemm_packed(a_data, a_scales, b_data, b_scales, sa * sb, dtype=jnp.bfloat16).dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gemm_reads_a_16x16_tiled_b_along_the_other_axis(dtype):
+  """b_transposed: the forward's packed weight (codes along its K) serves the dgrad, which contracts the weight's other
+  dim; in 16x16 tiles the codes are those of packing along that dim, so the product equals the plain GEMM's bit for
+  bit (a dgrad reading its forward's copy computes what quantizing the weight again would)."""
+  w = jax.random.normal(jax.random.key(4), (96, 64), dtype)  # (K_f, N_f) as x @ w holds it
+  dy = jax.random.normal(jax.random.key(5), (40, 64), dtype)  # the dgrad contracts N_f
+  sw, sg = s_dec_of(w, 0, False, 0), s_dec_of(dy, -1, False, 0)
+  g_data, g_scales = kernels.quantize_packed(dy, sg)
+  fwd_data, fwd_scales = kernels.quantize_packed(w, sw, axis=0, block_2d=True)  # (K_f/2, N_f): w packed along K_f
+  fwd_data, fwd_scales = np.asarray(fwd_data).T, np.asarray(fwd_scales).T  # the fprop's b (N_f, K_f/2)
+  again = kernels.quantize_packed(w, sw, axis=1, block_2d=True)  # (K_f, N_f/2): the dgrad's own packing
+  for out in (jnp.float32, jnp.bfloat16):
+    shared = kernels.gemm_packed(g_data, g_scales, fwd_data, fwd_scales, sg * sw, dtype=out, b_transposed=True)
+    assert shared.shape == (40, 96)
+    assert_same_bits(shared, kernels.gemm_packed(g_data, g_scales, *again, sg * sw, dtype=out))
+  with pytest.raises(Exception, match="b_transposed"):
+    kernels.gemm_packed(g_data, g_scales, fwd_data[:32], fwd_scales[:32], 1.0, b_transposed=True).block_until_ready()
+
+
 def _packed_rows(seed, shape, block_2d=False):
   x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * (1 + seed)
   s_dec = s_dec_of(x, -1, False, 0)

@@ -57,7 +57,8 @@ def _walk(op):
 def test_the_packed_quantizer_reads_every_operand_in_place():
   """An MLP's train step: each operand of the FP4 GEMMs (activations, weights, output gradients, the wgrad's operands
   with two contracting dims) is quantized as the program holds it (a reshape at most), never from a transposed copy;
-  the weights and the wgrads' operands along their first axis (axis = 0), whose uint8 codes are then transposed."""
+  the weights and the wgrads' operands along their first axis (axis = 0), whose uint8 codes are then transposed. A
+  dgrad reads its forward's packed weight (16x16 tiles) along the other axis instead of packing the weight again."""
   from xla_fp4 import config
   from xla_fp4.kernels import registry
   from xla_fp4.passes import pipeline
@@ -76,9 +77,13 @@ def test_the_packed_quantizer_reads_every_operand_in_place():
   with result.module.context:
     calls = [op for op in _walk(result.module.operation) if op.name == "stablehlo.custom_call"
              and str(op.attributes["call_target_name"]) == '"xla_fp4_quantize_packed"']
-    assert len(calls) == 12, len(calls)  # 2 fprops, 2 dgrads, 2 wgrads: two operands each
+    assert len(calls) == 10, len(calls)  # 2 fprops, 2 dgrads, 2 wgrads: two operands each, the dgrads' weights shared
     assert all(getattr(c.operands[0].owner, "name", "an argument") != "stablehlo.transpose" for c in calls)
     axes = [str(c.attributes["mhlo.backend_config"]) for c in calls]
+    gemms = [str(op.attributes["mhlo.backend_config"]) for op in _walk(result.module.operation)
+             if op.name == "stablehlo.custom_call"
+             and str(op.attributes["call_target_name"]) == '"xla_fp4_gemm_packed"']
+  assert sum("b_transposed = true" in g for g in gemms) == 2, gemms  # the dgrads
   assert sum("axis = 0" in a for a in axes) == 6, axes  # the fprops' weights, the wgrads' four operands
 
 

@@ -90,11 +90,13 @@ def test_fsdp_gathers_weights_packed(rows, backend):
   row = rows["fsdp"]
   assert row["none"]["wide_gathers"] == 2, row  # the baseline gathers each f32 weight once
   assert row[backend]["wide_gathers"] == 0, row  # the pass gathers their packed codes and scales instead
-  assert row[backend]["bytes"] <= 0.7 * row["none"]["bytes"], row
-  # Told apart from dataflow (sharding/cost.py): the gathers that depend on no data input are the weights'. Packed
-  # (4.5 bits of 32 per element), the fprop's two and the dgrad's one again: 3 x 0.14 of the baseline's two.
+  # Weight gathers shrink to 0.14x; the gradients' reductions keep their width (about half the baseline's bytes).
+  assert row[backend]["bytes"] <= 0.6 * row["none"]["bytes"], row
+  # Told apart from dataflow (sharding/cost.py): the gathers that depend on no data input are the weights'. Each
+  # weight gathered once, packed (4.5 bits of 32 per element: 0.14x), where the baseline gathers it once: the dgrad
+  # reads the fprop's packed copy (xla_fp4_gemm_packed's b_transposed), as Megatron's FP4 parameter gather does.
   assert row["none"]["weight_gathers"] > 0, row
-  assert row[backend]["weight_gathers"] <= 0.3 * row["none"]["weight_gathers"], row
+  assert row[backend]["weight_gathers"] <= 0.15 * row["none"]["weight_gathers"], row
 
 
 @pytest.mark.parametrize("backend", ["native", "emulate_packed"])

@@ -39,6 +39,11 @@ std::pair<bool, std::string> Fp4GemmSupported();
 xla::ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out,
                               int64_t stride = 0);
 
+// B's packed codes (n, k/2) and scales (n, k/16) from Bᵀ's (k, n/2) and (k, n/16), whose scales are uniform over
+// 16x16 tiles (xla_fp4_gemm_packed's b_transposed). Enqueued on `stream`.
+xla::ffi::Error TransposeTiles(cudaStream_t stream, const uint8_t* data, const uint8_t* scales, int64_t k, int64_t n,
+                               uint8_t* out_data, uint8_t* out_scales);
+
 }  // namespace xla_fp4::cuda
 
 #endif  // XLA_FP4_CUDA_CUDA_HANDLERS_H_

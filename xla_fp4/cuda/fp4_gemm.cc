@@ -265,26 +265,27 @@ ffi::Error AllocateScratch(ffi::ScratchAllocator& scratch, int64_t swizzled_byte
 ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
                       ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data, ffi::AnyBuffer b_scales,
                       ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out,
-                      bool /*emulate: partitioned shards use XLA's dot instead; the numbers are the same*/) {
-  auto a_dims = a_data.dimensions(), b_dims = b_data.dimensions(), c_dims = out->dimensions();
-  if (a_data.element_type() != ffi::U8 || b_data.element_type() != ffi::U8 || a_dims.size() != 2 ||
-      b_dims.size() != 2 || c_dims.size() != 2 || a_dims[1] != b_dims[1]) {
-    return InvalidArgument("xla_fp4_gemm_packed takes uint8 a_data (M, K/2) and b_data (N, K/2) and returns (M, N)");
-  }
-  const int64_t m = a_dims[0], n = b_dims[0], k = 2 * a_dims[1];
-  if (c_dims[0] != m || c_dims[1] != n) return InvalidArgument("xla_fp4_gemm_packed: the result must be (M, N)");
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(alpha, ffi::F32, "xla_fp4_gemm_packed: alpha"));
+                      bool /*emulate: partitioned shards use XLA's dot instead; the numbers are the same*/,
+                      bool b_transposed) {
+  int64_t m, n, k;
+  XLA_FP4_RETURN_IF_ERROR(CheckGemmPacked(a_data, a_scales, b_data, b_scales, alpha, *out, b_transposed, &m, &n, &k));
   cudaDataType out_type;
   XLA_FP4_RETURN_IF_ERROR(OutputType(out->element_type(), "xla_fp4_gemm_packed", &out_type));
-  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(a_scales, m, k, "xla_fp4_gemm_packed: a_scales"));
-  XLA_FP4_RETURN_IF_ERROR(CheckPackedScales(b_scales, n, k, "xla_fp4_gemm_packed: b_scales"));
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) return CudaStatus(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "cudaMemsetAsync");
 
+  const uint8_t* b = static_cast<const uint8_t*>(b_data.untyped_data());
+  const uint8_t* b_scales_ptr = static_cast<const uint8_t*>(b_scales.untyped_data());
+  if (b_transposed) {  // cuBLASLt's FP4 GEMM reads both operands K-major: B's tiles, read along the other axis
+    std::optional<void*> t = scratch.Allocate(n * (k / 2) + n * (k / kBlock), 256);
+    if (!t) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "xla_fp4_gemm_packed: no memory for B's tiles");
+    uint8_t* data = static_cast<uint8_t*>(*t);
+    XLA_FP4_RETURN_IF_ERROR(TransposeTiles(stream, b, b_scales_ptr, k, n, data, data + n * (k / 2)));
+    b = data;
+    b_scales_ptr = data + n * (k / 2);
+  }
   const Fp4GemmCall call{static_cast<const uint8_t*>(a_data.untyped_data()), k,
-                         static_cast<const uint8_t*>(a_scales.untyped_data()), 0,
-                         static_cast<const uint8_t*>(b_data.untyped_data()), k,
-                         static_cast<const uint8_t*>(b_scales.untyped_data()), 0,
+                         static_cast<const uint8_t*>(a_scales.untyped_data()), 0, b, k, b_scales_ptr, 0,
                          static_cast<const float*>(alpha.untyped_data()), out->untyped_data(), m, n, k};
   int device;
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));

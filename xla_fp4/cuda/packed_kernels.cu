@@ -91,7 +91,32 @@ __global__ void SwizzleScalesKernel(const uint8_t* scales, int64_t rows, int64_t
   out[SwizzledScaleIndex(row, block, padded_cols)] = row < rows && block < cols ? scales[row * stride + block] : 0;
 }
 
+// One thread per byte of the result: codes (n, k/2) of B from Bᵀ's (k, n/2), even element in the low nibble; and
+// one per scale: B's (n, k/16) from Bᵀ's (k, n/16), uniform over 16x16 tiles (the first row of a tile stands for it).
+__global__ void TransposeTilesKernel(const uint8_t* data, const uint8_t* scales, int64_t k, int64_t n,
+                                     uint8_t* out_data, uint8_t* out_scales) {
+  const int64_t i = ThreadIndex();
+  if (i < n * (k / 2)) {
+    const int64_t row = i / (k / 2), pair = i % (k / 2), shift = 4 * (row % 2);
+    const uint8_t lo = (data[(2 * pair) * (n / 2) + row / 2] >> shift) & 0xF;
+    const uint8_t hi = (data[(2 * pair + 1) * (n / 2) + row / 2] >> shift) & 0xF;
+    out_data[i] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+  if (i < n * (k / kBlock)) {
+    const int64_t row = i / (k / kBlock), block = i % (k / kBlock);
+    out_scales[i] = scales[(block * kBlock) * (n / kBlock) + row / kBlock];
+  }
+}
+
 }  // namespace
+
+ffi::Error TransposeTiles(cudaStream_t stream, const uint8_t* data, const uint8_t* scales, int64_t k, int64_t n,
+                          uint8_t* out_data, uint8_t* out_scales) {
+  const int64_t threads = n * (k / 2);
+  if (threads == 0) return ffi::Error::Success();
+  TransposeTilesKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(data, scales, k, n, out_data, out_scales);
+  return LaunchStatus("xla_fp4 packed tile transpose kernel");
+}
 
 ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out,
                          int64_t stride) {

@@ -56,7 +56,9 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       -> f32|bf16|f16[rows, K]; no attrs
   xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[M, K/16], b_data: u8[N, K/2], b_scales: u8[N, K/16],
                       alpha: f32[])
-      -> f32|bf16|f16[M, N]; attrs emulate: bool (how shards run it: sharding/partition.py; the same numbers).
+      -> f32|bf16|f16[M, N]; attrs emulate: bool (how shards run it: sharding/partition.py; the same numbers),
+      b_transposed: bool (b_data u8[K, N/2], b_scales u8[K, N/16]: Bᵀ packed along N, its scales uniform over 16x16
+      tiles; B = decode(b)ᵀ).
       C = alpha * sum_k (qa*sa)(qb*sb), float32 accumulation; alpha = s_dec_a*s_dec_b.
   xla_fp4_ragged_gemm_packed(a_data: u8[M, K/2], a_scales: u8[M, K/16], b_data, b_scales, group_sizes: i32[G],
                              alpha: f32[G]) -> f32|bf16|f16; attrs ragged_k: bool. Whole tensors only.
@@ -226,10 +228,12 @@ def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):
                dtype=dtype)
 
 
-def gemm_packed(a_data, a_scales, b_data, b_scales, alpha, *, dtype=jnp.float32):
-  """C (M, N) = alpha * A·Bᵀ of two packed K-major operands, float32 accumulation (the CPU reference FP4 GEMM)."""
+def gemm_packed(a_data, a_scales, b_data, b_scales, alpha, *, dtype=jnp.float32, b_transposed=False):
+  """C (M, N) = alpha * A·Bᵀ of two packed K-major operands, float32 accumulation (the CPU reference FP4 GEMM);
+  with b_transposed, b is Bᵀ (K, N) packed along N in 16x16 tiles."""
   return _call(targets.GEMM_PACKED, [jnp.asarray(a_data), _u8_scales(a_scales), jnp.asarray(b_data),
-                                     _u8_scales(b_scales), _scalar(alpha, jnp.float32)], dtype=dtype, emulate=False)
+                                     _u8_scales(b_scales), _scalar(alpha, jnp.float32)], dtype=dtype, emulate=False,
+               b_transposed=b_transposed)
 
 
 def ragged_gemm_packed(a_data, a_scales, b_data, b_scales, group_sizes, alpha, *, ragged_k=False, dtype=jnp.float32):

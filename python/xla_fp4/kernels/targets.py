@@ -124,7 +124,9 @@ def _unpacked(operands, attrs, dtype):
 
 
 def _product(operands, attrs, dtype):
-  return [jax.ShapeDtypeStruct((operands[0].shape[0], operands[2].shape[0]), dtype)]
+  """C (M, N): N is b's rows, or with b_transposed twice its packed columns."""
+  n = 2 * operands[2].shape[1] if attrs["b_transposed"] else operands[2].shape[0]
+  return [jax.ShapeDtypeStruct((operands[0].shape[0], n), dtype)]
 
 
 def _ragged_product(operands, attrs, dtype):
@@ -172,8 +174,9 @@ QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE},
                           packed=Packed("quantize", key_operand=2))
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 # `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,
-# which gathers packed operands but has no FP4 GEMM); the numbers are the same.
-GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool}, _product, packed=Packed("gemm"))
+# which gathers packed operands but has no FP4 GEMM); the numbers are the same. `b_transposed`: b is Bᵀ packed along N,
+# in 16x16 tiles (a weight's forward copy, read by its dgrad: one copy of the weight is quantized and gathered).
+GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool, "b_transposed": bool}, _product, packed=Packed("gemm"))
 # The grouped FP4 GEMM of expert layers (a chlo.ragged_dot under the native backend), whole tensors only: the groups of
 # a's rows (or with `ragged_k` of K) each with their own B and alpha; numerics/grouped.py packs its operands.
 RAGGED_GEMM_PACKED = _target("xla_fp4_ragged_gemm_packed", {"ragged_k": bool}, _ragged_product)

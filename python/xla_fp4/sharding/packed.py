@@ -19,6 +19,9 @@ xla_fp4_gemm_packed(a codes, a scales, b codes, b scales, alpha) -> C [M, N], th
   float32 partial sums, added by an all-reduce over the devices of one output tile (as XLA does for a dot), then the
   output type. With `emulate` the device dequantizes its shards and multiplies them with XLA's dot (the emulate
   backend: the same numbers, no FP4 GEMM).
+- With b_transposed b is Bᵀ (K, N/2) in 16x16 tiles, the forward's packed copy of a weight that its dgrad reads along
+  the other axis: K splits b's rows, N its columns in whole tiles. Both GEMMs then read one value, which FSDP gathers
+  once (XLA merges the two partitioners' identical all-gathers), as the unrewritten program gathers the weight once.
 """
 
 import math
@@ -73,6 +76,15 @@ def _k(f, k, with_x=True, reduction=False):
   return x, [f.new(k // 2, True)], [f.new(k // BLOCK, True)]
 
 
+def _tiles(f, n):
+  """(C's N, b's N/2, b's N/16) factors of a b_transposed GEMM (b is Bᵀ, packed along N in 16x16 tiles): whole tiles
+  may split, never a tile."""
+  if n % BLOCK == 0 and n > BLOCK:
+    tiles = f.new(n // BLOCK)
+    return [tiles, f.new(BLOCK, True)], [tiles, f.new(BLOCK // 2, True)], [tiles]
+  return [f.new(n, True)], [f.new(n // 2, True)], [f.new(n // BLOCK, True)]
+
+
 def _mapping(dims):
   return sdy.TensorMappingAttr.get(dim_mappings=[sdy.DimMappingAttr.get(factor_indices=d) for d in dims])
 
@@ -96,10 +108,17 @@ def sharding_rule(target, operand_types, result_types, attrs):
     ordered = lambda k_dims: _mapping([row_dims, k_dims] if axis == 1 else [k_dims, row_dims])  # noqa: E731
     return _rule(f, [ordered(x_k), scalar, scalar], [ordered(codes_k), ordered(scales_k)])
   (m, half), (n, _) = shapes[0], shapes[2]
-  m_dims, n_dims = _rows(f, m, 1), _rows(f, n, 1)
-  _, codes_k, scales_k = _k(f, 2 * half, with_x=False, reduction=True)
-  return _rule(f, [_mapping([m_dims, codes_k]), _mapping([m_dims, scales_k]), _mapping([n_dims, codes_k]),
-                   _mapping([n_dims, scales_k]), scalar], [_mapping([m_dims, n_dims])])
+  m_dims = _rows(f, m, 1)
+  if attrs["b_transposed"]:  # b is Bᵀ (K, N/2): K's pairs of blocks split its rows, N's tiles its columns
+    k_rows, codes_k, scales_k = _k(f, 2 * half, reduction=True)
+    n_dims, n_codes, n_scales = _tiles(f, 2 * shapes[2][1])
+    b_mappings = [_mapping([k_rows, n_codes]), _mapping([k_rows, n_scales])]
+  else:
+    n_dims = _rows(f, n, 1)
+    _, codes_k, scales_k = _k(f, 2 * half, with_x=False, reduction=True)
+    b_mappings = [_mapping([n_dims, codes_k]), _mapping([n_dims, scales_k])]
+  return _rule(f, [_mapping([m_dims, codes_k]), _mapping([m_dims, scales_k]), *b_mappings, scalar],
+               [_mapping([m_dims, n_dims])])
 
 
 # -- partitioning ---------------------------------------------------------------------------------------------------
@@ -180,14 +199,18 @@ def _partition_quantize(arg_shapes, arg_shardings, result_shape, result_sharding
           xc.HloSharding.tuple_sharding(result_shape, [sharding, sharding]))
 
 
-def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_sharding=None):
-  """How shards run C = A·Bᵀ (codes of shapes (M, K/2), (N, K/2)): the (pieces, {device: piece}) splits of M, N and
-  K, the first choice whose pieces tile the devices evenly: M and N as the result's sharding (what its readers need)
-  splits them, then the operands' own splits, then without the smaller operand's row split (its rows are gathered),
-  then without the other's; with K split as both operands split it, then whole."""
-  m, n = a_shape[0], b_shape[0]
-  mi, ni = _split(a_sharding, a_shape, 0, 1), _split(b_sharding, b_shape, 0, 1)
-  ka, kb = _split(a_sharding, a_shape, 1, K_PAIR // 2), _split(b_sharding, b_shape, 1, K_PAIR // 2)
+def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_sharding=None, b_transposed=False):
+  """How shards run C = A·Bᵀ (codes of shapes (M, K/2), (N, K/2), or with b_transposed b is Bᵀ (K, N/2)): the
+  (pieces, {device: piece}) splits of M, N and K, the first choice whose pieces tile the devices evenly: M and N as
+  the result's sharding (what its readers need) splits them, then the operands' own splits, then without the smaller
+  operand's row split (its rows are gathered), then without the other's; with K split as both operands split it, then
+  whole."""
+  m = a_shape[0]
+  mi, ka = _split(a_sharding, a_shape, 0, 1), _split(a_sharding, a_shape, 1, K_PAIR // 2)
+  if b_transposed:  # B's rows are b's columns, in whole 16x16 tiles; K is b's rows, in pairs of blocks
+    n, ni, kb = 2 * b_shape[1], _split(b_sharding, b_shape, 1, BLOCK // 2), _split(b_sharding, b_shape, 0, K_PAIR)
+  else:
+    n, ni, kb = b_shape[0], _split(b_sharding, b_shape, 0, 1), _split(b_sharding, b_shape, 1, K_PAIR // 2)
   whole = (1, {})
   rows = [(mi, ni), (whole, ni), (mi, whole)] if m <= n else [(mi, ni), (mi, whole), (whole, ni)]
   if result_sharding is not None:
@@ -207,8 +230,10 @@ def _partition_gemm(arg_shapes, arg_shardings, result_shape, result_sharding, ba
     return module, [result_sharding] * len(arg_shapes), result_sharding
   a_shape, b_shape = list(arg_shapes[0].dimensions()), list(arg_shapes[2].dimensions())
   num = _num_devices([*arg_shardings, result_sharding])
-  mm, nn, kk = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, result_sharding)
-  a, b, out = _grid([mm, kk], num), _grid([nn, kk], num), _grid([mm, nn], num)
+  mm, nn, kk = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, result_sharding,
+                         attrs["b_transposed"])
+  a, out = _grid([mm, kk], num), _grid([mm, nn], num)
+  b = _grid([kk, nn] if attrs["b_transposed"] else [nn, kk], num)
   groups = None
   if kk[0] > 1:  # the devices of one output tile, one per piece of K, add their partial sums
     cells = {}
@@ -234,7 +259,8 @@ def _gemm_module(attrs, arg_shapes, result_shape, groups):
           [codes, scales, one], kernels.backend_config_attributes(targets.DEQUANTIZE_PACKED.name, {})).results[0]
           for codes, scales in (operands[0:2], operands[2:4]))
       numbers = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=[], rhs_batching_dimensions=[],
-                                            lhs_contracting_dimensions=[1], rhs_contracting_dimensions=[1])
+                                            lhs_contracting_dimensions=[1],
+                                            rhs_contracting_dimensions=[0 if attrs["b_transposed"] else 1])
       y = hlo.DotGeneralOp(acc_type, a, b, numbers).result
       if groups is not None:
         y = _all_reduce(y, groups)
@@ -285,7 +311,8 @@ def _infer_quantize(arg_shapes, arg_shardings, result_shape, backend_config):
 def _infer_gemm(arg_shapes, arg_shardings, result_shape, backend_config):
   a_shape, b_shape = list(arg_shapes[0].dimensions()), list(arg_shapes[2].dimensions())
   num = _num_devices(arg_shardings)
-  mm, nn, _ = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num)
+  transposed = common._decode_config(targets.GEMM_PACKED.name, backend_config)["b_transposed"]
+  mm, nn, _ = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, b_transposed=transposed)
   return _grid([mm, nn], num)
 
 

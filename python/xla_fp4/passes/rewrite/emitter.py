@@ -303,15 +303,32 @@ class Emitter:
     # 1.09x. (Ordering the nearest-rounded operand after the gradient, as `_quantize` does, took tensor parallelism to
     # 1.36x.)
     measured = [(v, c[0]) if len(c) == 1 else read for v, c, read in ((lhs, lc, operands[0]), (rhs, rc, operands[1]))]
-    packed = [self._packed(x, axis, measured[i], plan.operands[i]) for i, (x, axis) in enumerate(operands)]
-    (pa, sa, ka), (pb, sb, kb) = packed
+    pa, sa, ka = self._packed(*operands[0], measured[0], plan.operands[0])
+    (pb, sb, kb), b_transposed = self._packed_rhs(*operands[1], measured[1], plan.operands[1], plan.record.op)
     for i, ((x, axis), s_dec, key) in enumerate(zip(operands, (sa, sb), (ka, kb))):
       self._measure(i, x=x, axis=axis, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
                     s_dec=s_dec, key=key)
     alpha = hlo.MulOp(sa, sb).result
-    m, n = tensor_type(pa[0]).shape[0], tensor_type(pb[0]).shape[0]
-    return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], dict(emulate=self.emulate),
+    m = tensor_type(pa[0]).shape[0]
+    n = 2 * tensor_type(pb[0]).shape[1] if b_transposed else tensor_type(pb[0]).shape[0]
+    return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], dict(emulate=self.emulate,
+                                                                          b_transposed=b_transposed),
                              result_types=[ir.RankedTensorType.get([m, n], element_type)])[0]
+
+  def _packed_rhs(self, x, axis, measured, operand, user):
+    """(`_packed`'s result, whether its codes are Bᵀ) of the GEMM's rhs: a weight in 16x16 tiles with nearest rounding
+    is packed once (reuse.py), and a dgrad reads the forward's codes along the other axis (b_transposed: the same tiles
+    hold the same codes either way)."""
+    recipe = operand.recipe
+    if not recipe.block_2d or recipe.rht or recipe.stochastic or operand.fresh:
+      return self._packed(x, axis, measured, operand), False
+    found = self.reuse.packed_tiles(x, user)
+    if found is not None:
+      found_axis, packed, s_dec, key = found
+      return (packed, s_dec, key), found_axis != axis
+    packed, s_dec, key = self._packed(x, axis, measured, operand)
+    self.reuse.remember_packed_tiles(x, axis, packed, s_dec, key)
+    return (packed, s_dec, key), False
 
   def _native_per_expert(self, plan):
     """An expert GEMM with one group dim per operand (Form.PACKED_GROUPED) as the FP4 GEMM once per expert: each
