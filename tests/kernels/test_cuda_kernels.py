@@ -279,6 +279,21 @@ def test_fp4_gemm_matches_dot_general(fp4_gemm, m, n, k, dtype):
   np.testing.assert_array_less(np.abs(got.astype(np.float32) - want), tolerance + 1e-30)
 
 
+def test_fp4_gemm_reads_a_transposed_tiled_b_as_the_cpu_reference(fp4_gemm):
+  """b_transposed (a dgrad reading its forward's packed weight): the CUDA GEMM re-pairs Bᵀ's 16x16 tiles K-major for
+  cuBLASLt and equals the C++ reference, which decodes and transposes, up to the float32 summation order."""
+  m, n, k = 64, 96, 128
+  a, w = _data((m, k), jnp.float32, seed=1), _data((n, k), jnp.float32, seed=2)
+  pa = _run(_cpu(), _packed_reference, a, _s_dec(a), np.uint32(0), block_2d=False, stochastic=False, rht=False)
+  # Bᵀ (k, n) packed along n in 16x16 tiles
+  pt = _run(_cpu(), _packed_reference, w.T, _s_dec(w), np.uint32(0), block_2d=True, stochastic=False, rht=False)
+  args = (pa[0], pa[1], pt[0], pt[1], np.float32(0.75))
+  got = _run(fp4_gemm, kernels.gemm_packed, *args, b_transposed=True)
+  want = _run(_cpu(), kernels.gemm_packed, *args, b_transposed=True)
+  assert got.shape == want.shape == (m, n)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=k * 2.0**-23 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("ragged_k", [False, True], ids=["groups_of_rows", "groups_of_k"])
 def test_grouped_fp4_gemm_matches_the_cpu_reference(fp4_gemm, ragged_k):
   """xla_fp4_ragged_gemm_packed (cuBLASLt's FP4 GEMM once per group, the sizes read on the host) against the C++

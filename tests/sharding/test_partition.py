@@ -81,3 +81,23 @@ def test_per_shard_module_fixes_row_major_layouts():
   bytecode = p._per_shard_module(kernels.QDQ_TARGET, attrs, [shape, scalar, key], shape, np.arange(8, dtype=np.uint32))
   with mlir.make_ir_context():
     assert len(kernel_calls_row_major(ir.Module.parse(bytecode))) == 1
+
+
+def test_packed_gemm_rules_read_k_and_n_where_b_holds_them():
+  """The FP4 GEMM's rule: a dot's (K a reduction factor, in pairs of blocks). With b_transposed b is Bᵀ (K, N/2):
+  K's pairs split its rows and N's 16x16 tiles its columns, so a dgrad reading its forward's packed weight shares
+  that value's sharding (sharding/packed.py)."""
+  from xla_fp4.sharding import packed
+  with mlir.make_ir_context(), ir.Location.unknown():
+    u8, f32 = ir.IntegerType.get_unsigned(8), ir.F32Type.get()
+    t = lambda *shape, e=u8: ir.RankedTensorType.get(list(shape), e)  # noqa: E731
+    a, out = [t(64, 64), t(64, 8)], [t(64, 96, e=f32)]
+    plain = packed.sharding_rule("xla_fp4_gemm_packed", a + [t(96, 64), t(96, 8), t(e=f32)], out,
+                                 {"emulate": False, "b_transposed": False})
+    assert str(plain) == ("#sdy.op_sharding_rule<([i, kl], [i, km], [j, kl], [j, km], [])->([i, j]) "
+                          "{i=64, j=96, k=4, l=16, m=2} reduction={k} need_replication={l, m}, custom>")
+    transposed = packed.sharding_rule("xla_fp4_gemm_packed", a + [t(128, 48), t(128, 6), t(e=f32)], out,
+                                      {"emulate": False, "b_transposed": True})
+    assert str(transposed) == ("#sdy.op_sharding_rule<([i, jl], [i, jm], [jk, np], [jk, n], [])->([i, no]) "
+                               "{i=64, j=4, k=32, l=16, m=2, n=6, o=16, p=8} reduction={j} "
+                               "need_replication={k, l, m, o, p}, custom>")
