@@ -262,6 +262,12 @@ def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():
   emulate_packed = forms(partitioned=True, native=False, cuda=False, packed=True)
   assert emulate_packed[0][1] is policy.Form.PACKED
   assert emulate_packed[2][1:3] == (policy.Form.PARTITIONED, BlockIndex.PASSED_IN)
+  # ... and where every device holds the dot's weight whole (data parallelism): nothing to gather.
+  whole = _analysis([_site(0, weight_replicated=True)])
+  decided_whole, _ = policy.decide(whole, config.load(environ={}, enabled=True, keep_first=0, keep_last=0,
+                                                      forward_only=True))
+  assert [p.form for p in policy.plan(whole, decided_whole, partitioned=True, native=False, cuda=False,
+                                      packed=True)] == [policy.Form.PARTITIONED]
 
 
 def test_operand_plans_say_what_each_operand_is_and_in_which_order_it_is_quantized():

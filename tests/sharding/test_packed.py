@@ -81,7 +81,10 @@ def test_sharded_packed_step_equals_one_device(rows, layout, backend):
   """Nearest rounding: shards quantize what one device does; a split K (the wgrad over tokens, the row-parallel layer)
   only adds f32 partial sums in another order."""
   row = rows[layout]
-  assert row[backend]["quantize_packed"] > 0, row
+  # The emulate backend packs where a weight is gathered: with weights whole on every device (data parallelism) its
+  # dots keep the emulated form.
+  packs = backend == "native" or layout != "data_parallel"
+  assert (row[backend]["quantize_packed"] > 0) == packs, row
   assert row[backend]["max_abs_sharded_minus_single"] <= 1e-5, row
 
 
@@ -119,7 +122,7 @@ def test_the_packed_path_partitions_under_gspmd_too():
   for layout, row in rows.items():
     assert row["native"]["gemms"] == 5, (layout, row)
     for backend in ("native", "emulate_packed"):
-      assert row[backend]["quantize_packed"] > 0, (layout, row)
+      assert (row[backend]["quantize_packed"] > 0) == (backend == "native" or layout != "data_parallel"), (layout, row)
       assert row[backend]["max_abs_sharded_minus_single"] <= 1e-5, (layout, backend, row)
   assert rows["fsdp"]["none"]["wide_gathers"] == 2, rows["fsdp"]
   assert rows["fsdp"]["native"]["wide_gathers"] == rows["fsdp"]["emulate_packed"]["wide_gathers"] == 0, rows["fsdp"]

@@ -279,7 +279,8 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
   the backend's GEMM is the FP4 one; a dot it cannot run keeps the emulated GEMM, with a note saying why. `packed`: the
   kernel set runs the packed targets; then the emulate backend of a partitioned program moves packed operands too
   (Form.PACKED, the GEMM emulated on each device: sharding/packed.py), except where kept blocks of a scanned stack
-  select per iteration (a select cannot choose between packed and wide operands)."""
+  select per iteration (a select cannot choose between packed and wide operands) and where the dot's weight is whole
+  on every device (nothing to gather)."""
   plans = []
   for d in decisions:
     if d.decision is not Verdict.NVFP4:
@@ -300,7 +301,9 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
       else:
         form = Form.PACKED_GROUPED if grouped else Form.PACKED
     elif (partitioned and packed and not grouped and native_ineligible(record.site, cuda) is None
-          and (source is None or source.kind is BlockIndex.UNAVAILABLE)):
+          and (source is None or source.kind is BlockIndex.UNAVAILABLE) and not record.site.weight_replicated):
+      # Packed operands pay where the partitioner gathers them; a weight every device holds whole is not gathered,
+      # and there the packed form only added its dequantized copies (data parallelism: 1.40x the temporary memory).
       form = Form.PACKED
     operands, order = _operand_plans(record.site, d, form)
     plans.append(Plan(record=record, decision=d, form=form, operands=operands, order=order, block_source=source,
