@@ -52,7 +52,10 @@ def test_packed_operands_in_every_layout(layouts, layout, dtype, backend):
     # step's at the benchmark's sizes (benchmarks/results/sharding.json), at most 1.047x at these (the scales, keys
     # and amaxes weigh more beside tensors this small).
     assert row["temp_bytes_per_device"]["sharded_ratio"] <= 1.06, row["temp_bytes_per_device"]
-  assert row["qdq_calls"] == 0, row["qdq_calls"]
+  # With weights whole on every device (data parallelism) nothing is gathered: the emulate backend's dots keep the
+  # emulated form there (policy.plan).
+  emulated = backend == "emulate_packed" and layout == "data_parallel"
+  assert (row["qdq_calls"] > 0) == emulated, row["qdq_calls"]
   assert row["dot_flops"]["ratio"] <= 1.05, row["dot_flops"]
   assert row["collective_bytes"]["ratio_excluding_scalar"] <= 1.0, row["collective_bytes"]
   weights = row["collective_bytes"]["by_kind"]["weight_gathers"]
