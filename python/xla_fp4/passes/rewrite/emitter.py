@@ -12,7 +12,9 @@ K leads, the uint8 codes and scales are transposed, not the wide operand) and xl
 s_dec_a * s_dec_b, which writes the dot's own output type. The decode scales come as
 in Form.PARTITIONED (block maxima, then a max that XLA all-reduces), so the form partitions (sharding/packed.py): in a
 partitioned program it is also the emulate backend's form, the GEMM's `emulate` making shards dequantize and use
-XLA's dot; packed operands are what the partitioner moves between devices.
+XLA's dot; packed operands are what the partitioner moves between devices. A weight in 16x16 tiles with nearest
+rounding is packed once: a dgrad takes its forward's codes as Bᵀ (xla_fp4_gemm_packed {b_transposed}), so both GEMMs
+read one value, which FSDP gathers once (reuse.py).
 Form.GROUPED (expert GEMMs, numerics/grouped.py's twins lowered into the program):
   a dot_general with group dims (Grouping.SLICES), e.g. on CPU a ragged dot's forward, which contracts the group dim G
   of %xg = select(%mask, broadcast(%x), 0) [G, M, K] and %w [G, K, N]:
