@@ -87,6 +87,43 @@ def test_the_packed_quantizer_reads_every_operand_in_place():
   assert sum("axis = 0" in a for a in axes) == 6, axes  # the fprops' weights, the wgrads' four operands
 
 
+def test_a_weight_read_as_the_forward_lhs_is_packed_once_too():
+  """Equinox's `w @ x` (vmapped): the forward reads the weight as the GEMM's lhs, the dgrad as its rhs along the other
+  axis; the dgrad takes the forward's packed copy as Bᵀ, and the gradients equal the emulate backend's."""
+  from xla_fp4 import config
+  from xla_fp4.kernels import registry
+  from xla_fp4.passes import pipeline
+
+  registry.register("cpu")
+
+  def loss(ws, x):
+    w1, w2 = ws  # (out, in), as Equinox holds them
+    h = jnp.tanh(jax.vmap(lambda v: w1 @ v)(x))
+    return jnp.sum(jnp.tanh(jax.vmap(lambda v: w2 @ v)(h)) ** 2)
+
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  ws = (jax.random.normal(jax.random.key(1), (96, 64)) / 8, jax.random.normal(jax.random.key(2), (32, 96)) / 10)
+  step = jax.jit(jax.grad(loss))
+  module = step.lower(ws, x).compiler_ir("stablehlo")
+  options = dict(keep_head=False, keep_first=0, keep_last=0, stochastic_rounding=False)
+  result = pipeline.transform(module, config.load(environ={}, enabled=True, backend="native", **options))
+  with result.module.context:
+    calls = [op for op in _walk(result.module.operation) if op.name == "stablehlo.custom_call"]
+    targets_ = [str(op.attributes["call_target_name"]) for op in calls]
+    gemms = [str(op.attributes["mhlo.backend_config"]) for op, t in zip(calls, targets_)
+             if t == '"xla_fp4_gemm_packed"']
+  assert len(gemms) == 5, gemms  # w1's dgrad (into x) is not needed
+  assert sum("b_transposed = true" in g for g in gemms) == 1, gemms  # w2's dgrad
+  assert targets_.count('"xla_fp4_quantize_packed"') == 9, targets_  # 5 GEMMs x 2, w2 packed once
+  got = {}
+  for backend in ("emulate", "native"):
+    xla_fp4.enable(backend=backend, **options)
+    got[backend] = step(ws, x)
+  xla_fp4.disable()
+  for n, e in zip(got["native"], got["emulate"]):
+    assert jnp.allclose(n, e, rtol=1e-5, atol=1e-7), float(jnp.max(jnp.abs(n - e)))
+
+
 def test_auto_is_emulate_without_an_fp4_gemm():
   supported, reason = kernels.fp4_gemm_supported()
   if supported:

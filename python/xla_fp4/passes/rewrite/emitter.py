@@ -305,8 +305,8 @@ class Emitter:
     # 1.09x. (Ordering the nearest-rounded operand after the gradient, as `_quantize` does, took tensor parallelism to
     # 1.36x.)
     measured = [(v, c[0]) if len(c) == 1 else read for v, c, read in ((lhs, lc, operands[0]), (rhs, rc, operands[1]))]
-    pa, sa, ka = self._packed(*operands[0], measured[0], plan.operands[0])
-    (pb, sb, kb), b_transposed = self._packed_rhs(*operands[1], measured[1], plan.operands[1], plan.record.op)
+    (pa, sa, ka), _ = self._packed_tiles(*operands[0], measured[0], plan.operands[0], plan.record.op, False)
+    (pb, sb, kb), b_transposed = self._packed_tiles(*operands[1], measured[1], plan.operands[1], plan.record.op, True)
     for i, ((x, axis), s_dec, key) in enumerate(zip(operands, (sa, sb), (ka, kb))):
       self._measure(i, x=x, axis=axis, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
                     s_dec=s_dec, key=key)
@@ -317,14 +317,14 @@ class Emitter:
                                                                           b_transposed=b_transposed),
                              result_types=[ir.RankedTensorType.get([m, n], element_type)])[0]
 
-  def _packed_rhs(self, x, axis, measured, operand, user):
-    """(`_packed`'s result, whether its codes are Bᵀ) of the GEMM's rhs: a weight in 16x16 tiles with nearest rounding
-    is packed once (reuse.py), and a dgrad reads the forward's codes along the other axis (b_transposed: the same tiles
-    hold the same codes either way)."""
+  def _packed_tiles(self, x, axis, measured, operand, user, transposable):
+    """(`_packed`'s result, whether its codes are Bᵀ): a weight in 16x16 tiles with nearest rounding is packed once
+    (reuse.py), and a later GEMM reads that copy, the rhs (`transposable`) also where it contracts the weight's other
+    dim (a dgrad, as b_transposed: the same tiles hold the same codes along either axis)."""
     recipe = operand.recipe
     if not recipe.block_2d or recipe.rht or recipe.stochastic or operand.fresh:
       return self._packed(x, axis, measured, operand), False
-    found = self.reuse.packed_tiles(x, user)
+    found = self.reuse.packed_tiles(x, user, None if transposable else axis)
     if found is not None:
       found_axis, packed, s_dec, key = found
       return (packed, s_dec, key), found_axis != axis

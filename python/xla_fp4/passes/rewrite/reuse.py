@@ -49,12 +49,12 @@ class Reuse:
   def remember(self, x, blocking_, select, q, s_dec):
     self._quantized.setdefault(reshape_source(x), []).append((blocking_, select, q, s_dec))
 
-  def packed_tiles(self, x, user):
+  def packed_tiles(self, x, user, axis=None):
     """(K's axis, (codes, scales), s_dec, key) of an earlier packing of the matrix x in 16x16 tiles with nearest
-    rounding that `user` can see, or None."""
-    for axis, packed, s_dec, key in self._tiles.get(x, ()):
-      if before_in_program_order(packed[0], user):
-        return axis, packed, s_dec, key
+    rounding that `user` can see (along `axis`, where one is given), or None."""
+    for found_axis, packed, s_dec, key in self._tiles.get(x, ()):
+      if (axis is None or found_axis == axis) and before_in_program_order(packed[0], user):
+        return found_axis, packed, s_dec, key
     return None
 
   def remember_packed_tiles(self, x, axis, packed, s_dec, key):
