@@ -249,6 +249,9 @@ def test_gemm_reads_a_16x16_tiled_b_along_the_other_axis(dtype):
     assert_same_bits(shared, kernels.gemm_packed(g_data, g_scales, *again, sg * sw, dtype=out))
   with pytest.raises(Exception, match="b_transposed"):
     kernels.gemm_packed(g_data, g_scales, fwd_data[:32], fwd_scales[:32], 1.0, b_transposed=True).block_until_ready()
+  with pytest.raises(Exception, match="multiple of 16"):  # N = 24: a partial tile (CheckPackedData)
+    kernels.gemm_packed(g_data, g_scales, fwd_data[:, :12], fwd_scales[:, :1], 1.0,
+                        b_transposed=True).block_until_ready()
 
 
 def _packed_rows(seed, shape, block_2d=False):
