@@ -311,18 +311,16 @@ class Emitter:
       self._measure(i, x=x, axis=axis, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
                     s_dec=s_dec, key=key)
     alpha = hlo.MulOp(sa, sb).result
-    m = tensor_type(pa[0]).shape[0]
-    n = 2 * tensor_type(pb[0]).shape[1] if b_transposed else tensor_type(pb[0]).shape[0]
-    return self.kernels.call(targets.GEMM_PACKED, [*pa, *pb, alpha], dict(emulate=self.emulate,
-                                                                          b_transposed=b_transposed),
-                             result_types=[ir.RankedTensorType.get([m, n], element_type)])[0]
+    operands, attrs = [*pa, *pb, alpha], dict(emulate=self.emulate, b_transposed=b_transposed)
+    dtype = _dtype_name(ir.RankedTensorType.get([], element_type))  # the GEMM writes the dot's own output type
+    return self.kernels.call(targets.GEMM_PACKED, operands, attrs,
+                             result_types=targets.GEMM_PACKED.result_types([v.type for v in operands], attrs, dtype))[0]
 
   def _packed_tiles(self, x, axis, measured, operand, user, transposable):
     """(`_packed`'s result, whether its codes are Bᵀ): a weight in 16x16 tiles with nearest rounding is packed once
     (reuse.py), and a later GEMM reads that copy, the rhs (`transposable`) also where it contracts the weight's other
     dim (a dgrad, as b_transposed: the same tiles hold the same codes along either axis)."""
-    recipe = operand.recipe
-    if not recipe.block_2d or recipe.rht or recipe.stochastic or operand.fresh:
+    if not _tiles_alike(operand):
       return self._packed(x, axis, measured, operand), False
     found = self.reuse.packed_tiles(x, user, None if transposable else axis)
     if found is not None:
@@ -406,8 +404,7 @@ class Emitter:
       # A 16x16-tiled matrix per slice quantizes alike along either of its dims: a dgrad reuses its fprop's expert
       # weights (a second quantization was a second all-gather of the weights under FSDP: a dense MoE moved 1.38x
       # the bytes, measured).
-      tiled = (recipe.block_2d and not recipe.rht and not recipe.stochastic and not operand.fresh
-               and len(shape) - len(group_dims[i]) == 2)
+      tiled = _tiles_alike(operand) and len(shape) - len(group_dims[i]) == 2
       blocks = ("slices", tuple(shape), tuple(group_dims[i])) if tiled else None
       shared = shared or tiled
       found = self.reuse.quantized(x, blocks, select, dot) if tiled else None
@@ -506,6 +503,14 @@ def _slice(x, dim, index):
                       ir.DenseI64ArrayAttr.get([1] * len(shape))).result
   return hlo.ReshapeOp(ir.RankedTensorType.get(shape[:dim] + shape[dim + 1:], tensor_type(x).element_type),
                        piece).result
+
+
+def _tiles_alike(operand):
+  """Whether the operand's quantization reads alike along either of its matrix dims, so that one copy serves a GEMM
+  that contracts the other: 16x16 tiles with nearest rounding and no RHT, in a value that may be reused (not
+  `fresh`)."""
+  recipe = operand.recipe
+  return recipe.block_2d and not recipe.rht and not recipe.stochastic and not operand.fresh
 
 
 def _dtype_name(tensor_type_):
