@@ -35,6 +35,11 @@ JSON reports both programs' |sharded - one device| side by side. In float32 that
 the baseline's one-ulp differences upstream can flip an FP4 rounding decision downstream, so the pass's difference is
 larger there (a few 1e-3 relative), as it would be between any two runs that differ in the last bit. Where no
 contraction is split the sharded step is bit-identical under nearest rounding (tests/sharding/test_layouts.py).
+
+XLA flags from the environment's XLA_FLAGS apply to both programs and are recorded in the JSON (`xla_flags`).
+benchmarks/results/sharding_no_combiner.json is the float32 run with XLA CPU's all-reduce combiner off
+(`XLA_FLAGS=--xla_disable_hlo_passes=cpu-all-reduce-combiner`): what that pass does to the temporary memory
+(docs/design.md §5).
 """
 
 import argparse
@@ -312,7 +317,8 @@ def main(argv=None):
           for row in measure(layout, jnp.dtype(dt), sizes, repeats, backends)]
   result = {"benchmark": "sharding", "devices": 8,
             "sizes": dict(zip(("layers", "d_model", "d_ff", "batch", "seq"), sizes)),
-            "jax": jax.__version__, "machine": platform.machine(), "cpus": os.cpu_count(), "rows": rows}
+            "jax": jax.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+            "xla_flags": os.environ["XLA_FLAGS"].split(), "rows": rows}
   for r in rows:
     if r["backend"] != "emulate":
       kinds = r["collective_bytes"]["by_kind"]

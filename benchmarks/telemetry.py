@@ -4,8 +4,9 @@ with telemetry every step and every 10 steps (XLA_FP4_TELEMETRY_EVERY), on CPU.
   python benchmarks/telemetry.py [--small] [--out benchmarks/results/telemetry.json]
 
 The program is a residual MLP train step (`x = x + gelu(x @ w1) @ w2` per layer, `jax.jit(jax.grad(loss))`, the
-default recipe), on one device, and under FSDP on 8 host devices (weights and tokens sharded over all 8), where each
-device measures its shard in the quantizer's pass and records its own rows, which the sink adds (docs/design.md §7).
+default recipe), on one device, and under FSDP (weights and tokens sharded over every device) on 8 host devices and on
+as many as the machine has cores (`fsdp_cores`), where each device measures its shard in the quantizer's pass and
+records its own rows, which the sink adds (docs/design.md §7).
 
 Each row (layout, dtype) runs in a process of its own, as a training run does. In it each mode with telemetry is
 measured against the mode without, one at a time (so that the writer thread drains only that mode's records), in
@@ -41,6 +42,10 @@ from xla_fp4 import telemetry  # noqa: E402
 # (mode, telemetry every N steps): every 10 is measured before every step; "control": without, compiled again (the
 # method's noise)
 MODES = (("off", None), ("control", None), ("every_10", 10), ("every_1", 1))
+# FSDP layouts: how many host devices. "fsdp_cores": as many as the machine's cores (benchmarks/sharding.py's "cores"
+# step times), as on a pod where every device has its own compute; over 8 host devices on 2 cores, 4 device threads
+# take turns on each core.
+FSDP_DEVICES = {"fsdp": 8, "fsdp_cores": 2}
 
 
 def train_step(layers, d_model, d_ff, tokens, dtype):
@@ -59,9 +64,10 @@ def train_step(layers, d_model, d_ff, tokens, dtype):
 
 def measure(layout, dtype, sizes, steps, rounds):
   fn, args = train_step(*sizes, dtype)
-  if layout == "fsdp":
+  if layout in FSDP_DEVICES:
     from jax.sharding import NamedSharding, PartitionSpec as P
-    mesh = jax.make_mesh((8,), ("d",))
+    n = FSDP_DEVICES[layout]
+    mesh = jax.make_mesh((n,), ("d",), devices=jax.devices()[:n])
     args = jax.device_put(args, NamedSharding(mesh, P("d")))
   compiled, dirs = {}, {}
   for mode, every in MODES:
@@ -113,7 +119,7 @@ def main(argv=None):
     return
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    for layout in ("one_device", "fsdp"):
+    for layout in ("one_device", *FSDP_DEVICES):
       for dtype in ("float32", "bfloat16"):  # each row in a process of its own (the docstring)
         out = os.path.join(tmp, f"{layout}_{dtype}.json")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--row", f"{layout},{dtype}", "--out", out]

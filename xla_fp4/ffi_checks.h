@@ -110,6 +110,32 @@ inline ffi::Error CheckSameShape(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
   return ffi::Error::Success();
 }
 
+// xla_fp4_block_amax: x's axis and blocks, the seed, the float32 maxima (x's elements / 16), and with `digest` one
+// more result, uint32, as many; `more`: the results after the maxima. Sets *digests to that result, or null.
+inline ffi::Error CheckBlockAmax(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::RemainingRets& more,
+                                 int64_t axis, int64_t rht_seed, bool digest, AxisShape* shape,
+                                 ffi::AnyBuffer* digests) {
+  if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, shape), CheckSeed(rht_seed)}); e.failure()) return e;
+  const int64_t blocks = shape->size() / kBlock;
+  const std::string like = " with x's shape " + ShapeString(x.dimensions()) + " and the axis divided by 16";
+  if (amax.element_type() != ffi::DataType::F32 || static_cast<int64_t>(amax.element_count()) != blocks) {
+    return ffi::Error::InvalidArgument("xla_fp4_block_amax's maxima must be float32" + like);
+  }
+  if (more.size() != (digest ? 1u : 0u)) {
+    return ffi::Error::InvalidArgument("xla_fp4_block_amax returns " + std::string(digest ? "2" : "1") +
+                                       " results with digest = " + (digest ? "true" : "false") + ", got " +
+                                       std::to_string(1 + more.size()));
+  }
+  if (!digest) return ffi::Error::Success();
+  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> result = more.get<ffi::AnyBuffer>(0);
+  if (!result.has_value()) return result.error();
+  *digests = **result;
+  if (digests->element_type() != ffi::DataType::U32 || static_cast<int64_t>(digests->element_count()) != blocks) {
+    return ffi::Error::InvalidArgument("xla_fp4_block_amax's digests must be uint32" + like);
+  }
+  return ffi::Error::Success();
+}
+
 // Stochastic rounding draws its bits from a 32-bit element counter.
 inline ffi::Error CheckCounterRange(bool stochastic, int64_t elements, ffi::Span<const int64_t> dims) {
   if (stochastic && elements > (int64_t{1} << 32)) {

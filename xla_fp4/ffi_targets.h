@@ -16,7 +16,9 @@
 #define XLA_FP4_QDQ_STATS_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
 #define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
-#define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed)
+// digest: a second result, uint32 shaped like the maxima: each block's wrapping sum of its elements' bits (16-bit
+// floats zero-extended), whose sum is x's digest (the stochastic-rounding key's), read in the same pass over x.
+#define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed) A(bool, digest)
 #define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
 // emulate: how XLA's partitioner runs the GEMM on shards (sharding/partition.py): the dequantized operands through

@@ -223,15 +223,25 @@ void RhtImpl(ffi::ThreadPool& pool, const T* x, float* y, const Geometry& g, con
 }
 
 // Per-block max MagnitudeBits over tiles [t_begin, t_end), stored as floats at the blocks' positions in amax (x's
-// shape with the axis divided by 16). 1D blocks only: the tile's rows (kRow, axis last) or its columns (kCol).
-template <Blocks kBlocks, RhtAlong kRht, typename T>
-XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, const View& view, const float* sign_quarter,
-                                          uint32_t smallest, int64_t t_begin, int64_t t_end) {
+// shape with the axis divided by 16), and with kDigest each block's wrapping sum of its raw element bits at the same
+// positions in digest. 1D blocks only: the tile's rows (kRow, axis last) or its columns (kCol).
+template <Blocks kBlocks, RhtAlong kRht, bool kDigest, typename T>
+XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, uint32_t* digest, const View& view,
+                                          const float* sign_quarter, uint32_t smallest, int64_t t_begin,
+                                          int64_t t_end) {
   alignas(64) float v[kBlock][kBlock];
   alignas(64) uint32_t m[kBlock];
+  alignas(64) uint32_t d[kBlock];
   for (int64_t t = t_begin; t < t_end; ++t) {
     const TilePos p = PosOf(view, t);
     LoadTransformed<kRht, false>(x, view, p, sign_quarter, v);
+    if constexpr (kDigest) {  // the tile is in cache: its raw bits, block by block
+      for (int b = 0; b < kBlock; ++b) d[b] = 0;
+      for (int i = 0; i < p.nl; ++i) {
+        const T* in = x + p.base + i * view.cols;
+        for (int j = 0; j < p.nc; ++j) d[kBlocks == Blocks::kRow ? i : j] += RawBits(in + j);
+      }
+    }
     if constexpr (kBlocks == Blocks::kRow) {
       for (int i = 0; i < kBlock; ++i) {
         uint32_t mi = 0;
@@ -241,8 +251,11 @@ XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, const View& v
         }
         m[i] = mi;
       }
-      float* out = amax + p.base / kBlock;  // block index = line
-      for (int i = 0; i < p.nl; ++i) out[i] = FloatOf(m[i]);
+      const int64_t first = p.base / kBlock;  // block index = line
+      for (int i = 0; i < p.nl; ++i) amax[first + i] = FloatOf(m[i]);
+      if constexpr (kDigest) {
+        for (int i = 0; i < p.nl; ++i) digest[first + i] = d[i];
+      }
     } else {
       for (int j = 0; j < kBlock; ++j) m[j] = 0;
       for (int i = 0; i < kBlock; ++i) {
@@ -253,28 +266,37 @@ XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, const View& v
       }
       // The tile's 16 lines are one block of every column: block row = line / 16.
       const int64_t line = p.base / view.cols, col = p.base % view.cols;
-      float* out = amax + line / kBlock * view.cols + col;
-      for (int j = 0; j < p.nc; ++j) out[j] = FloatOf(m[j]);
+      const int64_t first = line / kBlock * view.cols + col;
+      for (int j = 0; j < p.nc; ++j) amax[first + j] = FloatOf(m[j]);
+      if constexpr (kDigest) {
+        for (int j = 0; j < p.nc; ++j) digest[first + j] = d[j];
+      }
     }
   }
 }
 
+// digest: null, or where each block's digest goes (BlockAmaxTiles).
 template <typename T>
-void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, const Geometry& g, const RhtSigns* rht) {
+void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, uint32_t* digest, const Geometry& g,
+                   const RhtSigns* rht) {
   const Blocks blocks = g.axis_last() ? Blocks::kRow : Blocks::kCol;
   const View view = ViewOf(g, blocks);
   const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
   // Magnitudes are compared as bits, which no FP mode flushes: under DAZ (XLA's CPU mode) subnormals count as zero.
   const uint32_t smallest = FpMode::Current().DenormalsAreZero() ? 0x00800000u : 0u;
-  WithRht(RhtDirection(g, rht), [&](auto along) {
-    ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
-      if (blocks == Blocks::kRow) {
-        BlockAmaxTiles<Blocks::kRow, decltype(along)::value>(x, amax, view, sq, smallest, begin, end);
-      } else {
-        BlockAmaxTiles<Blocks::kCol, decltype(along)::value>(x, amax, view, sq, smallest, begin, end);
-      }
+  WithBool(digest != nullptr, [&](auto with_digest) {
+    return WithRht(RhtDirection(g, rht), [&](auto along) {
+      constexpr RhtAlong kAlong = decltype(along)::value;
+      constexpr bool kDigest = decltype(with_digest)::value;
+      ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
+        if (blocks == Blocks::kRow) {
+          BlockAmaxTiles<Blocks::kRow, kAlong, kDigest>(x, amax, digest, view, sq, smallest, begin, end);
+        } else {
+          BlockAmaxTiles<Blocks::kCol, kAlong, kDigest>(x, amax, digest, view, sq, smallest, begin, end);
+        }
+      });
+      return 0;
     });
-    return 0;
   });
 }
 
@@ -461,23 +483,18 @@ ffi::Error RhtFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBu
 }
 
 // The per-block amax of a partitioned program's operand: block-local, so each shard measures its own blocks, and the
-// pass reduces the 16x smaller result to the global amax with a plain (all-reduced) max.
-ffi::Error BlockAmaxFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax, int64_t axis,
-                        bool rht, int64_t rht_seed) {
+// pass reduces the 16x smaller result to the global amax with a plain (all-reduced) max; with `digest` also the
+// per-block digests (a second result), which it sums to x's digest for the stochastic-rounding key.
+ffi::Error BlockAmaxFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax,
+                        ffi::RemainingRets more, int64_t axis, bool rht, int64_t rht_seed, bool digest) {
   Geometry g;
-  if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed)}); e.failure()) {
-    return e;
-  }
-  if (amax->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(amax->element_count()) * kBlock != g.size()) {
-    return ffi::Error::InvalidArgument("the block amax result must be float32 with x's shape " +
-                                       ShapeString(x.dimensions()) + " and the axis divided by 16");
-  }
+  ffi::AnyBuffer digests = *amax;  // replaced by the digests' result where there is one
+  if (ffi::Error e = CheckBlockAmax(x, *amax, more, axis, rht_seed, digest, &g, &digests); e.failure()) return e;
   const RhtSigns signs(static_cast<uint32_t>(rht_seed));
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    BlockAmaxImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<float*>(amax->untyped_data()), g,
-                  rht ? &signs : nullptr);
+    BlockAmaxImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<float*>(amax->untyped_data()),
+                  digest ? static_cast<uint32_t*>(digests.untyped_data()) : nullptr, g, rht ? &signs : nullptr);
     return ffi::Error::Success();
   });
 }
@@ -556,4 +573,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCpu, xla_fp4::cpu::BlockAmaxFfi,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Ret<ffi::AnyBuffer>()  // amax per 1x16 block (float32)
+                                  .RemainingRets()        // with digest: each block's digest (uint32)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_BLOCK_AMAX_ATTRIBUTES));

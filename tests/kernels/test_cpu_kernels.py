@@ -125,6 +125,21 @@ def test_block_amax_matches_reference(t, rht, seed):
 
 
 @SETTINGS
+@given(t=tensors(), rht=st.booleans())
+def test_block_amax_digests_each_block_in_the_same_pass(t, rht):
+  """With digest: the maxima as without, and each block's wrapping sum of its element bits (16-bit floats
+  zero-extended), which sum to x's digest: the stochastic-rounding key of a partitioned program, bit for bit the
+  whole-tensor quantizer's."""
+  x, axis = t
+  maxima, digests = kernels.block_amax(x, axis=axis, rht=rht, rht_seed=7, digest=True)
+  assert_same_bits(maxima, kernels.block_amax(x, axis=axis, rht=rht, rht_seed=7))
+  assert digests.dtype == jnp.uint32
+  np.testing.assert_array_equal(digests, jax.jit(nv.block_digest, static_argnames="axis")(x, axis=axis))
+  bits = np.asarray(x).view(np.uint32 if np.asarray(x).dtype.itemsize == 4 else np.uint16).astype(np.uint64)
+  assert int(np.asarray(digests, np.uint64).sum()) % 2**32 == int(bits.sum()) % 2**32 == int(nv.tensor_digest(x))
+
+
+@SETTINGS
 @given(t=tensors(), recipe=recipes, salt=st.integers(0, 2**32 - 1))
 def test_qdq_with_scale_measures_x_itself(t, recipe, salt):
   """s_dec = max |rht(x) or x| (NaN counted as Inf) * f32(1/2688); key = salt ^ digest(x) when stochastic: the numbers

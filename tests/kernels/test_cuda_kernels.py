@@ -198,6 +198,9 @@ def test_block_amax_matches_reference(gpu, dtype, rht):
     x.reshape(-1)[3] = np.nan  # counted as +Inf
     got = _run(gpu, kernels.block_amax, x, axis=axis, rht=rht, rht_seed=RHT_SEED)
     assert_same_bits(got, _run(_cpu(), nv.block_amax, x, axis=axis, rht_seed=RHT_SEED if rht else None))
+    maxima, digests = _run(gpu, kernels.block_amax, x, axis=axis, rht=rht, rht_seed=RHT_SEED, digest=True)
+    assert_same_bits(maxima, got)
+    assert_same_bits(digests, _run(_cpu(), nv.block_digest, x, axis=axis))
 
 
 def _packed_reference(x, s_dec, key, *, block_2d, stochastic, rht):

@@ -29,7 +29,8 @@ def _twin_results(target, operands, attrs):
 def test_twins_return_what_the_records_say(axis):
   cases = [(targets.QDQ, [X, SCALAR_F32, SCALAR_U32], dict(axis=axis, **QUANTIZE, apply_global_scale=False)),
            (targets.QDQ_WITH_SCALE, [X], dict(axis=axis, **QUANTIZE, salt=5)),
-           (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=False, rht_seed=0)),
+           (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=False, rht_seed=0, digest=False)),
+           (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=True, rht_seed=0, digest=True)),
            (targets.QDQ_WITH_SCALE_STATS, [X, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
            (targets.QDQ_STATS, [X, SCALAR_F32, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
            (targets.QDQ_AND_STATS, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE)),
@@ -45,7 +46,7 @@ def test_kernels_return_what_the_records_say():
   x = jnp.ones((32, 64), jnp.float32)
   data, scales = kernels.quantize_packed(x, 1.0)
   got = {
-      targets.BLOCK_AMAX: [kernels.block_amax(x, axis=0)],
+      targets.BLOCK_AMAX: [kernels.block_amax(x, axis=0), *kernels.block_amax(x, axis=0, digest=True)],
       targets.QUANTIZE_PACKED: [data, scales],
       targets.DEQUANTIZE_PACKED: [kernels.dequantize_packed(data, scales, 1.0, dtype=jnp.bfloat16)],
       targets.GEMM_PACKED: [kernels.gemm_packed(data, scales, data, scales, 1.0)],
@@ -53,7 +54,7 @@ def test_kernels_return_what_the_records_say():
                                    kernels.ragged_gemm_packed(data, scales, data[:16], scales[:16], [32, 0, 32],
                                                               [1.0] * 3, ragged_k=True)],
   }
-  assert [(a.shape, a.dtype) for a in got[targets.BLOCK_AMAX]] == [((2, 64), jnp.float32)]
+  assert [(a.shape, a.dtype) for a in got[targets.BLOCK_AMAX]] == [((2, 64), jnp.float32)] * 2 + [((2, 64), jnp.uint32)]
   assert [(a.shape, a.dtype) for a in got[targets.QUANTIZE_PACKED]][0] == ((32, 32), jnp.uint8)
   (unpacked,) = got[targets.DEQUANTIZE_PACKED]
   assert unpacked.shape == (32, 64) and unpacked.dtype == jnp.bfloat16
@@ -64,8 +65,10 @@ def test_kernels_return_what_the_records_say():
 def test_result_types_are_the_results_as_mlir_types():
   with mlir.make_ir_context(), ir.Location.unknown():
     x = ir.RankedTensorType.get([32, 64], ir.BF16Type.get())
-    (maxima,) = targets.BLOCK_AMAX.result_types([x], dict(axis=0, rht=False, rht_seed=0))
+    (maxima,) = targets.BLOCK_AMAX.result_types([x], dict(axis=0, rht=False, rht_seed=0, digest=False))
     assert str(maxima) == "tensor<2x64xf32>"
+    maxima, digests = targets.BLOCK_AMAX.result_types([x], dict(axis=0, rht=False, rht_seed=0, digest=True))
+    assert str(maxima) == "tensor<2x64xf32>" and str(digests) == "tensor<2x64xui32>"
     q, s = targets.QDQ_WITH_SCALE.result_types([x], dict(axis=1, **QUANTIZE, salt=0))
     assert str(q) == "tensor<32x64xbf16>" and str(s) == "tensor<f32>"
     scalar = ir.RankedTensorType.get([], ir.F32Type.get())

@@ -12,7 +12,7 @@ import pytest
 from tests.sharding.test_layouts import run_python
 
 SCRIPT = """
-import json, os, sys
+import json, math, os, re, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path[:0] = ["benchmarks", "tests"]
 import jax, jax.numpy as jnp
@@ -33,13 +33,20 @@ for layout in sys.argv[1].split(","):
   row = out[layout] = {"none": step().lower(*args).compile().memory_analysis().temp_size_in_bytes}
   options = dict(strict=True, keep_head=False, keep_first=0, keep_last=0)
   xla_fp4.enable(**options)
-  row["pass"] = step().lower(*args).compile().memory_analysis().temp_size_in_bytes
+  compiled = step().lower(*args).compile()
+  row["pass"] = compiled.memory_analysis().temp_size_in_bytes
+  # the elements of the largest uint32 array the compiled step makes (the keys' digests are uint32)
+  row["largest_u32"] = max((math.prod(int(n) for n in dims.split(",") if n)
+                            for dims in re.findall(r"\bu32\[([0-9,]*)\]", compiled.as_text())), default=0)
   module = pipeline.transform(step().lower(*args).compiler_ir("stablehlo"),
                               xla_fp4.config.load(enabled=True, **options)).module
   xla_fp4.disable()
-  calls = [op for op in kernel_calls_row_major(module)
-           if ir.StringAttr(op.attributes["call_target_name"]).value == "xla_fp4_qdq"]
+  target = lambda op: ir.StringAttr(op.attributes["call_target_name"]).value
+  calls = [op for op in kernel_calls_row_major(module) if target(op) == "xla_fp4_qdq"]
   config = lambda op, key: ir.BoolAttr(ir.DictAttr(op.attributes["mhlo.backend_config"])[key]).value
+  row["stochastic_qdq"] = sum(config(op, "stochastic") for op in calls)
+  row["digest_amax"] = sum(config(op, "digest") for op in kernel_calls_row_major(module)
+                           if target(op) == "xla_fp4_block_amax")
   row["weight_qdq"] = sum(config(op, "block_2d") for op in calls)
   # nearest-rounded calls whose key is a gradient's decode scale (bitcast), not a salt: ordered into the backward
   row["ordered_qdq"] = sum(not config(op, "stochastic") and not isinstance(op.operands[2].owner, ir.Block)
@@ -88,3 +95,15 @@ def test_the_wgrads_activations_are_quantized_in_the_backward(rows):
   row = rows["tensor_parallel"]
   assert row["ordered_qdq"] >= 8, "the activation operand of every wgrad"
   assert row["pass"] <= 1.20 * row["none"], row
+
+
+def test_the_keys_digest_comes_from_the_amax_pass(rows):
+  """A stochastically rounded operand's key mixes in its digest (the wrapping sum of its bits), which the kernel that
+  measures its block maxima also sums, per block: no other pass reads x for it. As a reduction of its own, XLA CPU
+  made x's bits a uint32 tensor of x's size for it (tensor parallelism: +1 MiB of temporary memory, float32)."""
+  for layout in ("fsdp", "tensor_parallel"):
+    row = rows[layout]
+    assert row["stochastic_qdq"] > 0 and row["digest_amax"] == row["stochastic_qdq"], row
+    # 16 x 128 x 256 tokens x features per layer: no uint32 array beyond the per-block digests (1/16 of a tensor)
+    assert row["largest_u32"] <= 16 * 128 * 256 // 16, row
+

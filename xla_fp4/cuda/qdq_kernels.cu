@@ -123,24 +123,33 @@ __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
   StoreBlock(y, g, b, v);
 }
 
-// One thread per 1x16 block (o, b, i): amax[o, b, i] = max_j |v_j|, v = the block's RHT when asked, NaN as +Inf.
+__device__ inline uint32_t RawBits(float v) { return __float_as_uint(v); }
+__device__ inline uint32_t RawBits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ inline uint32_t RawBits(__half v) { return __half_as_ushort(v); }
+
+// One thread per 1x16 block (o, b, i): amax[o, b, i] = max_j |v_j|, v = the block's RHT when asked, NaN as +Inf;
+// digest (null where not asked) [o, b, i] = the wrapping sum of the block's raw element bits.
 template <typename T>
-__global__ void BlockAmaxKernel(const T* x, int64_t blocks, int64_t inner, int64_t n, Recipe r, float* amax) {
+__global__ void BlockAmaxKernel(const T* x, int64_t blocks, int64_t inner, int64_t n, Recipe r, float* amax,
+                                uint32_t* digest) {
   const int64_t t = ThreadIndex();
   if (t >= n) return;
   const int64_t ob = t / inner, i = t % inner;
   const T* rows = x + ob * kBlock * inner + i;
   float v[kBlock];
-  for (int j = 0; j < kBlock; ++j) v[j] = ToFloat(rows[j * inner]);
+  uint32_t s = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const T e = rows[j * inner];
+    v[j] = ToFloat(e);
+    s += RawBits(e);
+  }
   if (r.rht) Rht16(v, r.signs.sign_quarter);
   uint32_t m = 0;
   for (int j = 0; j < kBlock; ++j) m = max(m, MagnitudeBits(v[j]));
   amax[t] = __uint_as_float(m);
+  if (digest != nullptr) digest[t] = s;
 }
 
-__device__ inline uint32_t RawBits(float v) { return __float_as_uint(v); }
-__device__ inline uint32_t RawBits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-__device__ inline uint32_t RawBits(__half v) { return __half_as_ushort(v); }
 
 // stats[0] = max MagnitudeBits over x (after the RHT when asked), stats[1] += wrapping sum of x's element bits when
 // stochastic. Max and sum are order-free: the result does not depend on the launch shape.
@@ -396,22 +405,19 @@ ffi::Error Rht(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ff
   });
 }
 
-ffi::Error BlockAmax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t axis,
-                     bool rht, int64_t rht_seed) {
+ffi::Error BlockAmax(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> amax,
+                     ffi::RemainingRets more, int64_t axis, bool rht, int64_t rht_seed, bool digest) {
   AxisShape shape;
-  XLA_FP4_RETURN_IF_ERROR(CheckAxis(x.dimensions(), axis, &shape));
-  const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
-  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
-  const int64_t n = outer * (k / kBlock) * inner;
-  if (static_cast<int64_t>(amax->element_count()) != n) {
-    return InvalidArgument("xla_fp4_block_amax returns x's shape with the axis divided by 16");
-  }
+  ffi::AnyBuffer digests = *amax;  // replaced by the digests' result where there is one
+  XLA_FP4_RETURN_IF_ERROR(CheckBlockAmax(x, *amax, more, axis, rht_seed, digest, &shape, &digests));
+  const int64_t n = shape.size() / kBlock;
   if (n == 0) return ffi::Error::Success();
   const Recipe r(false, false, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    BlockAmaxKernel<<<GridSize(n), kThreadsPerBlock, 0, stream>>>(static_cast<const T*>(x.untyped_data()),
-                                                                   k / kBlock, inner, n, r, amax->typed_data());
+    BlockAmaxKernel<<<GridSize(n), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), shape.k / kBlock, shape.inner, n, r,
+        static_cast<float*>(amax->untyped_data()), digest ? static_cast<uint32_t*>(digests.untyped_data()) : nullptr);
     return LaunchStatus("xla_fp4_block_amax kernel");
   });
 }
@@ -492,5 +498,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCuda, xla_fp4::cuda::BlockAmax,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // x
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // amax per 1x16 block
+                                  .Ret<xla::ffi::AnyBuffer>()              // amax per 1x16 block (float32)
+                                  .RemainingRets()  // with digest: each block's digest (uint32)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_BLOCK_AMAX_ATTRIBUTES));

@@ -44,9 +44,12 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
   xla_fp4_output_stats(y: f32|bf16|f16[...], step: i32[]) -> f32[11]; no attrs
       (exact zeros of y, elements, 0, ...), or zeros where step < 0          (== numerics.telemetry.output_stats)
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
-  xla_fp4_block_amax(x: f32|bf16|f16[...]) -> f32[x.shape, axis / 16]; attrs axis: i64, rht: bool, rht_seed: i64
-      the max |v| of every 1x16 block (v = its RHT when rht), NaN as +Inf     (== numerics.block_amax); block-local,
-      for partitioned programs: the max over the result, a plain reduction, is the global amax.
+  xla_fp4_block_amax(x: f32|bf16|f16[...]) -> f32[x.shape, axis / 16] (, u32[x.shape, axis / 16] with digest)
+      attrs axis: i64, rht: bool, rht_seed: i64, digest: bool
+      the max |v| of every 1x16 block (v = its RHT when rht), NaN as +Inf     (== numerics.block_amax); with digest
+      also each block's wrapping uint32 sum of its elements' bits          (== numerics.block_digest); block-local,
+      for partitioned programs: the max over the maxima, a plain reduction, is the global amax, and the sum of the
+      digests x's digest (numerics.tensor_digest).
   xla_fp4_quantize_packed(x: f32|bf16|f16[rows, K], s_dec: f32[], key: u32[])
       -> (data: u8[rows, K/2], scales: u8[rows, K/16])
       attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64     (== numerics.pack(quantize(...)))
@@ -206,9 +209,10 @@ def rht(x, *, axis=-1, seed=0):
   return _call(targets.RHT, [jnp.asarray(x)], axis=axis, rht_seed=seed)
 
 
-def block_amax(x, *, axis=-1, rht=False, rht_seed=0):
-  """float32 max |v| per 1x16 block along `axis` (x's shape with the axis divided by 16); see the module docstring."""
-  return _call(targets.BLOCK_AMAX, [jnp.asarray(x)], axis=axis, rht=rht, rht_seed=rht_seed)
+def block_amax(x, *, axis=-1, rht=False, rht_seed=0, digest=False):
+  """float32 max |v| per 1x16 block along `axis` (x's shape with the axis divided by 16), and with `digest` the
+  uint32 digest per block (a tuple of both); see the module docstring."""
+  return _call(targets.BLOCK_AMAX, [jnp.asarray(x)], axis=axis, rht=rht, rht_seed=rht_seed, digest=digest)
 
 
 def quantize_packed(x, s_dec, key=0, *, axis=1, block_2d=False, stochastic=False, rht=False, rht_seed=0):

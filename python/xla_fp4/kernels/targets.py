@@ -104,9 +104,11 @@ def _f32_like_x(operands, attrs, dtype):
 
 
 def _block_maxima(operands, attrs, dtype):
+  """The maxima, and with `digest` the digests: x's shape with the axis divided by 16."""
   shape = list(operands[0].shape)
   shape[attrs["axis"]] //= BLOCK
-  return [jax.ShapeDtypeStruct(tuple(shape), np.float32)]
+  return [jax.ShapeDtypeStruct(tuple(shape), np.float32)] + (
+      [jax.ShapeDtypeStruct(tuple(shape), np.uint32)] if attrs["digest"] else [])
 
 
 def _packed(operands, attrs, dtype):
@@ -168,7 +170,8 @@ QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE, "salt": int}
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
                        block_local=BlockLocal(blocked=False, device_stats=True))
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
-BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int}, _block_maxima,
+# `digest`: each block's digest too (a second result), so that the stochastic-rounding key needs no other pass over x.
+BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int, "digest": bool}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
 QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE}, _packed,
                           packed=Packed("quantize", key_operand=2))

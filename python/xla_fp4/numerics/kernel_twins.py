@@ -11,9 +11,11 @@ from xla_fp4.numerics import nvfp4
 from xla_fp4.numerics.rht import rht_f32
 
 
-def block_amax(x, *, axis, rht, rht_seed):
-  """xla_fp4_block_amax: max |v| of every 1x16 block along `axis`, v = its RHT when `rht`, NaN as +Inf."""
-  return nvfp4.block_amax(x, axis=axis, rht_seed=rht_seed if rht else None)
+def block_amax(x, *, axis, rht, rht_seed, digest):
+  """xla_fp4_block_amax: max |v| of every 1x16 block along `axis`, v = its RHT when `rht`, NaN as +Inf; with `digest`
+  (maxima, each block's digest)."""
+  maxima = nvfp4.block_amax(x, axis=axis, rht_seed=rht_seed if rht else None)
+  return (maxima, nvfp4.block_digest(x, axis=axis)) if digest else maxima
 
 
 def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
@@ -40,8 +42,14 @@ def stochastic_key(x, salt):
   return salt ^ nvfp4.tensor_digest(x)
 
 
+def stochastic_key_of_blocks(block_digests, salt):
+  """stochastic_key from xla_fp4_block_amax's per-block digests (their wrapping sum is x's digest). The pass lowers
+  this twin into partitioned programs, where the sum is a plain reduce that XLA turns into an all-reduce."""
+  return salt ^ jnp.sum(block_digests, dtype=jnp.uint32)
+
+
 def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
   """xla_fp4_qdq_with_scale: (qdq of x with its own s_dec and key, s_dec): the partitioned pattern on one device."""
-  s_dec = decode_scale(block_amax(x, axis=axis, rht=rht, rht_seed=rht_seed))
+  s_dec = decode_scale(block_amax(x, axis=axis, rht=rht, rht_seed=rht_seed, digest=False))
   key = stochastic_key(x, salt) if stochastic else salt
   return qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed), s_dec

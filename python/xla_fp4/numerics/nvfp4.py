@@ -97,6 +97,16 @@ def tensor_digest(x):
   return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
 
 
+def block_digest(x, *, axis=-1):
+  """tensor_digest of every 1x16 block along `axis`: x's shape with the axis divided by 16, uint32. Wrapping sums
+  are order-free, so their sum is x's digest, and a sharded tensor's shards digest their own blocks (the kernel
+  xla_fp4_block_amax with digest)."""
+  axis, outer, k, inner = canonical_axis(x.shape, axis)
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16).astype(jnp.uint32)
+  sums = jnp.sum(bits.reshape(outer, k // BLOCK, BLOCK, inner), axis=2, dtype=jnp.uint32)
+  return sums.reshape(x.shape[:axis] + (k // BLOCK,) + x.shape[axis + 1:])
+
+
 def block_amax(x, *, axis=-1, rht_seed=None):
   """max |v| over every 1x16 block along `axis` as float32, NaN counted as +Inf; v = the block's RHT with `rht_seed`
   when one is given. The result has x's shape with the axis divided by 16, and its max is the tensor's amax. Blocks

@@ -435,19 +435,30 @@ def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding,
   attrs = _decode_config(target, backend_config)
   if PARTITIONED[target].device_stats:
     return _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape, result_sharding)
-  if result_sharding.is_manual() or result_sharding.is_maximal():
+  # Several results (xla_fp4_block_amax with digest) are shaped alike and sharded as the first.
+  shapes = list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
+  first = (result_sharding.tuple_elements() or [result_sharding])[0]
+  if first.is_manual() or first.is_maximal():
     # Inside shard_map (or on one device) the shapes are already the device's own: the kernel runs as it is.
-    module = _per_shard_module(target, attrs, arg_shapes, result_shape, None)
-    return module, [result_sharding] * len(arg_shapes), result_sharding
-  rank = len(result_shape.dimensions())
-  sharding = _result_sharding(target, list(result_shape.dimensions()), result_sharding, attrs)
+    module = _per_shard_module(target, attrs, arg_shapes, shapes, None)
+    return module, [first] * len(arg_shapes), result_sharding
+  rank = len(shapes[0].dimensions())
+  sharding = _result_sharding(target, list(shapes[0].dimensions()), first, attrs)
   salts = None
   if PARTITIONED[target].key_operand is not None and attrs["stochastic"] and not sharding.is_replicated():
     num_partitions = int(np.max(sharding.tile_assignment_devices())) + 1
     salts = _shard_salts(_shard_index_table(sharding, rank, num_partitions))
   arg_shardings = [sharding] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 1)  # x, then the scalars
   local = [sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
-  return _per_shard_module(target, attrs, local, sharding.tile(result_shape), salts), arg_shardings, sharding
+  module = _per_shard_module(target, attrs, local, [sharding.tile(s) for s in shapes], salts)
+  return module, arg_shardings, _alike(result_shape, sharding)
+
+
+def _alike(result_shape, sharding):
+  """`sharding` for every result of a call whose results are shaped alike."""
+  if not result_shape.is_tuple():
+    return sharding
+  return xc.HloSharding.tuple_sharding(result_shape, [sharding] * len(result_shape.tuple_shapes()))
 
 
 def _replicated(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
@@ -480,14 +491,18 @@ def _infer_from_operands(target, arg_shapes, arg_shardings, result_shape, backen
       x = _result_sharding(target, list(arg_shapes[0].dimensions()), x, attrs)
     out = [x] * (len(shapes) - 1) + [device_rows(shapes[-1].dimensions()[0])]
     return xc.HloSharding.tuple_sharding(result_shape, out) if result_shape.is_tuple() else out[0]
-  return _result_sharding(target, list(result_shape.dimensions()), arg_shardings[0], attrs)
+  first = result_shape.tuple_shapes()[0] if result_shape.is_tuple() else result_shape
+  return _alike(result_shape, _result_sharding(target, list(first.dimensions()), arg_shardings[0], attrs))
 
 
 def _propagate_user_sharding(target, user_sharding, shape, backend_config):
   """GSPMD's backward propagation: x is sharded like the result's user, block-aligned."""
   if PARTITIONED[target].device_stats:
     return user_sharding
-  return _result_sharding(target, list(shape.dimensions()), user_sharding, _decode_config(target, backend_config))
+  first = shape.tuple_shapes()[0] if shape.is_tuple() else shape  # results shaped alike: the first's users decide
+  user_sharding = (user_sharding.tuple_elements() or [user_sharding])[0]
+  return _alike(shape, _result_sharding(target, list(first.dimensions()), user_sharding,
+                                        _decode_config(target, backend_config)))
 
 
 _lock = threading.Lock()

@@ -7,7 +7,7 @@
 // DECISIONS: fprop:nvfp4
 // CHECK-LABEL: func.func public @main
 // CHECK: %[[XB:[0-9]+]] = stablehlo.custom_call @xla_fp4_block_amax(%[[X:[0-9]+]])
-// CHECK-SAME: axis = 1 : i64, rht = false
+// CHECK-SAME: axis = 1 : i64, digest = false, rht = false
 // CHECK-SAME: sdy.sharding_rule = #sdy.op_sharding_rule<([i, jk])->([i, j]) {i=32, j=4, k=16} need_replication={k}, custom>
 // CHECK-SAME: -> tensor<32x4xf32>
 // CHECK: %[[SX:[0-9]+]] = call @[[SCALE:xla_fp4_twin_decode_scale_[0-9a-f]+]](%[[XB]])

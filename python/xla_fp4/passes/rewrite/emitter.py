@@ -3,8 +3,9 @@
 Emulated forms (the GEMM in high precision on q·scale operands, f32 accumulation, both decode scales folded into the
 output as cuBLASLt's alpha):
   Form.WHOLE_TENSOR   %q, %s = xla_fp4_qdq_with_scale(%x)   one call per operand measures it (amax, key) itself
-  Form.PARTITIONED    %b = xla_fp4_block_amax(%x); %s = decode_scale twin(%b) (a max reduce XLA turns into an
-                      all-reduce); %key = stochastic_key twin(%x, %salt) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
+  Form.PARTITIONED    %b(, %d) = xla_fp4_block_amax(%x) {digest where stochastic}; %s = decode_scale twin(%b) (a max
+                      reduce XLA turns into an all-reduce); %key = stochastic_key_of_blocks twin(%d, %salt) (a sum,
+                      all-reduced) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
   then                %acc = dot_general(%qa, %qb) -> f32;  %y = convert(%acc * (%sa * %sb))
 Form.PACKED: each operand read as a matrix in place where its contracting dims lead or trail (`dims.as_read`: (K, rows)
 or (rows, K), a reshape; else a K-major copy), xla_fp4_quantize_packed along K (codes + E4M3 scales, K-major: where
@@ -154,14 +155,16 @@ class Emitter:
     partitioned pattern computes them: per-block maxima (block-local, so each shard measures its own), then the twins
     kernel_twins.decode_scale (a plain max reduce, which XLA partitions into a scalar all-reduce) and stochastic_key."""
     recipe = operand.recipe
-    blocks = self.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=self.seed))[0]
-    s_dec = self.twins.call(kernel_twins.decode_scale, [blocks], [scalar_type(f32())])[0]
+    # The key's digest comes from the same pass over x (the kernel's per-block digests): as a reduction of its own,
+    # XLA CPU materialized x's bits as uint32 for it (tensor parallelism in float32: 1.12x -> 1.08x the temporary
+    # memory of the unrewritten step, benchmarks/sharding.py), and a GPU would read x once more.
+    measured = self.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=self.seed,
+                                                                digest=recipe.stochastic))
+    s_dec = self.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())])[0]
     salt = const(formats.fold_in_int(self.seed, operand.salt_id), u32())
-    # The digest is order-free, so it reads the value x reshapes (the same elements): a gradient's dgrad and its
-    # wgrad (which reads it merged) then digest one value alike, which XLA computes once.
-    key = self.twins.call(kernel_twins.stochastic_key, [dims.reshape_source(x), salt], [scalar_type(u32())])[0] \
-        if recipe.stochastic else salt
-    return s_dec, key
+    if not recipe.stochastic:
+      return s_dec, salt
+    return s_dec, self.twins.call(kernel_twins.stochastic_key_of_blocks, [measured[1], salt], [scalar_type(u32())])[0]
 
   def _operand(self, x, axis, operand, user, form, select, after):
     """-> (q·scale in x's dtype, s_dec f32 scalar) of x quantized along `axis` per `operand` (an OperandPlan); with
