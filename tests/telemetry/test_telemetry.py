@@ -348,7 +348,7 @@ def test_overhead_benchmark_runs_and_records(tmp_path):
   result = json.loads(out.read_text())
   rows = result["rows"]
   assert [(row["layout"], row["dtype"]) for row in rows] == [
-      ("one_device", "float32"), ("one_device", "bfloat16"), ("fsdp", "float32"), ("fsdp", "bfloat16")]
+      (layout, dtype) for layout in ("one_device", "fsdp", "fsdp_cores") for dtype in ("float32", "bfloat16")]
   steps = 1 + result["rounds"] * result["steps_per_round"]  # the warm-up step, then the timed ones
   for row in rows:  # the same GEMMs recorded in every step, or in steps 0, 10, 20, ...
     per_step = row["records"]["every_1"] // steps
