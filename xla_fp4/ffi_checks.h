@@ -111,7 +111,7 @@ inline ffi::Error CheckSameShape(const ffi::AnyBuffer& x, const ffi::AnyBuffer& 
 }
 
 // xla_fp4_block_amax: x's axis and blocks, the seed, the float32 maxima (x's elements / 16), and with `digest` one
-// more result, uint32, as many; `more`: the results after the maxima. Sets *digests to that result, or null.
+// more result, uint32, as many; `more`: the results after the maxima. Sets *digests to that result where asked.
 inline ffi::Error CheckBlockAmax(const ffi::AnyBuffer& x, const ffi::AnyBuffer& amax, const ffi::RemainingRets& more,
                                  int64_t axis, int64_t rht_seed, bool digest, AxisShape* shape,
                                  ffi::AnyBuffer* digests) {

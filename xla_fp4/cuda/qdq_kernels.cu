@@ -150,7 +150,6 @@ __global__ void BlockAmaxKernel(const T* x, int64_t blocks, int64_t inner, int64
   if (digest != nullptr) digest[t] = s;
 }
 
-
 // stats[0] = max MagnitudeBits over x (after the RHT when asked), stats[1] += wrapping sum of x's element bits when
 // stochastic. Max and sum are order-free: the result does not depend on the launch shape.
 template <typename T>
