@@ -42,10 +42,10 @@ def stochastic_key(x, salt):
   return salt ^ nvfp4.tensor_digest(x)
 
 
-def stochastic_key_of_blocks(block_digests, salt):
-  """stochastic_key from xla_fp4_block_amax's per-block digests (their wrapping sum is x's digest). The pass lowers
+def digest_of_blocks(block_digests):
+  """x's digest (stochastic_key's) from xla_fp4_block_amax's per-block digests: their wrapping sum. The pass lowers
   this twin into partitioned programs, where the sum is a plain reduce that XLA turns into an all-reduce."""
-  return salt ^ jnp.sum(block_digests, dtype=jnp.uint32)
+  return jnp.sum(block_digests, dtype=jnp.uint32)
 
 
 def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):

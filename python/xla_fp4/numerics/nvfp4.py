@@ -10,6 +10,7 @@ layout cuBLASLt's VEC16_UE4M3 mode reads.
 
 import dataclasses
 import enum
+import functools
 from typing import Any
 
 import jax
@@ -90,21 +91,29 @@ def global_decode_scale(amax):
   return jnp.asarray(amax, jnp.float32) * formats.INV_GLOBAL_SCALE_DIVISOR
 
 
+def _element_bits(x):
+  """x's element bits as uint32 (16-bit floats zero-extended)."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16).astype(jnp.uint32)
+
+
+def _per_block(v, axis, reduce):
+  """reduce(.., axis=2) over every 1x16 block of v along `axis`: v's shape with the axis divided by 16."""
+  axis, outer, k, inner = canonical_axis(v.shape, axis)
+  blocks = reduce(v.reshape(outer, k // BLOCK, BLOCK, inner), axis=2)
+  return blocks.reshape(v.shape[:axis] + (k // BLOCK,) + v.shape[axis + 1:])
+
+
 def tensor_digest(x):
   """Wrapping uint32 sum of the bits of x's elements (16-bit floats zero-extended): cheap, order-free, different
   whenever x is; mixed into the stochastic-rounding key so that the rounding noise changes every step."""
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16)
-  return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+  return jnp.sum(_element_bits(x), dtype=jnp.uint32)
 
 
 def block_digest(x, *, axis=-1):
   """tensor_digest of every 1x16 block along `axis`: x's shape with the axis divided by 16, uint32. Wrapping sums
   are order-free, so their sum is x's digest, and a sharded tensor's shards digest their own blocks (the kernel
   xla_fp4_block_amax with digest)."""
-  axis, outer, k, inner = canonical_axis(x.shape, axis)
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16).astype(jnp.uint32)
-  sums = jnp.sum(bits.reshape(outer, k // BLOCK, BLOCK, inner), axis=2, dtype=jnp.uint32)
-  return sums.reshape(x.shape[:axis] + (k // BLOCK,) + x.shape[axis + 1:])
+  return _per_block(_element_bits(x), axis, functools.partial(jnp.sum, dtype=jnp.uint32))
 
 
 def block_amax(x, *, axis=-1, rht_seed=None):
@@ -112,12 +121,10 @@ def block_amax(x, *, axis=-1, rht_seed=None):
   when one is given. The result has x's shape with the axis divided by 16, and its max is the tensor's amax. Blocks
   are local, so a sharded tensor's shards measure their own (the kernel xla_fp4_block_amax)."""
   from xla_fp4.numerics.rht import rht_f32  # rht imports this module
-  axis, outer, k, inner = canonical_axis(x.shape, axis)
   v = x.astype(jnp.float32)
   if rht_seed is not None:
-    v = rht_f32(v, axis, rht_seed)
-  v = jnp.where(jnp.isnan(v), jnp.float32(jnp.inf), jnp.abs(v)).reshape(outer, k // BLOCK, BLOCK, inner)
-  return jnp.max(v, axis=2).reshape(x.shape[:axis] + (k // BLOCK,) + x.shape[axis + 1:])
+    v = rht_f32(v, canonical_axis(x.shape, axis)[0], rht_seed)
+  return _per_block(jnp.where(jnp.isnan(v), jnp.float32(jnp.inf), jnp.abs(v)), axis, jnp.max)
 
 
 def amax(x):

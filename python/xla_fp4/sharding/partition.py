@@ -405,7 +405,7 @@ def _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape
   a replica of a shard, whose kernel gets step -1 (the sum over devices then counts every element once). No
   collective: each device records its row (a record of parts; passes/rewrite/probes.py)."""
   local = PARTITIONED[target]
-  shapes = list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
+  shapes = _result_shapes(result_shape)
   shardings = list(result_sharding.tuple_elements()) if result_shape.is_tuple() else [result_sharding]
   num = shapes[-1].dimensions()[0]
   x_shape = list(arg_shapes[0].dimensions())
@@ -436,7 +436,7 @@ def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding,
   if PARTITIONED[target].device_stats:
     return _partition_with_stats(target, attrs, arg_shapes, arg_shardings, result_shape, result_sharding)
   # Several results (xla_fp4_block_amax with digest) are shaped alike and sharded as the first.
-  shapes = list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
+  shapes = _result_shapes(result_shape)
   first = (result_sharding.tuple_elements() or [result_sharding])[0]
   if first.is_manual() or first.is_maximal():
     # Inside shard_map (or on one device) the shapes are already the device's own: the kernel runs as it is.
@@ -454,11 +454,16 @@ def _partition(target, arg_shapes, arg_shardings, result_shape, result_sharding,
   return module, arg_shardings, _alike(result_shape, sharding)
 
 
+def _result_shapes(result_shape):
+  """The XLA shapes of a call's results (a tuple's elements, or the one result)."""
+  return list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
+
+
 def _alike(result_shape, sharding):
   """`sharding` for every result of a call whose results are shaped alike."""
   if not result_shape.is_tuple():
     return sharding
-  return xc.HloSharding.tuple_sharding(result_shape, [sharding] * len(result_shape.tuple_shapes()))
+  return xc.HloSharding.tuple_sharding(result_shape, [sharding] * len(_result_shapes(result_shape)))
 
 
 def _replicated(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
@@ -485,13 +490,13 @@ def _infer_from_operands(target, arg_shapes, arg_shardings, result_shape, backen
     return None
   attrs = _decode_config(target, backend_config)
   if PARTITIONED[target].device_stats:
-    shapes = list(result_shape.tuple_shapes()) if result_shape.is_tuple() else [result_shape]
+    shapes = _result_shapes(result_shape)
     x = arg_shardings[0]
     if PARTITIONED[target].blocked:
       x = _result_sharding(target, list(arg_shapes[0].dimensions()), x, attrs)
     out = [x] * (len(shapes) - 1) + [device_rows(shapes[-1].dimensions()[0])]
     return xc.HloSharding.tuple_sharding(result_shape, out) if result_shape.is_tuple() else out[0]
-  first = result_shape.tuple_shapes()[0] if result_shape.is_tuple() else result_shape
+  first = _result_shapes(result_shape)[0]
   return _alike(result_shape, _result_sharding(target, list(first.dimensions()), arg_shardings[0], attrs))
 
 
@@ -499,7 +504,7 @@ def _propagate_user_sharding(target, user_sharding, shape, backend_config):
   """GSPMD's backward propagation: x is sharded like the result's user, block-aligned."""
   if PARTITIONED[target].device_stats:
     return user_sharding
-  first = shape.tuple_shapes()[0] if shape.is_tuple() else shape  # results shaped alike: the first's users decide
+  first = _result_shapes(shape)[0]  # results shaped alike: the first's users decide
   user_sharding = (user_sharding.tuple_elements() or [user_sharding])[0]
   return _alike(shape, _result_sharding(target, list(first.dimensions()), user_sharding,
                                         _decode_config(target, backend_config)))

@@ -4,8 +4,8 @@ Emulated forms (the GEMM in high precision on q·scale operands, f32 accumulatio
 output as cuBLASLt's alpha):
   Form.WHOLE_TENSOR   %q, %s = xla_fp4_qdq_with_scale(%x)   one call per operand measures it (amax, key) itself
   Form.PARTITIONED    %b(, %d) = xla_fp4_block_amax(%x) {digest where stochastic}; %s = decode_scale twin(%b) (a max
-                      reduce XLA turns into an all-reduce); %key = stochastic_key_of_blocks twin(%d, %salt) (a sum,
-                      all-reduced) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
+                      reduce XLA turns into an all-reduce); %key = %salt ^ digest_of_blocks twin(%d) (a sum,
+                      all-reduced; once per value, reuse.py) or the salt; %q = xla_fp4_qdq(%x, %s, %key)
   then                %acc = dot_general(%qa, %qb) -> f32;  %y = convert(%acc * (%sa * %sb))
 Form.PACKED: each operand read as a matrix in place where its contracting dims lead or trail (`dims.as_read`: (K, rows)
 or (rows, K), a reshape; else a K-major copy), xla_fp4_quantize_packed along K (codes + E4M3 scales, K-major: where
@@ -150,22 +150,27 @@ class Emitter:
 
   # -- quantization ---------------------------------------------------------------------------------------------
 
-  def _scale_and_key(self, x, axis, operand):
+  def _scale_and_key(self, x, axis, operand, user):
     """The global decode scale of x (after the RHT where it applies) and the stochastic-rounding key, as the
     partitioned pattern computes them: per-block maxima (block-local, so each shard measures its own), then the twins
     kernel_twins.decode_scale (a plain max reduce, which XLA partitions into a scalar all-reduce) and
-    stochastic_key_of_blocks (a sum of the per-block digests, all-reduced likewise)."""
+    digest_of_blocks (a sum of the per-block digests, all-reduced likewise) where no earlier dot `user` sees has
+    digested x's elements (reuse.py)."""
     recipe = operand.recipe
+    digest = self.reuse.digest(x, user) if recipe.stochastic else None
     # The key's digest comes from the same pass over x (the kernel's per-block digests): as a reduction of its own,
     # XLA CPU materialized x's bits as uint32 for it (native 2D, float32: 1.003x -> 0.954x the temporary memory of
     # the unrewritten step, benchmarks/sharding.py), and a GPU would read x once more.
     measured = self.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=self.seed,
-                                                                digest=recipe.stochastic))
+                                                                digest=recipe.stochastic and digest is None))
     s_dec = self.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())])[0]
     salt = const(formats.fold_in_int(self.seed, operand.salt_id), u32())
     if not recipe.stochastic:
       return s_dec, salt
-    return s_dec, self.twins.call(kernel_twins.stochastic_key_of_blocks, [measured[1], salt], [scalar_type(u32())])[0]
+    if digest is None:
+      digest = self.twins.call(kernel_twins.digest_of_blocks, [measured[1]], [scalar_type(u32())])[0]
+      self.reuse.remember_digest(x, digest)
+    return s_dec, hlo.XorOp(salt, digest).result
 
   def _operand(self, x, axis, operand, user, form, select, after):
     """-> (q·scale in x's dtype, s_dec f32 scalar) of x quantized along `axis` per `operand` (an OperandPlan); with
@@ -177,7 +182,7 @@ class Emitter:
       found = self.reuse.quantized(x, blocks, select, user)
       if found is not None:
         return found
-    q, s_dec = self._quantize(x, axis, operand, form, after)
+    q, s_dec = self._quantize(x, axis, operand, form, after, user)
     if select is not None:
       measured = self._stats.get(q)
       q = hlo.SelectOp(select, x, q).result
@@ -188,7 +193,7 @@ class Emitter:
       self.reuse.remember(x, blocks, select, q, s_dec)
     return q, s_dec
 
-  def _quantize(self, x, axis, operand, form, after):
+  def _quantize(self, x, axis, operand, form, after, user):
     recipe = operand.recipe
     attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
                  rht_seed=self.seed)
@@ -201,7 +206,7 @@ class Emitter:
     if form is Form.WHOLE_TENSOR:
       q, s_dec = self.kernels.call(targets.QDQ_WITH_SCALE, [x], dict(attrs, salt=self._salt_value(operand)))
       return q, s_dec
-    s_dec, key = self._scale_and_key(x, axis, operand)
+    s_dec, key = self._scale_and_key(x, axis, operand, user)
     if after is not None and not recipe.stochastic:
       # Holding the wgrads' RHT-quantized activations from the forward cost 1.32x the temporary memory of the
       # unrewritten step under tensor parallelism (float32, benchmarks/sharding.py).
@@ -325,12 +330,12 @@ class Emitter:
     (reuse.py), and a later GEMM reads that copy, the rhs (`transposable`) also where it contracts the weight's other
     dim (a dgrad, as b_transposed: the same tiles hold the same codes along either axis)."""
     if not _tiles_alike(operand):
-      return self._packed(x, axis, measured, operand), False
+      return self._packed(x, axis, measured, operand, user), False
     found = self.reuse.packed_tiles(x, user, None if transposable else axis)
     if found is not None:
       found_axis, packed, s_dec, key = found
       return (packed, s_dec, key), found_axis != axis
-    packed, s_dec, key = self._packed(x, axis, measured, operand)
+    packed, s_dec, key = self._packed(x, axis, measured, operand, user)
     self.reuse.remember_packed_tiles(x, axis, packed, s_dec, key)
     return (packed, s_dec, key), False
 
@@ -359,12 +364,12 @@ class Emitter:
     total = hlo.ReshapeOp(ir.RankedTensorType.get(out_type.shape, f32()), total).result
     return total if out_type.element_type == f32() else hlo.ConvertOp(out_type, total).result
 
-  def _packed(self, x, axis, measured, operand):
+  def _packed(self, x, axis, measured, operand, user):
     """((codes, scales) K-major, s_dec, key) of the matrix x quantized along `axis` (dims.as_read); `measured`: (the
     same values, their K axis), from which the decode scale and the stochastic-rounding key are taken. Where K is x's
     first axis the codes and scales come (K/2, rows), (K/16, rows) and are transposed as bytes: a pair of codes shares
     a byte along K either way, so XLA moves a uint8 tensor an eighth the size of a float32 K-major copy of x."""
-    s_dec, key = self._scale_and_key(*measured, operand)
+    s_dec, key = self._scale_and_key(*measured, operand, user)
     recipe = operand.recipe
     packed = self.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key],
                                dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
