@@ -13,8 +13,6 @@
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
 #define XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
-#define XLA_FP4_QDQ_STATS_ATTRIBUTES(A) \
-  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
 #define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
 // digest: a second result, uint32 shaped like the maxima: each block's wrapping sum of its elements' bits (16-bit
 // floats zero-extended), whose sum is x's digest (the stochastic-rounding key's), read in the same pass over x.
@@ -43,13 +41,12 @@
   X(kQdqTarget, Qdq, XLA_FP4_QDQ_ATTRIBUTES)                                     \
   X(kQdqWithScaleTarget, QdqWithScale, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)        \
   X(kQdqWithScaleStatsTarget, QdqWithScaleStats, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES) \
-  X(kQdqStatsTarget, QdqStats, XLA_FP4_QDQ_STATS_ATTRIBUTES)                     \
   X(kQdqAndStatsTarget, QdqAndStats, XLA_FP4_QDQ_AND_STATS_ATTRIBUTES)           \
-  X(kQdqStatsKeyedTarget, QdqStatsKeyed, XLA_FP4_QDQ_AND_STATS_ATTRIBUTES)       \
   X(kOutputStatsTarget, OutputStats, XLA_FP4_NO_ATTRIBUTES)                      \
   X(kRhtTarget, Rht, XLA_FP4_RHT_ATTRIBUTES)                                     \
   X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
   X(kQuantizePackedTarget, QuantizePacked, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)   \
+  X(kQuantizePackedStatsTarget, QuantizePackedStats, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES) \
   X(kDequantizePackedTarget, DequantizePacked, XLA_FP4_NO_ATTRIBUTES)            \
   X(kGemmPackedTarget, GemmPacked, XLA_FP4_GEMM_PACKED_ATTRIBUTES)             \
   X(kRaggedGemmPackedTarget, RaggedGemmPacked, XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES) \
@@ -65,13 +62,12 @@ namespace xla_fp4 {
 inline constexpr char kQdqTarget[] = "xla_fp4_qdq";
 inline constexpr char kQdqWithScaleTarget[] = "xla_fp4_qdq_with_scale";
 inline constexpr char kQdqWithScaleStatsTarget[] = "xla_fp4_qdq_with_scale_stats";
-inline constexpr char kQdqStatsTarget[] = "xla_fp4_qdq_stats";
 inline constexpr char kQdqAndStatsTarget[] = "xla_fp4_qdq_and_stats";
-inline constexpr char kQdqStatsKeyedTarget[] = "xla_fp4_qdq_stats_keyed";
 inline constexpr char kOutputStatsTarget[] = "xla_fp4_output_stats";
 inline constexpr char kRhtTarget[] = "xla_fp4_rht";
 inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";
 inline constexpr char kQuantizePackedTarget[] = "xla_fp4_quantize_packed";
+inline constexpr char kQuantizePackedStatsTarget[] = "xla_fp4_quantize_packed_stats";
 inline constexpr char kDequantizePackedTarget[] = "xla_fp4_dequantize_packed";
 inline constexpr char kGemmPackedTarget[] = "xla_fp4_gemm_packed";
 inline constexpr char kRaggedGemmPackedTarget[] = "xla_fp4_ragged_gemm_packed";

@@ -6,10 +6,6 @@
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
 //   xla_fp4_qdq_with_scale_stats(x, step) -> (y, s_dec, stats)
 //                                      the same, and the quantization's statistics from the same pass (telemetry)
-//   xla_fp4_qdq_stats(x, s_dec, step) -> stats (float32[11])
-//                                      what xla_fp4_qdq does to x, as numerics/telemetry.py FIELDS (the telemetry)
-//   xla_fp4_qdq_stats_keyed(x, s_dec, key, step) -> stats
-//                                      the same with the key as an operand (a partitioned program's telemetry)
 //   xla_fp4_qdq_and_stats(x, s_dec, key, step) -> (y, stats)
 //                                      xla_fp4_qdq (apply_global_scale off) and, in a recorded step, the statistics of
 //                                      what it did to x from the same pass (a partitioned program's telemetry)
@@ -17,6 +13,7 @@
 
 #include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
+#include "xla_fp4/cpu_stats.h"
 #include "xla_fp4/ffi_targets.h"
 
 namespace xla_fp4::cpu {
@@ -50,110 +47,19 @@ void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const R
   });
 }
 
-// The statistics of one quantization (numerics/telemetry.py FIELDS), per tile: each tile writes its own entry (no
-// locks, and the sum over tiles runs in one order, whatever the threads did). Counts of elements whose block is live
-// (or whose scale underflows or clips) are 16 times the blocks' counts: every block has 16 elements (K % 16 == 0), so
-// counting elements never counts a padded tile's missing blocks.
-struct TileStats {
-  uint32_t amax_bits;
-  uint16_t nonzero, underflow, kept, live, scale_zero, clipped;  // at most 256 each
-  float energy, error;
-};
-
-constexpr float kClippedScale = 464.0f;  // numerics/telemetry.py _CLIPPED: halfway from E4M3's 448 to 480
-
-// The tile walker's q * scale values (v) against the tile of x they came from, reloaded (from cache) with the RHT.
-template <RhtAlong kRht, Blocks kBlocks, typename T>
-XLA_FP4_VECTOR_CLONES TileStats MeasureTile(const T* x, const View& view, const TilePos& p, const float* sign_quarter,
-                      const float (&v)[kBlock][kBlock], const uint8_t* code, const TensorScale& scale) {
-  alignas(64) float a[kBlock][kBlock];
-  LoadTransformed<kRht, false>(x, view, p, sign_quarter, a);
-  uint32_t am[kBlock] = {};
-  for (int i = 0; i < kBlock; ++i) {
-    for (int j = 0; j < kBlock; ++j) {
-      const int b = BlockOf<kBlocks>(i, j);
-      const uint32_t m = BitsOf(a[i][j]) & 0x7FFFFFFFu;
-      am[b] = m > am[b] ? m : am[b];
-    }
-  }
-  // Whole tiles in fixed-trip loops that vectorize; a padded tile's missing elements (zeros in a and v) must not
-  // count as live, so it takes the bounded loop.
-  const int nl = p.full ? kBlock : p.nl, nc = p.full ? kBlock : p.nc;
-  uint32_t amax = 0;
-  int nonzero = 0, underflow = 0, kept = 0, live = 0, scale_zero = 0, clipped = 0;
-  float energy = 0, error = 0;
-  for (int i = 0; i < nl; ++i) {
-    for (int j = 0; j < nc; ++j) {
-      const float x_ij = a[i][j], q_ij = v[i][j], e = x_ij - q_ij * scale.s_dec;
-      const uint32_t m = BitsOf(x_ij) & 0x7FFFFFFFu;
-      amax = m > amax ? m : amax;
-      nonzero += x_ij != 0.0f;
-      underflow += (x_ij != 0.0f) & (q_ij == 0.0f);
-      kept += q_ij != 0.0f;
-      energy += x_ij * x_ij;
-      error += e * e;
-    }
-  }
-  // Per block, weighted by its elements in this tile: a row (kRow), a column (kCol) or the whole tile (kTile).
-  const int per_block = kBlocks == Blocks::kRow ? nc : (kBlocks == Blocks::kCol ? nl : nl * nc);
-  const int blocks = kBlocks == Blocks::kRow ? nl : (kBlocks == Blocks::kCol ? nc : 1);
-  for (int b = 0; b < blocks; ++b) {
-    const bool is_live = am[b] != 0u;
-    live += is_live * per_block;
-    scale_zero += (is_live & (code[b] == 0)) * per_block;
-    clipped += (is_live & (AmaxFromBits(am[b]) * scale.s_enc_over_6 >= kClippedScale)) * per_block;
-  }
-  TileStats s;
-  s.amax_bits = amax;
-  s.nonzero = static_cast<uint16_t>(nonzero), s.underflow = static_cast<uint16_t>(underflow);
-  s.kept = static_cast<uint16_t>(kept), s.live = static_cast<uint16_t>(live);
-  s.scale_zero = static_cast<uint16_t>(scale_zero), s.clipped = static_cast<uint16_t>(clipped);
-  s.energy = energy, s.error = error;
-  return s;
-}
-
 // -> the FIELDS row of xla_fp4_qdq's result on x (q * scale from the same walker: bit-identical), and with y that
 // result itself (apply_global_scale false), from the same pass.
 template <typename T>
 void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, const TensorParams& tensor,
                   float* row, T* y = nullptr) {
-  const RhtSigns* rht = r.rht_signs();
-  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
-  const Blocks blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
-  const View tiles_view = ViewOf(g, blocks);
-  const int64_t col_groups = (tiles_view.cols + kBlock - 1) / kBlock;
-  std::vector<TileStats> tiles(tiles_view.tiles());
+  QuantizationStats<T> stats(x, g, r, tensor);
   ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor, 1.0f,
-                       [&](auto blocks_c, const View& view, const TilePos& p, float (&v)[kBlock][kBlock],
+                       [&](auto blocks, const View& view, const TilePos& p, float (&v)[kBlock][kBlock],
                            const uint8_t* code) {
-    const int64_t t = p.base / view.cols / kBlock * col_groups + p.base % view.cols / kBlock;
     if (y != nullptr) StoreTile(y, view, p, v);
-    WithRht(RhtDirection(g, rht), [&](auto along) {
-      tiles[t] = MeasureTile<decltype(along)::value, decltype(blocks_c)::value>(x, view, p, sq, v, code, tensor.scale);
-      return 0;
-    });
+    stats.template Measure<decltype(blocks)::value>(view, p, v, code);
   });
-  uint32_t amax_bits = 0;
-  int64_t counts[6] = {};
-  double energy = 0, error = 0;
-  for (const TileStats& s : tiles) {
-    amax_bits = s.amax_bits > amax_bits ? s.amax_bits : amax_bits;
-    const uint16_t c[6] = {s.nonzero, s.underflow, s.kept, s.live, s.scale_zero, s.clipped};
-    for (int i = 0; i < 6; ++i) counts[i] += c[i];
-    energy += s.energy, error += s.error;
-  }
-  using namespace telemetry;  // NOLINT: the field names
-  row[kAmax] = AmaxFromBits(amax_bits);
-  row[kDecodeScale] = tensor.scale.s_dec;
-  row[kElements] = static_cast<float>(g.size());
-  row[kNonzero] = static_cast<float>(counts[0]);
-  row[kUnderflow] = static_cast<float>(counts[1]);
-  row[kQuantizedNonzero] = static_cast<float>(counts[2]);
-  row[kEnergy] = static_cast<float>(energy);
-  row[kErrorEnergy] = static_cast<float>(error);
-  row[kLiveBlocks] = static_cast<float>(counts[3] / kBlock);
-  row[kScaleUnderflow] = static_cast<float>(counts[4] / kBlock);
-  row[kScaleSaturated] = static_cast<float>(counts[5] / kBlock);
+  stats.Row(row);
 }
 
 struct TensorStats {
@@ -323,53 +229,6 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
   });
 }
 
-// Telemetry: the statistics of xla_fp4_qdq's result on x, from the same tile walker (bit-identical q), in one read;
-// in a step that is not recorded (step < 0) zeros, without reading x. The key: `key` where given (a partitioned
-// program's, whose key is the whole tensor's), else the salt xor'ed with x's digest when stochastic (as the GEMM's
-// whole-tensor quantizer made it).
-ffi::Error QdqStatsCommon(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& s_dec, const uint32_t* key,
-                          ffi::Buffer<ffi::S32>& step, ffi::AnyBuffer& stats, int64_t axis, bool block_2d,
-                          bool stochastic, bool rht, int64_t rht_seed, int64_t salt, const char* target) {
-  Geometry g;
-  if (ffi::Error e = FirstError({CheckAxis(x.dimensions(), axis, &g), CheckSeed(rht_seed),
-                                 CheckCounterRange(stochastic, g.size(), x.dimensions()),
-                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"), CheckU32Attribute(salt, "salt"),
-                                 CheckStatsRow(stats.element_count(), stats.element_type(), target)});
-      e.failure()) {
-    return e;
-  }
-  if (step.typed_data()[0] < 0) {  // not a recorded step: no work
-    std::fill_n(static_cast<float*>(stats.untyped_data()), telemetry::kNumFields, 0.0f);
-    return ffi::Error::Success();
-  }
-  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.untyped_data());
-    const uint32_t k = key != nullptr ? *key
-                                      : (stochastic ? MeasureTensor(pool, xp, g, nullptr, true).digest : 0u) ^
-                                            static_cast<uint32_t>(salt);
-    const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()), k);
-    QdqStatsImpl(pool, xp, g, recipe, tensor, static_cast<float*>(stats.untyped_data()));
-    return ffi::Error::Success();
-  });
-}
-
-ffi::Error QdqStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::Buffer<ffi::S32> step,
-                       ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
-                       int64_t rht_seed, int64_t salt) {
-  return QdqStatsCommon(pool, x, s_dec, nullptr, step, *stats, axis, block_2d, stochastic, rht, rht_seed, salt,
-                        "xla_fp4_qdq_stats");
-}
-
-ffi::Error QdqStatsKeyedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-                            ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d,
-                            bool stochastic, bool rht, int64_t rht_seed) {
-  if (ffi::Error e = CheckScalar(key, ffi::DataType::U32, "key"); e.failure()) return e;
-  return QdqStatsCommon(pool, x, s_dec, static_cast<const uint32_t*>(key.untyped_data()), step, *stats, axis,
-                        block_2d, stochastic, rht, rht_seed, 0, "xla_fp4_qdq_stats_keyed");
-}
-
 // Telemetry's xla_fp4_qdq (a partitioned program's quantizer: x may be a shard): y as xla_fp4_qdq makes it without
 // the global scale, and in a recorded step (step >= 0) the statistics of that quantization of x from the same pass;
 // zeros otherwise.
@@ -530,25 +389,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleStatsCpu, xla_fp4::cpu::QdqWithS
                                   .Ret<ffi::AnyBuffer>()         // s_dec (float32 scalar)
                                   .Ret<ffi::AnyBuffer>()         // statistics, float32[11] (zeros when not recorded)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCpu, xla_fp4::cpu::QdqStatsFfi,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // s_dec
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded, no work)
-                                  .Ret<ffi::AnyBuffer>()  // statistics, float32[11] (zeros when not recorded)
-                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsKeyedCpu, xla_fp4::cpu::QdqStatsKeyedFfi,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x (a shard, in a partitioned program)
-                                  .Arg<ffi::AnyBuffer>()         // s_dec (float32 scalar)
-                                  .Arg<ffi::AnyBuffer>()         // key (uint32 scalar)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded, no work)
-                                  .Ret<ffi::AnyBuffer>()         // statistics, float32[11]
-                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_AND_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCpu, xla_fp4::cpu::QdqAndStatsFfi,
                               ffi::Ffi::Bind()

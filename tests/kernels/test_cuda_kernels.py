@@ -152,10 +152,9 @@ def test_qdq_with_scale_matches_the_cpu_kernel(gpu, dtype, block_2d, stochastic,
 @pytest.mark.parametrize("block_2d,stochastic,rht", [(False, False, False), (True, False, False), (False, True, True)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_telemetry_kernels_match_the_cpu_kernels(gpu, dtype, block_2d, stochastic, rht):
-  """xla_fp4_qdq_with_scale_stats, xla_fp4_qdq_stats, xla_fp4_output_stats and the partitioned forms
-  (xla_fp4_qdq_and_stats, xla_fp4_qdq_stats_keyed) on the device: the quantized values bit for bit, the counts exactly
-  and the energies to float rounding (the device sums in another order) against the CPU kernels; zeros in an
-  unrecorded step."""
+  """xla_fp4_qdq_with_scale_stats, xla_fp4_qdq_and_stats, xla_fp4_quantize_packed_stats (matrices) and
+  xla_fp4_output_stats on the device: the quantized values bit for bit, the counts exactly and the energies to float
+  rounding (the device sums in another order) against the CPU kernels; zeros in an unrecorded step."""
   from xla_fp4.kernels import targets
   from xla_fp4.numerics import telemetry
   flags = dict(block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=RHT_SEED)
@@ -168,15 +167,19 @@ def test_telemetry_kernels_match_the_cpu_kernels(gpu, dtype, block_2d, stochasti
       got, want = _run(gpu, with_stats, x), _run(_cpu(), with_stats, x)
       assert_same_bits(got[0], want[0])
       assert_same_bits(got[1], want[1])
-      stats = lambda x, s: kernels.qdq_stats(x, s, 7, step=step, axis=axis, **flags)  # noqa: E731
       zeros = lambda x: kernels.output_stats(x, step)  # noqa: E731
       both = lambda x, s: kernels.qdq_and_stats(x, s, 0x5EED, step=step, axis=axis, **flags)  # noqa: E731
-      keyed = lambda x, s: kernels.qdq_stats_keyed(x, s, 0x5EED, step=step, axis=axis, **flags)  # noqa: E731
       got_both, want_both = _run(gpu, both, x, want[1]), _run(_cpu(), both, x, want[1])
       assert_same_bits(got_both[0], want_both[0])
-      for a, b in ((got[2], want[2]), (_run(gpu, stats, x, want[1]), _run(_cpu(), stats, x, want[1])),
-                   (_run(gpu, zeros, x), _run(_cpu(), zeros, x)), (got_both[1], want_both[1]),
-                   (_run(gpu, keyed, x, want[1]), _run(_cpu(), keyed, x, want[1]))):
+      pairs = [(got[2], want[2]), (_run(gpu, zeros, x), _run(_cpu(), zeros, x)), (got_both[1], want_both[1])]
+      if x.ndim == 2 and shape[axis] % 16 == 0:  # the packed quantizer takes K's axis as 0 or 1
+        packed = lambda x, s: kernels.quantize_packed_stats(x, s, 0x5EED, step=step, axis=axis % 2,  # noqa: E731
+                                                            **flags)
+        got_packed, want_packed = _run(gpu, packed, x, want[1]), _run(_cpu(), packed, x, want[1])
+        assert_same_bits(got_packed[0], want_packed[0])
+        assert_same_bits(got_packed[1], want_packed[1])
+        pairs.append((got_packed[2], want_packed[2]))
+      for a, b in pairs:
         np.testing.assert_array_equal(a[counts], b[counts])
         np.testing.assert_allclose(a, b, rtol=1e-5)
         assert step >= 0 or not a.any()

@@ -10,7 +10,8 @@ from jax._src.lib.mlir import ir
 
 from xla_fp4 import kernels
 from xla_fp4.kernels import targets
-from xla_fp4.sharding import partition
+from xla_fp4.numerics import telemetry
+from xla_fp4.sharding import packed, partition
 
 X = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
 SCALAR_F32, SCALAR_U32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.uint32)
@@ -32,9 +33,7 @@ def test_twins_return_what_the_records_say(axis):
            (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=False, rht_seed=0, digest=False)),
            (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=True, rht_seed=0, digest=True)),
            (targets.QDQ_WITH_SCALE_STATS, [X, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
-           (targets.QDQ_STATS, [X, SCALAR_F32, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
            (targets.QDQ_AND_STATS, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE)),
-           (targets.QDQ_STATS_KEYED, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE)),
            (targets.OUTPUT_STATS, [X, SCALAR_I32], {})]
   assert {t for t, _, _ in cases} == {t for t in targets.ALL if t.twin is not None}
   for target, operands, attrs in cases:
@@ -48,6 +47,7 @@ def test_kernels_return_what_the_records_say():
   got = {
       targets.BLOCK_AMAX: [kernels.block_amax(x, axis=0), *kernels.block_amax(x, axis=0, digest=True)],
       targets.QUANTIZE_PACKED: [data, scales],
+      targets.QUANTIZE_PACKED_STATS: list(kernels.quantize_packed_stats(x, 1.0, axis=0)),
       targets.DEQUANTIZE_PACKED: [kernels.dequantize_packed(data, scales, 1.0, dtype=jnp.bfloat16)],
       targets.GEMM_PACKED: [kernels.gemm_packed(data, scales, data, scales, 1.0)],
       targets.RAGGED_GEMM_PACKED: [kernels.ragged_gemm_packed(data, scales, data[None], scales[None], [32], [1.0]),
@@ -56,6 +56,8 @@ def test_kernels_return_what_the_records_say():
   }
   assert [(a.shape, a.dtype) for a in got[targets.BLOCK_AMAX]] == [((2, 64), jnp.float32)] * 2 + [((2, 64), jnp.uint32)]
   assert [(a.shape, a.dtype) for a in got[targets.QUANTIZE_PACKED]][0] == ((32, 32), jnp.uint8)
+  assert [(a.shape, a.dtype) for a in got[targets.QUANTIZE_PACKED_STATS]] == [
+      ((16, 64), jnp.uint8), ((2, 64), jnp.uint8), ((len(telemetry.FIELDS),), jnp.float32)]
   (unpacked,) = got[targets.DEQUANTIZE_PACKED]
   assert unpacked.shape == (32, 64) and unpacked.dtype == jnp.bfloat16
   assert got[targets.GEMM_PACKED][0].shape == (32, 32)
@@ -81,12 +83,12 @@ def test_result_types_are_the_results_as_mlir_types():
 def test_the_partitioner_covers_exactly_the_block_local_targets():
   """The Shardy rule and the custom-call partitioner are installed for the records that say how shards run them."""
   assert set(partition.PARTITIONED) == {t.name for t in targets.ALL if t.block_local is not None} == {
-      "xla_fp4_qdq", "xla_fp4_rht", "xla_fp4_block_amax", "xla_fp4_qdq_and_stats", "xla_fp4_qdq_stats_keyed",
-      "xla_fp4_output_stats"}
+      "xla_fp4_qdq", "xla_fp4_rht", "xla_fp4_block_amax", "xla_fp4_qdq_and_stats", "xla_fp4_output_stats"}
   assert partition.PARTITIONED["xla_fp4_qdq"].key_operand == 2  # shards mix their index into the key
-  # telemetry's per-device statistics rows: the partitioned quantizer's and a wgrad output's
-  assert {t for t, local in partition.PARTITIONED.items() if local.device_stats} == {
-      "xla_fp4_qdq_and_stats", "xla_fp4_qdq_stats_keyed", "xla_fp4_output_stats"}
+  # telemetry's per-device statistics rows: the partitioned quantizers' (block-local and packed) and a wgrad output's
+  assert {t.name for t in targets.ALL if t.device_stats} == {
+      "xla_fp4_qdq_and_stats", "xla_fp4_quantize_packed_stats", "xla_fp4_output_stats"}
+  assert set(packed.callbacks()) == {t.name for t in targets.ALL if t.packed is not None}
 
 
 def test_records_and_the_extension_list_the_same_targets():

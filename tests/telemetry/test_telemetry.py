@@ -1,6 +1,7 @@
 """Telemetry (the `telemetry` option): the statistics the probes record, bound to a recomputation from
 xla_fp4.numerics; what they change (nothing); steps, blocks, shards, alerts, strict mode and the command line."""
 
+import collections
 import json
 import math
 import os
@@ -223,6 +224,32 @@ def test_native_backend_records_the_same_statistics(tmp_path):
     assert a["snr_db"] == pytest.approx(b["snr_db"], rel=1e-5)
 
 
+_MEASURING = {"xla_fp4_qdq_with_scale": "xla_fp4_qdq_with_scale_stats", "xla_fp4_qdq": "xla_fp4_qdq_and_stats",
+              "xla_fp4_quantize_packed": "xla_fp4_quantize_packed_stats"}  # each quantizer's telemetry form
+
+
+def _kernel_calls(text):
+  return collections.Counter(re.findall(r'custom_call_target="(xla_fp4_\w+)"', text))
+
+
+@pytest.mark.parametrize("backend", ["emulate", "native"])
+def test_quantizers_measure_in_their_own_pass(tmp_path, backend):
+  """With telemetry every operand is quantized by the same calls as without, each in its measuring form, and nothing
+  else reads it (issue 23: statistics in the kernels, never a second pass over x): the compiled step's kernel calls
+  are those of the step without telemetry, renamed, plus the step, the records and the wgrad outputs' zeros."""
+  w, x, t = _data()
+  xla_fp4.enable(keep_head=False, backend=backend)
+  plain = _kernel_calls(_linear_step().lower(w, x, t).compile().as_text())
+  xla_fp4.enable(keep_head=False, backend=backend, telemetry=str(tmp_path))
+  probed = _kernel_calls(_linear_step().lower(w, x, t).compile().as_text())
+  renamed = collections.Counter({_MEASURING.get(target, target): n for target, n in plain.items()})
+  added = probed - renamed
+  assert probed - added == renamed  # every call of the plain step, its quantizers in their measuring form
+  assert set(added) == {"xla_fp4_telemetry_step", "xla_fp4_telemetry_record", "xla_fp4_output_stats"}, added
+  quantizer = "xla_fp4_qdq_with_scale_stats" if backend == "emulate" else "xla_fp4_quantize_packed_stats"
+  assert probed[quantizer] > 0 and added["xla_fp4_output_stats"] == 1  # one wgrad
+
+
 def test_command_line(tmp_path):
   w, x, t = _data()
   _run(tmp_path, _linear_step(), (w, x, t), steps=2)
@@ -271,7 +298,7 @@ _SHARDED = textwrap.dedent("""
 @pytest.mark.parametrize("sharded", ["fsdp", "fsdp_native"])
 def test_sharded_statistics_equal_one_devices(tmp_path, sharded):
   """Under FSDP on 8 devices each statistic is the whole tensor's (each device measures its shard in the quantizer's
-  pass, or the native forms' requantization; the record sums the devices), as on one device."""
+  pass, the packed one in the native forms; the record sums the devices), as on one device."""
   clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
   runs = {}
   for layout in ("one", sharded):
@@ -316,14 +343,16 @@ _COLLECTIVES = textwrap.dedent(r"""
       ops = re.findall(r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
                        entry)
       arrays = sorted(f"{op} {a}" for shape, op in ops for a in re.findall(r"\w+\[[\d,]*\]", shape))
-      stats = text.count("xla_fp4_qdq_and_stats" if backend == "emulate" else "xla_fp4_qdq_stats_keyed")
-      print(";".join(arrays), stats, text.count("conditional("))
+      plain = "xla_fp4_qdq" if backend == "emulate" else "xla_fp4_quantize_packed"
+      calls = lambda target: text.count(f'custom_call_target="{target}"')
+      print(";".join(arrays), f"{calls(plain)},{calls(plain + ('_and_stats' if backend == 'emulate' else '_stats'))}",
+            text.count("conditional("))
 """)
 
 
 def test_sharded_steps_add_no_collective(tmp_path):
   """Under FSDP on 8 host devices (one process) the quantizers measure their shards in the same pass
-  (xla_fp4_qdq_and_stats; the native forms requantize the packed operands' shards, xla_fp4_qdq_stats_keyed), each
+  (xla_fp4_qdq_and_stats; in the native forms the packed quantizer, xla_fp4_quantize_packed_stats), each
   device records its own rows and the sink adds them: the step has the collectives it has without telemetry (each
   costs ~1 ms among host devices); on CPU each GEMM's record sits in a conditional on the step."""
   clean = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
@@ -331,8 +360,10 @@ def test_sharded_steps_add_no_collective(tmp_path):
                      cwd=ROOT)
   assert r.returncode == 0, r.stderr[-4000:]
   lines = [line.rsplit(" ", 2) for line in r.stdout.splitlines()[:4]]
-  for (off, off_stats, off_cases), (on, on_stats, on_cases) in (lines[0:2], lines[2:4]):  # emulate, native
-    assert int(off_stats) == 0 and int(on_stats) > 0
+  for (off, off_calls, off_cases), (on, on_calls, on_cases) in (lines[0:2], lines[2:4]):  # emulate, native
+    # the quantizers of the step without telemetry, each in its measuring form: no other pass over the shards
+    (off_plain, off_stats), (on_plain, on_stats) = [map(int, calls.split(",")) for calls in (off_calls, on_calls)]
+    assert off_plain > 0 and off_stats == 0 and on_plain == 0 and on_stats == off_plain
     assert on == off and "all-gather" in off  # the same collectives of the same arrays (XLA may combine them
     # otherwise): FSDP's weight gathers (packed in the native form), the amax reductions, the gradients' reductions
     assert int(on_cases) >= int(off_cases) + 5
@@ -364,8 +395,10 @@ STATS_CASES = [((64, 128), 1, False, False, False, jnp.float32), ((128, 64), 0, 
 
 @pytest.mark.parametrize("shape,axis,block_2d,stochastic,rht,dtype", STATS_CASES)
 def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, dtype):
-  """xla_fp4_qdq_with_scale_stats and xla_fp4_qdq_stats against numerics.telemetry (partial tiles, 2D tiles, the
-  RHT, stochastic rounding, a zero column): counts exactly, energies to float rounding; zeros in unrecorded steps."""
+  """The quantizers' telemetry forms (xla_fp4_qdq_with_scale_stats, xla_fp4_qdq_and_stats, xla_fp4_quantize_packed_stats)
+  against numerics.telemetry (partial tiles, 2D tiles, the RHT, stochastic rounding, a zero column): their quantized
+  values bit for bit as the plain quantizers', the counts exactly, energies to float rounding; zeros in unrecorded
+  steps."""
   from xla_fp4 import kernels
   from xla_fp4.kernels import targets
   from xla_fp4.numerics import telemetry as st
@@ -376,12 +409,9 @@ def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, 
   q, s_dec, row = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(4)], salt=77, **recipe)
   assert_same_bits(q, want_q)
   assert_same_bits(s_dec, want_s)
-  again = kernels.qdq_stats(x, s_dec, 77, step=4, **recipe)
-  for got in (np.asarray(row), np.asarray(again)):
-    counts = [i for i, f in enumerate(st.FIELDS) if f not in ("energy", "error_energy")]
-    np.testing.assert_array_equal(got[counts], np.asarray(want)[counts])
-    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5)
-  assert not np.asarray(kernels.qdq_stats(x, s_dec, 77, step=-1, **recipe)).any()
+  counts = [i for i, f in enumerate(st.FIELDS) if f not in ("energy", "error_energy")]
+  np.testing.assert_array_equal(np.asarray(row)[counts], np.asarray(want)[counts])
+  np.testing.assert_allclose(np.asarray(row), np.asarray(want), rtol=1e-5)
   _, _, skipped = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(-1)], salt=77, **recipe)
   assert not np.asarray(skipped).any()
   # the partitioned quantizer's form: the decode scale and key as operands, q and the row from one pass
@@ -394,8 +424,14 @@ def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, 
   q3, skipped = kernels.qdq_and_stats(x, s_dec, key, step=-1, **recipe)
   assert_same_bits(q3, want_q2)
   assert not np.asarray(skipped).any()
-  np.testing.assert_array_equal(np.asarray(kernels.qdq_stats_keyed(x, s_dec, key, step=4, **recipe)), row2)
-  assert not np.asarray(kernels.qdq_stats_keyed(x, s_dec, key, step=-1, **recipe)).any()
+  if x.ndim == 2:  # the native forms' quantizer: the packed codes and scales, and the same row from the same pass
+    data, scales, row3 = kernels.quantize_packed_stats(x, s_dec, key, step=4, **recipe)
+    for got, want_packed in zip((data, scales), kernels.quantize_packed(x, s_dec, key, **recipe)):
+      assert_same_bits(got, want_packed)
+    np.testing.assert_array_equal(np.asarray(row3), np.asarray(row2))
+    data, _, skipped = kernels.quantize_packed_stats(x, s_dec, key, step=-1, **recipe)
+    assert_same_bits(data, kernels.quantize_packed(x, s_dec, key, **recipe)[0])
+    assert not np.asarray(skipped).any()
   y = x.at[:2].set(0)
   np.testing.assert_array_equal(np.asarray(kernels.output_stats(y, 0)), np.asarray(st.output_stats(y, 0)))
   assert np.asarray(kernels.output_stats(y, 0))[0] >= 2 * np.prod(shape[1:])

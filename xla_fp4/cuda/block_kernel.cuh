@@ -90,7 +90,7 @@ __device__ void StoreBlock(T* y, const BlockGrid& g, const BlockIndex& b, const 
 
 // Quantizes one block per thread (after the RHT if asked) and hands (block, scale, E2M1 values, the block's amax, a 2D
 // tile's being the tile's) to `sink`, which decodes them (qdq), packs them (quantize_packed) or measures them
-// (qdq_stats); a sink's Skip() is true when the whole launch has nothing to do. s_dec and key stay on the device:
+// (stats_sink.cuh); a sink's Skip() is true when the whole launch has nothing to do. s_dec and key stay on the device:
 // no host synchronization.
 template <typename T, typename Sink>
 __global__ void QuantizeKernel(const T* x, BlockGrid g, Recipe r, const float* s_dec, const uint32_t* key, Sink sink) {

@@ -1,6 +1,7 @@
-// xla_fp4_quantize_packed and xla_fp4_dequantize_packed on CUDA: the storage numerics/packing.py defines (two E2M1
-// codes per byte, even element in the low nibble; E4M3 scales (rows, K/16) row-major), and SwizzleScales, which lays
-// such scales out as cuBLASLt's FP4 GEMM reads them (128x4 tiles, padding zero).
+// xla_fp4_quantize_packed (and its telemetry form, xla_fp4_quantize_packed_stats) and xla_fp4_dequantize_packed on
+// CUDA: the storage numerics/packing.py defines (two E2M1 codes per byte, even element in the low nibble; E4M3 scales
+// (rows, K/16) row-major), and SwizzleScales, which lays such scales out as cuBLASLt's FP4 GEMM reads them (128x4
+// tiles, padding zero).
 #include <cstdint>
 #include <string>
 
@@ -8,6 +9,7 @@
 #include "xla_fp4/cuda/block_kernel.cuh"
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/cuda/cuda_util.h"
+#include "xla_fp4/cuda/stats_sink.cuh"
 #include "xla_fp4/nvfp4_format.h"
 #include "xla_fp4/ffi_targets.h"
 
@@ -33,6 +35,19 @@ struct PackSink {
       }
     }
     scales[(b.o * (g.k / kBlock) + b.kb) * g.inner + b.i] = bs.code;
+  }
+};
+
+// xla_fp4_quantize_packed_stats: the packed block, and in a recorded step its statistics.
+template <typename T>
+struct PackStatsSink {
+  PackSink pack;
+  StatsSink<T> stats;
+  __device__ bool Skip() const { return false; }
+  __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
+                             const float* q, float amax) const {
+    pack(g, b, bs, ts, q, amax);
+    if (!stats.Skip()) stats.Measure(g, b, bs, ts, q, amax);
   }
 };
 
@@ -64,6 +79,38 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
         static_cast<const T*>(x.untyped_data()), g, r, static_cast<const float*>(s_dec.untyped_data()),
         static_cast<const uint32_t*>(key.untyped_data()), sink);
     return LaunchStatus("xla_fp4_quantize_packed kernel");
+  });
+}
+
+// Telemetry's xla_fp4_quantize_packed (the native forms' quantizer; x may be a shard): the same codes and scales, and
+// in a recorded step the statistics of that quantization from the same pass over x (the sink reads the step on the
+// device).
+ffi::Error QuantizePackedStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                               ffi::AnyBuffer s_dec, ffi::AnyBuffer key, ffi::Buffer<ffi::S32> step,
+                               ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales,
+                               ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis, bool block_2d, bool stochastic,
+                               bool rht, int64_t rht_seed) {
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
+  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_quantize_packed_stats"));
+  StatsAccumulators acc;
+  XLA_FP4_RETURN_IF_ERROR(StatsAccumulators::Allocate(scratch, stream, &acc));
+  const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const float* s = static_cast<const float*>(s_dec.untyped_data());
+  const PackSink pack{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data())};
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = static_cast<const T*>(x.untyped_data());
+    if (g.Threads() > 0) {
+      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+          xp, g, r, s, static_cast<const uint32_t*>(key.untyped_data()),
+          PackStatsSink<T>{pack, StatsSink<T>{xp, r, step.typed_data(), acc.counts, acc.energies}});
+      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_quantize_packed_stats kernel"));
+    }
+    StatsFinishKernel<<<1, 1, 0, stream>>>(acc.counts, acc.energies, s, step.typed_data(),
+                                           static_cast<float>(shape.size()), stats->typed_data());
+    return LaunchStatus("xla_fp4_quantize_packed_stats finish kernel");
   });
 }
 
@@ -138,6 +185,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda, xla_fp4::cuda::QuantizeP
                                   .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
                                   .Ret<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2) or (K/2, rows)
                                   .Ret<xla::ffi::AnyBuffer>()  // scales, uint8 (rows, K/16) or (K/16, rows)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedStatsCuda, xla_fp4::cuda::QuantizePackedStats,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // x (rows, K) or (K, rows) (axis 0)
+                                  .Arg<xla::ffi::AnyBuffer>()              // s_dec (float32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()              // key (uint32 scalar)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded)
+                                  .Ret<xla::ffi::AnyBuffer>()              // data, uint8
+                                  .Ret<xla::ffi::AnyBuffer>()              // scales, uint8
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda, xla_fp4::cuda::DequantizePacked,

@@ -1,4 +1,4 @@
-// xla_fp4_qdq, xla_fp4_qdq_with_scale, xla_fp4_qdq_stats, xla_fp4_rht and xla_fp4_block_amax on CUDA: the same numbers
+// xla_fp4_qdq, xla_fp4_qdq_with_scale (and their telemetry forms), xla_fp4_rht and xla_fp4_block_amax on CUDA: the same numbers
 // as the CPU kernels (qdq_kernels.cc).
 #include <cstdint>
 #include <optional>
@@ -8,6 +8,7 @@
 #include "xla_fp4/cuda/block_kernel.cuh"
 #include "xla_fp4/cuda/cuda_handlers.h"
 #include "xla_fp4/cuda/cuda_util.h"
+#include "xla_fp4/cuda/stats_sink.cuh"
 #include "xla_fp4/nvfp4_format.h"
 #include "xla_fp4/ffi_targets.h"
 
@@ -31,54 +32,6 @@ struct DequantizeSink {
   }
 };
 
-// Telemetry (xla_fp4_qdq_stats): each thread compares its block's q * scale with the block's x (reloaded, the RHT
-// applied) and adds to counts[7] (amax bits by max; nonzero, underflow, kept elements; live, zero-scale and clipped
-// blocks) and energies[2] (x², error²). Counts are exact and order-free; the energies' order follows the atomics
-// (float rounding only).
-template <typename T>
-struct StatsSink {
-  const T* x;
-  Recipe r;
-  const int32_t* step;  // -1: not a recorded step, nothing to do
-  unsigned long long* counts;
-  double* energies;
-  __device__ bool Skip() const { return *step < 0; }
-  __device__ void operator()(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
-                             const float* q, float amax) const {
-    Measure(g, b, bs, ts, q, amax);
-  }
-  __device__ void Measure(const BlockGrid& g, const BlockIndex& b, const BlockScale& bs, const TensorScale& ts,
-                          const float* q, float amax) const {
-    float v[kBlock];
-    LoadBlock(x, g, b, v);
-    if (r.rht) Rht16(v, r.signs.sign_quarter);
-    unsigned long long nonzero = 0, underflow = 0, kept = 0;
-    uint32_t m = 0;
-    double energy = 0, error = 0;
-    for (int j = 0; j < kBlock; ++j) {
-      const float qs = q[j] * bs.scale, e = v[j] - qs * ts.s_dec;
-      m = max(m, MagnitudeBits(v[j]));
-      nonzero += v[j] != 0.0f;
-      underflow += v[j] != 0.0f && qs == 0.0f;
-      kept += qs != 0.0f;
-      energy += static_cast<double>(v[j] * v[j]);
-      error += static_cast<double>(e * e);
-    }
-    const bool live = amax > 0.0f;  // the block's amax as the quantizer saw it (a 2D tile's: the tile's)
-    atomicMax(&counts[0], static_cast<unsigned long long>(m));
-    atomicAdd(&counts[1], nonzero);
-    atomicAdd(&counts[2], underflow);
-    atomicAdd(&counts[3], kept);
-    if (live) {
-      atomicAdd(&counts[4], 1ull);
-      if (bs.code == 0) atomicAdd(&counts[5], 1ull);
-      if (amax * ts.s_enc_over_6 >= 464.0f) atomicAdd(&counts[6], 1ull);  // numerics/telemetry.py _CLIPPED
-    }
-    atomicAdd(&energies[0], energy);
-    atomicAdd(&energies[1], error);
-  }
-};
-
 // xla_fp4_qdq_with_scale_stats: the dequantized block, and in a recorded step its statistics.
 template <typename T>
 struct DequantizeStatsSink {
@@ -91,27 +44,6 @@ struct DequantizeStatsSink {
     if (!stats.Skip()) stats.Measure(g, b, bs, ts, q, amax);
   }
 };
-
-// The FIELDS row from the accumulators, on the device.
-__global__ void StatsFinishKernel(const unsigned long long* counts, const double* energies, const float* s_dec,
-                                  const int32_t* step, float elements, float* row) {
-  using namespace telemetry;  // NOLINT: the field names
-  if (*step < 0) {
-    for (int i = 0; i < kNumFields; ++i) row[i] = 0.0f;
-    return;
-  }
-  row[kAmax] = __uint_as_float(static_cast<uint32_t>(counts[0]));  // MagnitudeBits: NaN counted as +Inf
-  row[kDecodeScale] = *s_dec;
-  row[kElements] = elements;
-  row[kNonzero] = static_cast<float>(counts[1]);
-  row[kUnderflow] = static_cast<float>(counts[2]);
-  row[kQuantizedNonzero] = static_cast<float>(counts[3]);
-  row[kEnergy] = static_cast<float>(energies[0]);
-  row[kErrorEnergy] = static_cast<float>(energies[1]);
-  row[kLiveBlocks] = static_cast<float>(counts[4]);
-  row[kScaleUnderflow] = static_cast<float>(counts[5]);
-  row[kScaleSaturated] = static_cast<float>(counts[6]);
-}
 
 template <typename T>
 __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
@@ -232,15 +164,13 @@ ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch,
   const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
   XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
   if (s_dec.element_count() != 1) return InvalidArgument("xla_fp4_qdq_with_scale returns a float32 scalar s_dec");
-  // amax bits, digest, key; then (telemetry) 7 counts and 2 energies
-  constexpr size_t kScaleBytes = 4 * sizeof(uint32_t), kStatsBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double);
-  std::optional<void*> words = scratch.Allocate(kScaleBytes + (step ? kStatsBytes : 0), alignof(double));
+  // amax bits, digest, key
+  std::optional<void*> words = scratch.Allocate(4 * sizeof(uint32_t), alignof(uint32_t));
   if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the scale");
   uint32_t* stats = static_cast<uint32_t*>(*words);
-  auto* counts = reinterpret_cast<unsigned long long*>(stats + 4);
-  auto* energies = reinterpret_cast<double*>(counts + 7);
-  XLA_FP4_RETURN_IF_ERROR(CudaStatus(
-      cudaMemsetAsync(stats, 0, kScaleBytes + (step ? kStatsBytes : 0), stream), "cudaMemsetAsync"));
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(stats, 0, 4 * sizeof(uint32_t), stream), "cudaMemsetAsync"));
+  StatsAccumulators acc;  // telemetry
+  if (step != nullptr) XLA_FP4_RETURN_IF_ERROR(StatsAccumulators::Allocate(scratch, stream, &acc));
   const Recipe r(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
@@ -261,12 +191,12 @@ ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch,
     } else if (g.Threads() > 0) {
       QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
           xp, g, r, s_dec.typed_data(), stats + 2,
-          DequantizeStatsSink<T>{dequantize, StatsSink<T>{xp, r, step, counts, energies}});
+          DequantizeStatsSink<T>{dequantize, StatsSink<T>{xp, r, step, acc.counts, acc.energies}});
     }
     XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale kernel"));
     if (step == nullptr) return ffi::Error::Success();
-    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s_dec.typed_data(), step, static_cast<float>(shape.size()),
-                                           row);
+    StatsFinishKernel<<<1, 1, 0, stream>>>(acc.counts, acc.energies, s_dec.typed_data(), step,
+                                           static_cast<float>(shape.size()), row);
     return LaunchStatus("xla_fp4_qdq_with_scale_stats finish kernel");
   });
 }
@@ -282,12 +212,8 @@ ffi::Error QdqAndStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
   XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_qdq_and_stats"));
-  constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double);
-  std::optional<void*> words = scratch.Allocate(kBytes, alignof(double));
-  if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the stats");
-  auto* counts = static_cast<unsigned long long*>(*words);
-  auto* energies = reinterpret_cast<double*>(counts + 7);
-  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(counts, 0, kBytes, stream), "cudaMemsetAsync"));
+  StatsAccumulators acc;
+  XLA_FP4_RETURN_IF_ERROR(StatsAccumulators::Allocate(scratch, stream, &acc));
   const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
   const Recipe r(block_2d, stochastic, rht, rht_seed);
   const float* s = static_cast<const float*>(s_dec.untyped_data());
@@ -298,91 +224,12 @@ ffi::Error QdqAndStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
       const DequantizeSink<T> dequantize{static_cast<T*>(y->untyped_data()), false};
       QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
           xp, g, r, s, static_cast<const uint32_t*>(key.untyped_data()),
-          DequantizeStatsSink<T>{dequantize, StatsSink<T>{xp, r, step.typed_data(), counts, energies}});
+          DequantizeStatsSink<T>{dequantize, StatsSink<T>{xp, r, step.typed_data(), acc.counts, acc.energies}});
       XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_and_stats kernel"));
     }
-    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s, step.typed_data(), static_cast<float>(shape.size()),
-                                           stats->typed_data());
+    StatsFinishKernel<<<1, 1, 0, stream>>>(acc.counts, acc.energies, s, step.typed_data(),
+                                           static_cast<float>(shape.size()), stats->typed_data());
     return LaunchStatus("xla_fp4_qdq_and_stats finish kernel");
-  });
-}
-
-// The stochastic-rounding key as the GEMM's quantizer made it (salt ^ x's digest), in a recorded step only.
-template <typename T>
-__global__ void StatsKeyKernel(const T* x, int64_t n, const int32_t* step, uint32_t* digest) {
-  if (*step < 0) return;
-  uint32_t s = 0;
-  for (int64_t i = ThreadIndex(); i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) s += RawBits(x[i]);
-  atomicAdd(digest, s);  // wrapping and order-free
-}
-
-__global__ void SaltKeyKernel(uint32_t* key, uint32_t salt) { *key ^= salt; }
-
-// With `given_key` (xla_fp4_qdq_stats_keyed: a partitioned program's, the whole tensor's key) the key is read from it;
-// else it is made as the whole-tensor quantizer made it (salt ^ x's digest).
-ffi::Error QdqStatsCommon(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer& x,
-                          ffi::AnyBuffer& s_dec, const uint32_t* given_key, ffi::Buffer<ffi::S32>& step,
-                          ffi::Buffer<ffi::F32>& stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
-                          int64_t rht_seed, int64_t salt);
-
-ffi::Error QdqStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
-                    ffi::Buffer<ffi::S32> step, ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis,
-                    bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
-  return QdqStatsCommon(stream, scratch, x, s_dec, nullptr, step, *stats, axis, block_2d, stochastic, rht, rht_seed,
-                        salt);
-}
-
-ffi::Error QdqStatsKeyed(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
-                         ffi::AnyBuffer key, ffi::Buffer<ffi::S32> step, ffi::Result<ffi::Buffer<ffi::F32>> stats,
-                         int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
-  return QdqStatsCommon(stream, scratch, x, s_dec, static_cast<const uint32_t*>(key.untyped_data()), step, *stats,
-                        axis, block_2d, stochastic, rht, rht_seed, 0);
-}
-
-ffi::Error QdqStatsCommon(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer& x,
-                          ffi::AnyBuffer& s_dec, const uint32_t* given_key, ffi::Buffer<ffi::S32>& step,
-                          ffi::Buffer<ffi::F32>& stats, int64_t axis, bool block_2d, bool stochastic, bool rht,
-                          int64_t rht_seed, int64_t salt) {
-  AxisShape shape;
-  XLA_FP4_RETURN_IF_ERROR(CheckAxis(x.dimensions(), axis, &shape));
-  XLA_FP4_RETURN_IF_ERROR(CheckSeed(rht_seed));
-  XLA_FP4_RETURN_IF_ERROR(CheckCounterRange(stochastic, shape.size(), x.dimensions()));
-  XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
-  XLA_FP4_RETURN_IF_ERROR(CheckU32Attribute(salt, "salt"));
-  XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats.element_count(), ffi::F32, "xla_fp4_qdq_stats"));
-  constexpr size_t kBytes = 7 * sizeof(unsigned long long) + 2 * sizeof(double) + sizeof(uint64_t);
-  std::optional<void*> words = scratch.Allocate(kBytes, alignof(double));
-  if (!words.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "no scratch memory for the stats");
-  auto* counts = static_cast<unsigned long long*>(*words);
-  auto* energies = reinterpret_cast<double*>(counts + 7);
-  auto* key = reinterpret_cast<uint32_t*>(energies + 2);
-  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(counts, 0, kBytes, stream), "cudaMemsetAsync"));
-  const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
-  const Recipe r(block_2d, stochastic, rht, rht_seed);
-  const float* s = static_cast<const float*>(s_dec.untyped_data());
-  const int64_t n = shape.size();
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.untyped_data());
-    if (given_key == nullptr && stochastic && n > 0) {
-      const unsigned blocks = GridSize(n) < 1024u ? GridSize(n) : 1024u;
-      StatsKeyKernel<<<blocks, kThreadsPerBlock, 0, stream>>>(xp, n, step.typed_data(), key);
-      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats key kernel"));
-    }
-    if (given_key == nullptr) {
-      SaltKeyKernel<<<1, 1, 0, stream>>>(key, static_cast<uint32_t>(salt));
-      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats salt kernel"));
-    }
-    if (g.Threads() > 0) {
-      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
-          xp, g, r, s, given_key != nullptr ? given_key : key,
-          StatsSink<T>{xp, r, step.typed_data(), counts, energies});
-      XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_stats kernel"));
-    }
-    StatsFinishKernel<<<1, 1, 0, stream>>>(counts, energies, s, step.typed_data(), static_cast<float>(n),
-                                           stats.typed_data());
-    return LaunchStatus("xla_fp4_qdq_stats finish kernel");
   });
 }
 
@@ -452,27 +299,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleStatsCuda, xla_fp4::cuda::QdqWit
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // s_dec (float32 scalar)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsCuda, xla_fp4::cuda::QdqStats,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // x
-                                  .Arg<xla::ffi::AnyBuffer>()              // s_dec (float32 scalar)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded, no work)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
-                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_STATS_ATTRIBUTES));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqStatsKeyedCuda, xla_fp4::cuda::QdqStatsKeyed,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // x (a shard, in a partitioned program)
-                                  .Arg<xla::ffi::AnyBuffer>()              // s_dec (float32 scalar)
-                                  .Arg<xla::ffi::AnyBuffer>()              // key (uint32 scalar)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step (-1: not recorded, no work)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
-                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_AND_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCuda, xla_fp4::cuda::QdqAndStats,
                               xla::ffi::Ffi::Bind()

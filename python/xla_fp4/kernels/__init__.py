@@ -26,21 +26,13 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       that are whole on one device: a partitioned program needs the global amax, i.e. a reduction XLA can partition.
   xla_fp4_qdq_with_scale_stats(x: f32|bf16|f16[...], step: i32[]) -> (x's type, s_dec: f32[], stats: f32[11])
       attrs as xla_fp4_qdq_with_scale's: its results, and where step >= 0 the statistics of that quantization
-      (xla_fp4_qdq_stats's row) from the same pass over x, else zeros   (== numerics.telemetry.qdq_with_scale_stats)
-  xla_fp4_qdq_stats(x: f32|bf16|f16[...], s_dec: f32[], step: i32[]) -> f32[11]
-      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, salt: i64
-      the statistics of xla_fp4_qdq's q * scale on x with key = salt (^ x's digest when stochastic)
-      (numerics/telemetry.py FIELDS, == numerics.telemetry.qdq_stats: counts exactly, energies to float rounding),
-      from the same quantizer, reading x once (twice when stochastic); zeros, reading nothing, where step < 0.
-      Whole tensors only.
+      (numerics/telemetry.py FIELDS: counts exactly, energies to float rounding) from the same pass over x, else
+      zeros, reading nothing more                                       (== numerics.telemetry.qdq_with_scale_stats)
   xla_fp4_qdq_and_stats(x: f32|bf16|f16[...], s_dec: f32[], key: u32[], step: i32[]) -> (x's type, f32[11])
       attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64
       xla_fp4_qdq's result with apply_global_scale false, and where step >= 0 the statistics of that quantization of
       x from the same pass, else zeros (== numerics.telemetry.qdq_and_stats). Block-local: a partitioned program's
       quantizer with telemetry, x a shard (sharding/partition.py: the row per device).
-  xla_fp4_qdq_stats_keyed(x: f32|bf16|f16[...], s_dec: f32[], key: u32[], step: i32[]) -> f32[11]
-      attrs as xla_fp4_qdq_and_stats's: its statistics row alone, reading x only where step >= 0
-      (== numerics.telemetry.qdq_stats_keyed). Block-local (the native forms' partitioned telemetry).
   xla_fp4_output_stats(y: f32|bf16|f16[...], step: i32[]) -> f32[11]; no attrs
       (exact zeros of y, elements, 0, ...), or zeros where step < 0          (== numerics.telemetry.output_stats)
   xla_fp4_rht(x: f32|bf16|f16[...]) -> f32[x.shape]; attrs axis: i64, rht_seed: i64    (== numerics.rht.rht_f32)
@@ -55,6 +47,10 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64     (== numerics.pack(quantize(...)))
       axis 1; with axis 0 x is [K, rows] and data, scales u8[K/2, rows], u8[K/16, rows] (x's dims: the transposes),
       read as the program holds x (no K-major copy of x; stochastic rounding's bits follow positions in x).
+  xla_fp4_quantize_packed_stats(x, s_dec, key, step: i32[]) -> (data, scales, f32[11])
+      attrs as xla_fp4_quantize_packed's: its results, and where step >= 0 the statistics of that quantization of x
+      from the same pass (== numerics.telemetry.qdq_and_stats's row: counts exactly, energies to float rounding),
+      else zeros. x may be a shard (sharding/packed.py: the row per device): the native forms' telemetry.
   xla_fp4_dequantize_packed(data: u8[rows, K/2], scales: u8[rows, K/16], s_dec: f32[])
       -> f32|bf16|f16[rows, K]; no attrs
   xla_fp4_gemm_packed(a_data: u8[M, K/2], a_scales: u8[M, K/16], b_data: u8[N, K/2], b_scales: u8[N, K/16],
@@ -156,24 +152,11 @@ def _call(target, operands, dtype=None, **attrs):
   return call(*operands, **typed)
 
 
-def qdq_stats(x, s_dec, salt=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
-  """The telemetry statistics (numerics/telemetry.py FIELDS) of x's quantization with the C++ kernel."""
-  return _call(targets.QDQ_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(step, jnp.int32)], axis=axis,
-               block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed, salt=salt)
-
-
 def qdq_and_stats(x, s_dec, key=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
   """(xla_fp4_qdq's q * scale, the statistics row of that quantization) with the C++ kernel."""
   return _call(targets.QDQ_AND_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
                                        _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d, stochastic=stochastic,
                rht=rht, rht_seed=rht_seed)
-
-
-def qdq_stats_keyed(x, s_dec, key=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
-  """The statistics row of xla_fp4_qdq's quantization of x with s_dec and `key`, with the C++ kernel."""
-  return _call(targets.QDQ_STATS_KEYED, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
-                                         _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d,
-               stochastic=stochastic, rht=rht, rht_seed=rht_seed)
 
 
 def output_stats(y, step=0):
@@ -224,6 +207,15 @@ def quantize_packed(x, s_dec, key=0, *, axis=1, block_2d=False, stochastic=False
     raise ValueError(f"quantize_packed takes a matrix and K's axis 0 or 1, got shape {x.shape} and axis {axis}")
   return _call(targets.QUANTIZE_PACKED, [x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)],
                axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+
+
+def quantize_packed_stats(x, s_dec, key=0, *, step=0, axis=1, block_2d=False, stochastic=False, rht=False,
+                          rht_seed=0):
+  """(data, scales, the statistics row of that quantization) with the C++ kernel: quantize_packed's results, and
+  where step >= 0 what it did to x (numerics/telemetry.py FIELDS), else zeros."""
+  return _call(targets.QUANTIZE_PACKED_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
+                                               _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d,
+               stochastic=stochastic, rht=rht, rht_seed=rht_seed)
 
 
 def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):

@@ -46,6 +46,7 @@ class Packed:
   operands' rows, K split into f32 partial sums that an all-reduce adds)."""
   kind: str
   key_operand: Optional[int] = None  # the stochastic-rounding key: each shard mixes its index into it
+  device_stats: bool = False  # telemetry: the last result is the statistics row, as BlockLocal.device_stats says
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one record per target: compared and hashed by identity
@@ -61,6 +62,16 @@ class Target:
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
   packed: Optional[Packed] = None  # a packed target's partitioning (sharding/partition.py), or None
   side_effect: bool = False  # the call acts on the host (telemetry): XLA must neither remove nor merge it
+
+  @property
+  def sharded(self):
+    """How shards run it (a BlockLocal or a Packed record), or None."""
+    return self.block_local or self.packed
+
+  @property
+  def device_stats(self):
+    """Whether its last result is a statistics row, one per device in a partitioned program (BlockLocal)."""
+    return self.sharded is not None and self.sharded.device_stats
 
   def twin_arguments(self, attrs):
     """(the values of the attributes the twin takes as uint32 operands, the twin's keyword parameters) of a call with
@@ -148,8 +159,8 @@ QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bo
               block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True))
 QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
                          twin=kernel_twins.qdq_with_scale, twin_operands=("salt",))
-# Telemetry (whole tensors only): what xla_fp4_qdq does to x, and a GEMM output's zeros, as FIELDS rows of
-# numerics/telemetry.py; zeros, without work, where the step operand (int32) is -1.
+# Telemetry: the quantizers' forms that also measure what they do, in the same pass over x, and a GEMM output's zeros,
+# as FIELDS rows of numerics/telemetry.py; zeros, without measuring, where the step operand (int32) is -1.
 _ROW = lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)]  # noqa: E731
 QDQ_WITH_SCALE_STATS = _target("xla_fp4_qdq_with_scale_stats", {"axis": int, **_QUANTIZE, "salt": int},
                                lambda operands, attrs, dtype: _with_scale(operands, attrs, dtype) + _ROW(
@@ -161,12 +172,6 @@ QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE},
                         lambda operands, attrs, dtype: _like_x(operands, attrs, dtype) + _ROW(operands, attrs, dtype),
                         twin=telemetry.qdq_and_stats,
                         block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True))
-# The statistics of that quantization without its result, in a recorded step only (the native forms' partitioned
-# telemetry: the packed quantizer's q·scale never exists as a tensor), with the GEMM's decode scale and key.
-QDQ_STATS_KEYED = _target("xla_fp4_qdq_stats_keyed", {"axis": int, **_QUANTIZE}, _ROW, twin=telemetry.qdq_stats_keyed,
-                          block_local=BlockLocal(key_operand=2, takes_2d=True, device_stats=True))
-QDQ_STATS = _target("xla_fp4_qdq_stats", {"axis": int, **_QUANTIZE, "salt": int}, _ROW, twin=telemetry.qdq_stats,
-                    twin_operands=("salt",))
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
                        block_local=BlockLocal(blocked=False, device_stats=True))
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
@@ -175,6 +180,12 @@ BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed"
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
 QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE}, _packed,
                           packed=Packed("quantize", key_operand=2))
+# The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to
+# the x (or shard) it holds, from the same pass (zeros in an unrecorded step).
+QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE},
+                                lambda operands, attrs, dtype: _packed(operands, attrs, dtype) + _ROW(
+                                    operands, attrs, dtype),
+                                packed=Packed("quantize", key_operand=2, device_stats=True))
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 # `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,
 # which gathers packed operands but has no FP4 GEMM); the numbers are the same. `b_transposed`: b is Bᵀ packed along N,
@@ -195,7 +206,6 @@ TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, 
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int, "parts": int},
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
-ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, QDQ_STATS_KEYED, QDQ_STATS, OUTPUT_STATS, RHT,
-       BLOCK_AMAX, QUANTIZE_PACKED,
-       DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
+ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
+       QUANTIZE_PACKED_STATS, DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

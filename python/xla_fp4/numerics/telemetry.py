@@ -122,8 +122,9 @@ def sliced_stats(x, q, s_dec, *, groups, axis, block_2d, rht, rht_seed):
 
 
 def qdq_stats(x, s_dec, step, salt, *, axis, block_2d, stochastic, rht, rht_seed):
-  """The twin of xla_fp4_qdq_stats: the row of x quantized as the GEMM's quantizer does with s_dec and the key it
-  makes from `salt` (kernel_twins.stochastic_key); zeros where `step` is negative (not a recorded step)."""
+  """The row of x quantized as a GEMM's quantizer does with s_dec and the key it makes from `salt`
+  (kernel_twins.stochastic_key); zeros where `step` is negative (not a recorded step). The probes' twin of a packed
+  operand in a partitioned program without a Shardy mesh, whose statistics XLA partitions (passes/rewrite/probes.py)."""
   key = kernel_twins.stochastic_key(x, salt) if stochastic else salt
   q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
   row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
@@ -132,16 +133,10 @@ def qdq_stats(x, s_dec, step, salt, *, axis, block_2d, stochastic, rht, rht_seed
 
 def qdq_and_stats(x, s_dec, key, step, *, axis, block_2d, stochastic, rht, rht_seed):
   """The twin of xla_fp4_qdq_and_stats: kernel_twins.qdq's q·scale of x with s_dec and `key`, and the row of that
-  quantization (zeros where `step` is negative)."""
+  quantization (zeros where `step` is negative); its row is also xla_fp4_quantize_packed_stats's."""
   q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
   row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
   return q, jnp.where(step >= 0, row, 0)
-
-
-def qdq_stats_keyed(x, s_dec, key, step, *, axis, block_2d, stochastic, rht, rht_seed):
-  """The twin of xla_fp4_qdq_stats_keyed: qdq_and_stats's row alone."""
-  return qdq_and_stats(x, s_dec, key, step, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
-                       rht_seed=rht_seed)[1]
 
 
 def output_zeros(y):

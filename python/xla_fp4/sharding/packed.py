@@ -10,6 +10,9 @@ codes and scales are the whole tensor's shards.
   moves the packed bytes: the weight that FSDP gathers is gathered packed.
 - Partitioner: the codes' sharding, with any dim whose shards would split a group replicated; a stochastic-rounding
   key mixed with the shard's index (as for xla_fp4_qdq).
+xla_fp4_quantize_packed_stats(x, s_dec, key, step) -> codes, scales and (telemetry) the statistics of that
+quantization, declared f32[devices, FIELDS]: partitioned as xla_fp4_quantize_packed, each device's row its shard's,
+zeros on a replica of a shard (partition.py `device_stats`: its Shardy rule gives the rows factors of their own).
 
 xla_fp4_gemm_packed(a codes, a scales, b codes, b scales, alpha) -> C [M, N], the dot of two K-major operands.
 - Shardy rule: M shared with a's rows, N with b's rows, K's pairs of blocks (a reduction factor) with both.
@@ -24,6 +27,7 @@ xla_fp4_gemm_packed(a codes, a scales, b codes, b scales, alpha) -> C [M, N], th
   once (XLA merges the two partitioners' identical all-gathers), as the unrewritten program gathers the weight once.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -106,7 +110,10 @@ def sharding_rule(target, operand_types, result_types, attrs):
     row_dims = _rows(f, rows, BLOCK if attrs["block_2d"] else 1)
     x_k, codes_k, scales_k = _k(f, k)
     ordered = lambda k_dims: _mapping([row_dims, k_dims] if axis == 1 else [k_dims, row_dims])  # noqa: E731
-    return _rule(f, [ordered(x_k), scalar, scalar], [ordered(codes_k), ordered(scales_k)])
+    results = [ordered(codes_k), ordered(scales_k)]
+    if PACKED[target].device_stats:  # the [devices, FIELDS] rows: factors of their own (their sdy.sharding fixes them)
+      results.append(_mapping([[f.new(n)] for n in ir.RankedTensorType(result_types[-1]).shape]))
+    return _rule(f, [ordered(x_k)] + [scalar] * (len(shapes) - 1), results)
   (m, half), (n, _) = shapes[0], shapes[2]
   m_dims = _rows(f, m, 1)
   if attrs["b_transposed"]:  # b is Bᵀ (K, N/2): K's pairs of blocks split its rows, N's tiles its columns
@@ -182,21 +189,30 @@ def _quantize_sharding(x_shape, sharding, block_2d, axis):
   return common._replicate_dims(sharding, 2, bad)
 
 
-def _partition_quantize(arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
-  target = targets.QUANTIZE_PACKED.name
+def _partition_quantize(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
+  """XLA's partition callback of a packed quantizer: the shard quantizes alone (the codes' sharding, block-aligned);
+  with telemetry (`device_stats`) its statistics one row per device, zeros on a replica of a shard, as partition.py
+  does for the block-local quantizer."""
   attrs = common._decode_config(target, backend_config)
-  codes_sharding = result_sharding.tuple_elements()[0] if result_shape.is_tuple() else result_sharding
-  results = result_shape.tuple_shapes()
-  if _whole(codes_sharding):
-    return _module(target, attrs, arg_shapes, results, None), [codes_sharding] * len(arg_shapes), result_sharding
-  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), codes_sharding, attrs["block_2d"], attrs["axis"])
-  salts = None
-  if attrs["stochastic"] and not sharding.is_replicated():
-    salts = common._shard_salts(common._shard_index_table(sharding, 2, _num_devices([sharding])))
+  shardings = list(result_sharding.tuple_elements())
+  results = list(result_shape.tuple_shapes())
+  if _whole(shardings[0]):
+    module = common._per_shard_module(target, attrs, arg_shapes, results, None)
+    return module, [shardings[0]] * len(arg_shapes), result_sharding
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), shardings[0], attrs["block_2d"], attrs["axis"])
+  stats = PACKED[target].device_stats
+  num = results[-1].dimensions()[0] if stats else _num_devices([sharding])
+  table = common._shard_index_table(sharding, 2, num)
+  salts = common._shard_salts(table) if attrs["stochastic"] and not sharding.is_replicated() else None
+  out, counted = [sharding, sharding], None
+  if stats:
+    out.append(shardings[-1] if common._one_row_each(shardings[-1], num) else common.device_rows(num))
+    counted = common._first_replicas(table)
   local_args = [sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
-  module = _module(target, attrs, local_args, [sharding.tile(r) for r in results], salts)
-  return (module, [sharding, xc.HloSharding.replicate(), xc.HloSharding.replicate()],
-          xc.HloSharding.tuple_sharding(result_shape, [sharding, sharding]))
+  module = common._per_shard_module(target, attrs, local_args, [o.tile(r) for o, r in zip(out, results)], salts,
+                                    counted=counted)
+  return (module, [sharding] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 1),
+          xc.HloSharding.tuple_sharding(result_shape, out))
 
 
 def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_sharding=None, b_transposed=False):
@@ -288,24 +304,17 @@ def _all_reduce(x, groups):
   return op.results[0]
 
 
-def _module(target, attrs, arg_shapes, result_shapes, salts):
-  """@main(shards) -> the quantize kernel on the shard; `salts` (per partition) go into the key."""
-  def body(operands):
-    if salts is not None:
-      operands[PACKED[target].key_operand] = common.salted(operands[PACKED[target].key_operand], salts)
-    return kernels.custom_call(target, [common._ir_type(s) for s in result_shapes], operands,
-                               kernels.backend_config_attributes(target, attrs)).results
-  return common.per_shard_module(arg_shapes, result_shapes, body)
-
-
 # -- GSPMD's propagation (Shardy uses the rules) ---------------------------------------------------------------------
 
-def _infer_quantize(arg_shapes, arg_shardings, result_shape, backend_config):
+def _infer_quantize(target, arg_shapes, arg_shardings, result_shape, backend_config):
   if arg_shardings[0] is None:
     return None
-  attrs = common._decode_config(targets.QUANTIZE_PACKED.name, backend_config)
+  attrs = common._decode_config(target, backend_config)
   sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"], attrs["axis"])
-  return xc.HloSharding.tuple_sharding(result_shape, [sharding, sharding])
+  out = [sharding, sharding]
+  if PACKED[target].device_stats:
+    out.append(common.device_rows(result_shape.tuple_shapes()[-1].dimensions()[0]))
+  return xc.HloSharding.tuple_sharding(result_shape, out)
 
 
 def _infer_gemm(arg_shapes, arg_shardings, result_shape, backend_config):
@@ -318,11 +327,11 @@ def _infer_gemm(arg_shapes, arg_shardings, result_shape, backend_config):
 
 def callbacks():
   """{target: the keyword arguments of xla_client.register_custom_call_partitioner}."""
-  return {
-      targets.QUANTIZE_PACKED.name: dict(
-          partition=_partition_quantize, infer_sharding_from_operands=_infer_quantize,
-          prop_user_sharding=lambda user_sharding, shape, backend_config: user_sharding),
-      targets.GEMM_PACKED.name: dict(
-          partition=_partition_gemm, infer_sharding_from_operands=_infer_gemm,
-          prop_user_sharding=lambda user_sharding, shape, backend_config: user_sharding),
-  }
+  keep_user = lambda user_sharding, shape, backend_config: user_sharding  # noqa: E731
+  out = {targets.GEMM_PACKED.name: dict(partition=_partition_gemm, infer_sharding_from_operands=_infer_gemm,
+                                        prop_user_sharding=keep_user)}
+  for target in (targets.QUANTIZE_PACKED, targets.QUANTIZE_PACKED_STATS):
+    out[target.name] = dict(partition=functools.partial(_partition_quantize, target.name),
+                            infer_sharding_from_operands=functools.partial(_infer_quantize, target.name),
+                            prop_user_sharding=keep_user)
+  return out

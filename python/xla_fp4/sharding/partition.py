@@ -22,8 +22,9 @@ extent along those dims keeps whole blocks. Both halves of XLA's sharding get wh
 The telemetry targets (side-effecting: XLA requires each such op to carry a sharding, and refuses a replicated one
 unless its partitioner allows it) get a partitioner that runs them on every device on whole operands, except a
 record of parts (`parts` > 1), which each device runs on its own row of the per-device statistics (its Shardy rule,
-parts_rule, keeps them there). The statistics kernels (a record's `device_stats`: xla_fp4_qdq_and_stats,
-xla_fp4_qdq_stats_keyed, and the element-wise xla_fp4_output_stats) run on shards like the others; their statistics
+parts_rule, keeps them there). The statistics kernels (a record's `device_stats`: xla_fp4_qdq_and_stats, the
+element-wise xla_fp4_output_stats, and sharding/packed.py's xla_fp4_quantize_packed_stats) run on shards like the
+others; their statistics
 result is declared f32[devices, FIELDS] with an `sdy.sharding` over every mesh axis (device_stats_sharding), so that
 each device returns one row: its kernel's row of its shard, zeros on a replica of a shard (whose kernel gets step -1
 through a table indexed by `stablehlo.partition_id`, so it does no work), so that the sum over devices counts every
@@ -271,11 +272,12 @@ def _per_shard_module(target, attrs, arg_shapes, result_shapes, salts, counted=N
   partition, or None: every partition): the partitions whose shard counts; on the others the kernel's step operand
   (its last) is -1, so that it measures nothing and returns zeros (a replica of a shard that another device counts)."""
   result_shapes = result_shapes if isinstance(result_shapes, (list, tuple)) else [result_shapes]
-  stats = PARTITIONED.get(target) is not None and PARTITIONED[target].device_stats
+  record = targets.BY_NAME[target]
+  stats = record.device_stats
 
   def body(operands):
     if salts is not None:
-      key_index = PARTITIONED[target].key_operand
+      key_index = record.sharded.key_operand
       operands[key_index] = salted(operands[key_index], salts)
     if counted is not None and not counted.all():
       i32 = ir.IntegerType.get_signless(32)
@@ -288,7 +290,7 @@ def _per_shard_module(target, attrs, arg_shapes, result_shapes, salts, counted=N
     if stats:
       types[-1] = ir.RankedTensorType.get([types[-1].shape[-1]], types[-1].element_type)
     results = list(kernels.custom_call(target, types, operands, kernels.backend_config_attributes(target, attrs),
-                                       has_side_effect=targets.BY_NAME[target].side_effect).results)
+                                       has_side_effect=record.side_effect).results)
     if stats:
       results[-1] = _device_row(results[-1], _ir_type(result_shapes[-1]))
     return results

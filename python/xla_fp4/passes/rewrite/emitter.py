@@ -84,7 +84,7 @@ class Emitter:
     self._measures = None  # while a GEMM with probes is emitted: its operands' probes.Measures
     self._output = None  # ... and the emulated GEMM's (f32 accumulator, alpha), from which its output is made
     self._step = None  # ... and its telemetry step (int32: -1 where not recorded)
-    self._stats = {}  # q·scale value -> the statistics row its quantizer computed with it (telemetry)
+    self._stats = {}  # q·scale value (or packed codes) -> the statistics row its quantizer computed (telemetry)
     # XLA CPU fails at run time on some bf16 x bf16 -> f32 dots whose operands have several free dims ("Unsupported
     # element type for DotThunk::Execute", e.g. the wgrad of a two-contracting-dim einsum); as (batch, rows, cols)
     # matrices (dims.as_matrices) they run.
@@ -316,9 +316,9 @@ class Emitter:
     measured = [(v, c[0]) if len(c) == 1 else read for v, c, read in ((lhs, lc, operands[0]), (rhs, rc, operands[1]))]
     (pa, sa, ka), _ = self._packed_tiles(*operands[0], measured[0], plan.operands[0], plan.record.op, False)
     (pb, sb, kb), b_transposed = self._packed_tiles(*operands[1], measured[1], plan.operands[1], plan.record.op, True)
-    for i, ((x, axis), s_dec, key) in enumerate(zip(operands, (sa, sb), (ka, kb))):
+    for i, ((x, axis), s_dec, key, codes) in enumerate(zip(operands, (sa, sb), (ka, kb), (pa[0], pb[0]))):
       self._measure(i, x=x, axis=axis, recipe=plan.operands[i].recipe, salt=self._salt_value(plan.operands[i]),
-                    s_dec=s_dec, key=key)
+                    s_dec=s_dec, key=key, row=self._stats.get(codes))
     alpha = hlo.MulOp(sa, sb).result
     operands, attrs = [*pa, *pb, alpha], dict(emulate=self.emulate, b_transposed=b_transposed)
     dtype = _dtype_name(ir.RankedTensorType.get([], element_type))  # the GEMM writes the dot's own output type
@@ -371,11 +371,22 @@ class Emitter:
     a byte along K either way, so XLA moves a uint8 tensor an eighth the size of a float32 K-major copy of x."""
     s_dec, key = self._scale_and_key(*measured, operand, user)
     recipe = operand.recipe
-    packed = self.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key],
-                               dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht,
-                                    rht_seed=self.seed))
+    attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed)
+    row = None
+    mesh = getattr(self.kernels, "mesh", None)
+    if self._step is not None and (mesh is not None or not self.kernels.partitioned):
+      # Telemetry: the quantizer also measures what it does to x (each device to its shard), in the same pass.
+      types = targets.QUANTIZE_PACKED_STATS.result_types([v.type for v in (x, s_dec, key, self._step)], attrs)
+      if mesh is not None:
+        types[-1] = device_rows_type(mesh)
+      *packed, row = self.kernels.call(targets.QUANTIZE_PACKED_STATS, [x, s_dec, key, self._step], attrs,
+                                       result_types=types)
+    else:
+      packed = self.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key], attrs)
     if axis == 0:
       packed = [hlo.TransposeOp(v, ir.DenseI64ArrayAttr.get([1, 0])).result for v in packed]
+    if row is not None:
+      self._stats[packed[0]] = row
     return tuple(packed), s_dec, key
 
 

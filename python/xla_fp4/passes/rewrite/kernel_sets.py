@@ -57,13 +57,13 @@ class FfiKernels:
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, [o.type for o in operands], types, attrs, k_follows_dot)
-      if target.block_local.device_stats:
-        if self.mesh is None:
-          raise ValueError(f"{target.name} in a partitioned program needs a Shardy mesh over all devices")
-        op.attributes["sdy.sharding"] = self._partition.device_stats_sharding(self.mesh, types)
     if self.partitioned and target.packed is not None:
       op.attributes["sdy.sharding_rule"] = self._packed.sharding_rule(target.name, [o.type for o in operands], types,
                                                                    attrs)
+    if self.partitioned and target.device_stats:
+      if self.mesh is None:
+        raise ValueError(f"{target.name} in a partitioned program needs a Shardy mesh over all devices")
+      op.attributes["sdy.sharding"] = self._partition.device_stats_sharding(self.mesh, types)
     if self.partitioned and target.side_effect:
       # XLA's partitioner requires a sharding on a side-effecting op: every device runs it on whole values, but a
       # record of parts on its own row of the statistics (partition.py).

@@ -7,17 +7,17 @@ The emitter then quantizes with the step at hand and hands over, per operand, wh
 `Probes.emit` adds after the GEMM's pattern:
   %rows  = f32[3, FIELDS] (numerics/telemetry.py): a row per operand and one for a wgrad's output zeros
   stablehlo.custom_call @xla_fp4_telemetry_record(%rows, %step, %block) {module, site, strict_row, parts = 1}
-where the rows come, in a program whose tensors are whole on the device, from the kernels, which do nothing in an
-unrecorded step:
-  - the quantizer itself: %q, %s_dec, %row = xla_fp4_qdq_with_scale_stats(%x, %step) (the emulated GEMM's whole-tensor
-    form: the statistics from the same pass over x that quantizes it);
-  - else xla_fp4_qdq_stats(%x, %s_dec, %step) {salt}: the quantizer run again on x with the GEMM's scale and key
-    (bit-identical q; the native forms, whose q·scale never exists as a tensor);
+where the rows come, in a program whose tensors are whole on the device, from the kernels, which measure in the pass
+in which they quantize and do nothing more in an unrecorded step:
+  - %q, %s_dec, %row = xla_fp4_qdq_with_scale_stats(%x, %step)    (the emulated GEMM's whole-tensor form)
+  - %codes, %scales, %row = xla_fp4_quantize_packed_stats(%x, %s_dec, %key, %step)   (the native forms, whose q·scale
+    never exists as a tensor: the packed quantizer itself measures; a weight's packed tiles that its dgrad reuses
+    bring their row along)
   - xla_fp4_output_stats(%y, %step) for a wgrad's output.
-In a partitioned program (with a Shardy mesh over all devices) the same kernels measure shards, and each device
-contributes its own rows (sharding/partition.py: replicas contribute zeros):
-  %q, %rows_a = xla_fp4_qdq_and_stats(%x, %s_dec, %key, %step)        (the partitioned quantizer, the same pass)
-  %rows_b     = xla_fp4_qdq_stats_keyed(%x, %s_dec, %key, %step)      (native forms: requantized on the shard)
+In a partitioned program (with a Shardy mesh over all devices) the same quantizers measure shards, and each device
+contributes its own rows (sharding/partition.py, sharding/packed.py: replicas contribute zeros):
+  %q, %rows_a = xla_fp4_qdq_and_stats(%x, %s_dec, %key, %step)                  (the partitioned quantizer)
+  %codes, %scales, %rows_b = xla_fp4_quantize_packed_stats(%x, %s_dec, %key, %step)   (the native forms, on shards)
   %rows_y     = xla_fp4_output_stats(%y, %step)
   each f32[devices, FIELDS], split one row per device (a replica's kernel gets step -1: zeros)
   stablehlo.case(%step >= 0) {                                        (on CPU; on GPU unconditionally: Settings)
@@ -66,8 +66,9 @@ class Measure:
   s_dec: Any
   q: Any = None
   groups: Optional[tuple] = None
-  # the statistics the quantizer itself computed, where it did: a FIELDS row (xla_fp4_qdq_with_scale_stats), or in a
-  # partitioned program [devices, FIELDS] (xla_fp4_qdq_and_stats)
+  # the statistics the quantizer itself computed, where it did: a FIELDS row (xla_fp4_qdq_with_scale_stats,
+  # xla_fp4_quantize_packed_stats), or in a partitioned program [devices, FIELDS] (xla_fp4_qdq_and_stats,
+  # xla_fp4_quantize_packed_stats)
   row: Any = None
   key: Any = None  # the stochastic-rounding key the quantizer took (the native forms'), where it took one
   # a chlo.ragged_dot's (statistics twin, its operands, its parameters): the twin's [2, FIELDS] rows are both
@@ -151,50 +152,35 @@ class Probes:
       if self.kernels.partitioned or any(m.groups is not None or m.ragged for ms in measures for m in ms):
         table = self._computed_in_case(plan, measures, output, step)
       else:
-        table = _stacked([self._kernel_row(ms, step) for ms in measures] + [self._output_row(plan, output, step)])
+        table = _stacked([self._kernel_row(ms) for ms in measures] + [self._output_row(plan, output, step)])
       record(table)
     self.measured.append(plan)
 
   def _per_device(self, measures):
     """Whether every operand was quantized once, by a partitioned quantizer that measured its shard per device
-    (xla_fp4_qdq_and_stats) or by the packed quantizer with its key (measured by xla_fp4_qdq_stats_keyed)."""
+    (xla_fp4_qdq_and_stats, xla_fp4_quantize_packed_stats: a [devices, FIELDS] row)."""
     if getattr(self.kernels, "mesh", None) is None:
       return False
-    def measured(m):
-      return m.row is not None and len(tensor_type(m.row).shape) == 2 or m.q is None and m.key is not None
-    return all(len(ms) == 1 and ms[0].groups is None and measured(ms[0]) for ms in measures)
-
-  def _device_row(self, m, step):
-    """[devices, FIELDS]: the quantizer's own rows, or the packed quantization measured again on the shards."""
-    if m.row is not None:
-      return m.row
-    attrs = dict(axis=m.axis, block_2d=m.recipe.block_2d, stochastic=m.recipe.stochastic, rht=m.recipe.rht,
-                 rht_seed=self.seed)
-    return self.kernels.call(targets.QDQ_STATS_KEYED, [m.x, m.s_dec, m.key, step], attrs,
-                             result_types=[device_rows_type(self.kernels.mesh)])[0]
+    return all(len(ms) == 1 and ms[0].groups is None and ms[0].row is not None
+               and len(tensor_type(ms[0].row).shape) == 2 for ms in measures)
 
   def _device_rows(self, plan, measures, output, step):
     """The [devices, FIELDS] rows of a partitioned GEMM's operands (what each device's shards contribute, zeros on a
     replica: sharding/partition.py), then its output's zeros (a wgrad: `output`, the GEMM's result), or None."""
-    rows = [self._device_row(ms[0], step) for ms in measures]
+    rows = [ms[0].row for ms in measures]
     if plan.site.role is Role.WGRAD:
       rows.append(self.kernels.call(targets.OUTPUT_STATS, [output, step], {}, result_types=[rows[0].type])[0])
     else:
       rows.append(None)
     return rows
 
-  def _kernel_row(self, measures, step):
-    """An operand's row from the kernels, which do nothing in an unrecorded step: the quantizer's own (Measure.row,
-    from xla_fp4_qdq_with_scale_stats), else xla_fp4_qdq_stats (x requantized with the GEMM's scale and key:
-    bit-identical, one more read of x). Several Measures (per expert): one row."""
-    rows = []
-    for m in measures:
-      if m.row is not None:
-        rows.append(m.row)
-        continue
-      attrs = dict(axis=m.axis, block_2d=m.recipe.block_2d, stochastic=m.recipe.stochastic, rht=m.recipe.rht,
-                   rht_seed=self.seed, salt=m.salt)
-      rows.append(self.kernels.call(targets.QDQ_STATS, [m.x, m.s_dec, step], attrs)[0])
+  def _kernel_row(self, measures):
+    """An operand's row from the quantizer that measured it in its own pass (Measure.row: xla_fp4_qdq_with_scale_stats,
+    xla_fp4_quantize_packed_stats), which measures nothing in an unrecorded step. Several Measures (per expert): one
+    row."""
+    rows = [m.row for m in measures]
+    if any(r is None for r in rows):
+      raise ValueError("telemetry: an operand of a whole-tensor GEMM was quantized without its statistics")
     return rows[0] if len(rows) == 1 else self.twins.call(stats.combine, [_stacked(rows)], [_row_type()])[0]
 
   def _output_row(self, plan, output, step):
