@@ -232,16 +232,31 @@ def _kernel_calls(text):
   return collections.Counter(re.findall(r'custom_call_target="(xla_fp4_\w+)"', text))
 
 
+def _projection_step():
+  """An attention projection's train step (MaxText's query: x[b, d] · w[d, heads, head_dim]): the dgrad contracts the
+  weight's merged (heads, head_dim), reusing the fprop's 16x16 tiles through a reshape."""
+  def loss(w, x, t):
+    return jnp.sum(jnp.tanh(jnp.einsum("bd,dhk->bhk", x, w)) * t)
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _projection_data():
+  w, x, t = _data()
+  return w.reshape(128, 4, 16), x, t.reshape(64, 4, 16)
+
+
+@pytest.mark.parametrize("program", ["linear", "projection"])
 @pytest.mark.parametrize("backend", ["emulate", "native"])
-def test_quantizers_measure_in_their_own_pass(tmp_path, backend):
+def test_quantizers_measure_in_their_own_pass(tmp_path, backend, program):
   """With telemetry every operand is quantized by the same calls as without, each in its measuring form, and nothing
   else reads it (issue 23: statistics in the kernels, never a second pass over x): the compiled step's kernel calls
-  are those of the step without telemetry, renamed, plus the step, the records and the wgrad outputs' zeros."""
-  w, x, t = _data()
-  xla_fp4.enable(keep_head=False, backend=backend)
-  plain = _kernel_calls(_linear_step().lower(w, x, t).compile().as_text())
-  xla_fp4.enable(keep_head=False, backend=backend, telemetry=str(tmp_path))
-  probed = _kernel_calls(_linear_step().lower(w, x, t).compile().as_text())
+  are those of the step without telemetry, renamed, plus the step, the records and the wgrad outputs' zeros. A
+  reused quantization brings its statistics along, reshaped or not (strict: a pass failure raises)."""
+  step, args = (_linear_step(), _data()) if program == "linear" else (_projection_step(), _projection_data())
+  xla_fp4.enable(keep_head=False, backend=backend, strict=True)
+  plain = _kernel_calls(step.lower(*args).compile().as_text())
+  xla_fp4.enable(keep_head=False, backend=backend, strict=True, telemetry=str(tmp_path))
+  probed = _kernel_calls(step.lower(*args).compile().as_text())
   renamed = collections.Counter({_MEASURING.get(target, target): n for target, n in plain.items()})
   added = probed - renamed
   assert probed - added == renamed  # every call of the plain step, its quantizers in their measuring form

@@ -126,6 +126,11 @@ class Emitter:
     self.probes.emit(plan, measures, output or y, probe, result=y)
     return y
 
+  def _row_of(self, q):
+    """The statistics row the quantizer of q computed (telemetry), or None. A reuse reshapes an earlier q (a weight
+    its dgrad reads with dims merged, as MaxText's attention projections): the same elements, the same row."""
+    return self._stats.get(dims.reshape_source(q))
+
   def _measure(self, i, **measure):
     if self._measures is not None:
       self._measures[i].append(Measure(**measure))
@@ -265,7 +270,7 @@ class Emitter:
       quantized[i] = self._operand(values[i], axes[i], operand, dot, plan.form, select,
                                    after if operand.after_gradient else None)
       self._measure(i, x=values[i], axis=axes[i], recipe=operand.recipe, salt=self._salt_value(operand),
-                    q=quantized[i][0], s_dec=quantized[i][1], row=self._stats.get(quantized[i][0]))
+                    q=quantized[i][0], s_dec=quantized[i][1], row=self._row_of(quantized[i][0]))
       if operand.kind is Operand.GRADIENT:
         after = quantized[i][1]
     (qa, sa), (qb, sb) = quantized
