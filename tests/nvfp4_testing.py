@@ -71,3 +71,16 @@ def kernel_calls_row_major(module):
       layouts = [list(ir.DenseIntElementsAttr(a)) for a in ir.ArrayAttr(op.attributes[attr])]
       assert layouts == [list(range(ir.RankedTensorType(v.type).rank - 1, -1, -1)) for v in values], op
   return calls
+
+
+def run_on_cpu(module, args):
+  """Compile a StableHLO module (ir.Module; one lowered for CUDA and rewritten by the pass, say) for this machine's
+  CPU, as JAX does, and run it on `args`: its results."""
+  import jax
+  from jax._src import compiler, xla_bridge
+  from jax._src.lib import xla_client as xc
+  backend = xla_bridge.get_backend("cpu")
+  device = backend.devices()[0]
+  executable = compiler.backend_compile_and_load(backend, module, xc.DeviceList((device,)),
+                                                 compiler.get_compile_options(num_replicas=1, num_partitions=1), [])
+  return executable.execute([jax.device_put(a, device) for a in args])

@@ -17,7 +17,7 @@ from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.passes import pipeline
 from xla_fp4.passes.rewrite import ReferenceKernels
 
-from nvfp4_testing import assert_same_bits
+from nvfp4_testing import assert_same_bits, run_on_cpu
 
 M, K, N = 96, 32, 48
 SIZES = (20, 0, 9, 40, 11)  # one empty group, sizes off the 16-row blocks, 16 rows after the last group
@@ -276,17 +276,6 @@ def test_the_grouped_fp4_gemm_on_packed_operands_computes_the_gpu_forms(form, st
   assert_same_bits(got, want)
 
 
-def _run_on_cpu(module, args):
-  """Compile a StableHLO module (ir.Module) for this machine's CPU, as JAX does, and run it on `args`."""
-  from jax._src import compiler, xla_bridge
-  from jax._src.lib import xla_client as xc
-  backend = xla_bridge.get_backend("cpu")
-  device = backend.devices()[0]
-  executable = compiler.backend_compile_and_load(backend, module, xc.DeviceList((device,)),
-                                                 compiler.get_compile_options(num_replicas=1, num_partitions=1), [])
-  return executable.execute([jax.device_put(a, device) for a in args])
-
-
 @pytest.mark.parametrize("dtype,telemetry", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)],
                          ids=["float32", "bfloat16", "telemetry"])
 def test_lowered_for_blackwell_each_ragged_dot_is_one_grouped_fp4_gemm(monkeypatch, tmp_path, dtype, telemetry):
@@ -308,7 +297,7 @@ def test_lowered_for_blackwell_each_ragged_dot_is_one_grouped_fp4_gemm(monkeypat
   text = str(result.module)
   assert text.count("stablehlo.custom_call @xla_fp4_ragged_gemm_packed") == 3 and "chlo.ragged_dot" not in text
   assert "mhlo.backend_config = {ragged_k = true}" in text
-  for got, want in zip(_run_on_cpu(result.module, args), jax.jit(_reference)(*args)):
+  for got, want in zip(run_on_cpu(result.module, args), jax.jit(_reference)(*args)):
     assert_same_bits(got, want)
   if telemetry:
     telemetry_files.flush()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import xla_fp4
-from nvfp4_testing import assert_same_bits, extension_or_skip
+from nvfp4_testing import assert_same_bits, extension_or_skip, run_on_cpu
 from xla_fp4 import config
 from xla_fp4 import numerics as nv
 from xla_fp4 import state
@@ -512,3 +512,43 @@ def test_ragged_dots_lowered_for_gpu_are_recorded(tmp_path):
   calls = lambda twin: len(re.findall(rf"call @xla_fp4_twin_{twin}_[0-9a-f]{{12}}\(", text))  # noqa: E731
   assert calls("ragged_rows_stats") == 2 and calls("ragged_contracting_stats") == 1
   assert text.count("stablehlo.case") >= 3
+
+
+def _einsum_experts(w, x, ct):
+  """A dense mixture of experts' expert GEMM (an einsum with the expert dim on both operands: per-slice quantization)
+  and its two gradients."""
+  y, vjp = jax.vjp(lambda w, x: jnp.einsum("ecd,edf->ecf", x, w), w, x)
+  return (y,) + vjp(ct)
+
+
+def test_expert_statistics_lowered_for_gpu_equal_the_cpus(tmp_path):
+  """An expert einsum (per-slice operands) lowered for CUDA and rewritten with telemetry, compiled here for the CPU,
+  computes the CPU program's outputs bit for bit and records in every role the statistics that the CPU's program
+  records: the GPU's probes measure what the CPU's do."""
+  from xla_fp4.passes import pipeline
+  from xla_fp4.passes.rewrite import FfiKernels
+  k = jax.random.split(jax.random.PRNGKey(4), 3)
+  scales = jnp.array([1.0, 50.0, 0.02, 1.0])[:, None, None]
+  x = jax.random.normal(k[1], (4, 32, 64)).at[2, :, 0].set(1e7)  # expert 2's tokens: an outlier per row
+  args = (jax.random.normal(k[0], (4, 64, 48)) * scales, x, jax.random.normal(k[2], (4, 32, 48)))
+  options = dict(stochastic_rounding=False, keep_head=False, min_dim=1, seed=5)
+  want_out, want = _run(tmp_path / "cpu", jax.jit(_einsum_experts), args, **options)
+  xla_fp4.disable()
+  lowered = jax.jit(_einsum_experts).trace(*args).lower(lowering_platforms=("cuda",))
+  result = pipeline.transform(lowered.compiler_ir("stablehlo"),
+                              config.load(environ={}, enabled=True, telemetry=str(tmp_path / "gpu"), **options),
+                              platform="cuda", kernels=lambda m: FfiKernels())
+  text = str(result.module)
+  assert text.count("@xla_fp4_telemetry_record") == 3
+  for a, b in zip(run_on_cpu(result.module, args), want_out):
+    assert_same_bits(a, b)
+  telemetry.flush()
+  got = telemetry.load(str(tmp_path / "gpu"))
+  assert sorted((r["role"], r["operand"]) for r in got) == sorted((r["role"], r["operand"]) for r in want) and got
+  for r in want:
+    g = _one(got, r["role"], r["operand"])
+    for field in ("amax", "underflow", "scale_underflow", "scale_saturated", "snr_db", "output_zeros"):
+      want_value = r.get(field)  # None: the field does not apply (a wgrad's output zeros elsewhere)
+      assert g.get(field) == (want_value if want_value is None else pytest.approx(want_value, rel=1e-6)), (
+          r["role"], r["operand"], field)
+  assert _one(want, "fprop", "activation")["scale_underflow"] > 0.1  # expert 2's blocks: values that can differ
