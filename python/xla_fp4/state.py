@@ -24,6 +24,7 @@ from typing import Any
 @dataclasses.dataclass
 class Telemetry:
   sites: dict = dataclasses.field(default_factory=dict)  # (module key, site index) -> telemetry.Site
+  modules: dict = dataclasses.field(default_factory=dict)  # a program's identity -> its module key (register_module)
   writer: Any = None  # the thread that flushes the sinks
   lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False)  # one flush at a time
 

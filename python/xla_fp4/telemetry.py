@@ -50,9 +50,15 @@ class Site:
 _module_keys = itertools.count(1)  # process-wide, like the sinks' step counters
 
 
-def register_module():
-  """A new key for a module the pass probes (the probes' `module` attribute)."""
-  return next(_module_keys)
+def register_module(program):
+  """The key of a module the pass probes (the probes' `module` attribute), which names its step counters in the sinks.
+  `program`: what identifies the training step it compiles (its name, layout and probed GEMMs). A program compiled
+  again gets its first compilation's key, so that its steps go on counting: jax compiles a step function again when
+  the shardings of its inputs change (flax.nnx's nnx.jit step does after its first call, its outputs sharded other
+  than its inputs), and each compilation counting from 0 would record two step 0s."""
+  current = state.current()
+  with current.lock:
+    return current.telemetry.modules.setdefault(program, next(_module_keys))
 
 
 def register_site(module_key, site_index, site, strict_label):

@@ -117,6 +117,19 @@ def test_every_n_steps(tmp_path):
   assert len(records) == 3 * 6
 
 
+def test_a_step_compiled_again_goes_on_counting(tmp_path):
+  """jax compiles a step function again when its inputs' shardings change (flax.nnx's nnx.jit step after its first
+  call): the new compilation of the same program continues the step count (0, 1, then 2, 3), where counting from 0
+  again would record two step 0s; a run into another directory counts from 0."""
+  w, x, t = _data()
+  _run(tmp_path, _linear_step(), (w, x, t), steps=2)
+  _, records = _run(tmp_path, _linear_step(), (w, x, t), steps=2)  # a new jax.jit: compiled again
+  steps = collections.Counter(r["step"] for r in records)
+  assert steps == {0: 6, 1: 6, 2: 6, 3: 6}, steps
+  _, records = _run(tmp_path / "other", _linear_step(scale=2.0), (w, x, t))  # another directory: another run
+  assert {r["step"] for r in records} == {0}
+
+
 def test_planted_outlier_underflows_exactly_that_operand(tmp_path):
   """One huge outlier per row of the activation: every other block's scale underflows to zero."""
   w, x, t = _data()

@@ -86,7 +86,9 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
       backend = choose_backend(config, platform, new, kernels, partitioned=partitions)
       plans = policy.plan(analysis, decided, partitioned=partitioned, native=backend.gemm == "native",
                           cuda=is_cuda(platform), packed=backend.kernel_set.has_packed and config.packed_gathers)
-      settings = _telemetry(config, backend, platform)
+      settings = _telemetry(config, backend, platform, (
+          module_name(new), config.telemetry, platform, partitions, backend.kernels, backend.gemm,
+          tuple((p.site.index, p.site.layer, str(p.site.role), p.site.block, str(p.form)) for p in plans)))
       probed = rewrite.apply(new, plans, backend.kernel_set, seed=config.seed, matrix_gemm=is_cpu(platform),
                              emulate=backend.gemm != "native",
                              platform=lowering_platform(platform), telemetry=settings)
@@ -101,8 +103,9 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
                 backend=backend.describe() if changed else None)
 
 
-def _telemetry(config, backend, platform):
-  """The probes' settings where the telemetry option is on and the kernels that record run here, else None."""
+def _telemetry(config, backend, platform, program):
+  """The probes' settings where the telemetry option is on and the kernels that record run here, else None.
+  `program`: what identifies the compiled training step (telemetry.register_module)."""
   if not config.telemetry:
     return None
   if not isinstance(backend.kernel_set, rewrite.FfiKernels):
@@ -111,7 +114,7 @@ def _telemetry(config, backend, platform):
       warnings.warn("xla_fp4: XLA_FP4_TELEMETRY records through the compiled kernels, which are not registered on "
                     "this platform (python -m xla_fp4 info says why); no telemetry is recorded", stacklevel=2)
     return None
-  return rewrite.Settings(module=telemetry.register_module(), every=config.telemetry_every, strict=config.strict,
+  return rewrite.Settings(module=telemetry.register_module(program), every=config.telemetry_every, strict=config.strict,
                          one_process=jax.process_count() == 1, record_in_case=not is_cuda(platform))
 
 
