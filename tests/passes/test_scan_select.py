@@ -1,5 +1,13 @@
 """Scanned layer stacks: one dot serves every layer, yet the high-precision blocks hold per iteration."""
 
+import functools
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +15,7 @@ import numpy as np
 import xla_fp4
 
 LAYERS = 8
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _layer(h, w):
@@ -70,3 +79,82 @@ def test_a_kept_iteration_runs_the_dot_in_high_precision():
   assert [r["keep_blocks"] for r in rows if r["role"] == "fprop"] == [[0]]
   assert jnp.array_equal(kept_first[0], base[0])
   assert not jnp.array_equal(kept_first[1], base[1])
+
+
+# A scanned stack whose layer runs in a shard_map body (MaxText's sparse MoE under FSDP): the weight enters the body
+# sharded and is gathered there, and the body is isolated from above, so the loop's block index must come in as one
+# of its operands. JAX inlines a shard_map over one device, so these run on 2 host devices, in a subprocess (the
+# device count is fixed when the backend starts): `python tests/passes/test_scan_select.py CASE` prints JSON.
+def _sharded_model(mesh):
+  from jax.sharding import PartitionSpec as P
+
+  def layer(h, w):
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P("fsdp"))
+    def body(h, w):
+      return jnp.tanh(h @ jax.lax.all_gather(w, "fsdp", tiled=True))
+    return body(h, w), None
+
+  def model(ws, x):
+    h, _ = jax.lax.scan(jax.checkpoint(layer), x, ws)
+    return jnp.sum(h ** 2)
+  return model
+
+
+def _sharded_case(case):
+  """Gradients of the sharded model: as is and with the pass (kept blocks), relative to the baseline per layer."""
+  from jax.sharding import Mesh
+  from xla_fp4.passes import rewrite
+  from xla_fp4.passes.rewrite import scope
+  if case == "unthreaded":  # the construction before the fix: the block index read inside the body, not passed in
+    rewrite.into_shard_maps = scope.into_shard_maps = lambda value, op: value
+  mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+  step = jax.jit(jax.grad(_sharded_model(mesh)))
+  base = step(*_args())
+  out = {"manual_computations": str(step.lower(*_args()).compiler_ir("stablehlo")).count("sdy.manual_computation")}
+  for name, options in {"all_kept": dict(keep_first=0, keep_last=LAYERS), "none_kept": dict(keep_first=0, keep_last=0),
+                        "last_kept": dict(keep_first=0, keep_last=1)}.items():
+    xla_fp4.enable(strict=case != "unthreaded", **options)
+    with warnings.catch_warnings(record=True) as said:
+      warnings.simplefilter("always")
+      g = jax.jit(jax.grad(_sharded_model(mesh)))(*_args())
+    rows = xla_fp4.explain(step, *_args())
+    xla_fp4.disable()
+    out[name] = dict(rel=[float(jnp.linalg.norm(g[i] - base[i]) / jnp.linalg.norm(base[i])) for i in range(LAYERS)],
+                     warnings=[str(w.message) for w in said],
+                     rows=[{k: r[k] for k in ("role", "decision", "keep_blocks")} for r in rows])
+  return out
+
+
+def _run_sharded(case):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4")}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(ROOT / "tests"))
+  r = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True, text=True, cwd=ROOT)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_kept_blocks_select_inside_a_shard_map_body():
+  out = _run_sharded("threaded")
+  assert out["manual_computations"] >= 2  # the layer's forward and backward bodies
+  assert out["all_kept"]["rel"] == [0.0] * LAYERS  # every iteration kept: the operands themselves, bit for bit
+  assert min(out["none_kept"]["rel"]) > 1e-3
+  # Keeping the last block gives its iteration the high-precision GEMMs (the layers before it still add NVFP4 noise).
+  assert out["last_kept"]["rel"][LAYERS - 1] != out["none_kept"]["rel"][LAYERS - 1], out
+  # Every GEMM of the layer is classified through the bodies (the remat's gathered weight is a residual one returns).
+  rows = out["last_kept"]["rows"]
+  assert sorted(r["role"] for r in rows) == ["dgrad", "fprop", "fprop", "wgrad"], rows
+  assert all(r["decision"] == "nvfp4" and r["keep_blocks"] == [LAYERS - 1] for r in rows), rows
+  assert not any(o["warnings"] for o in (out["all_kept"], out["none_kept"], out["last_kept"]))
+
+
+def test_a_use_across_an_isolated_region_falls_back_before_the_verifier():
+  """The verifier crashed the process on a value read across a shard_map body's isolation (MaxText's Qwen3-MoE under
+  FSDP): the pass checks for it first, and the program compiles unchanged with a warning (the process lives on)."""
+  out = _run_sharded("unthreaded")
+  assert out["last_kept"]["rel"] == [0.0] * LAYERS  # the original module
+  said = out["all_kept"]["warnings"]  # the first compilation warns (once per process)
+  assert any("reads values across an isolated region" in w and "compiling it unchanged" in w for w in said), said
+
+
+if __name__ == "__main__":
+  print(json.dumps(_sharded_case(sys.argv[1])))

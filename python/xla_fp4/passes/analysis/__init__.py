@@ -54,7 +54,7 @@ def analyze(module, graph=None) -> Analysis:
   dots = []
   for fname, op in graph.dots():
     loc_text = str(op.location)  # printing a location is the costly part: once per dot
-    stack = _name_stack(graph, fname, loc_text)
+    stack = _name_stack(graph, fname, op, loc_text)
     dots.append(roles.Dot(graph, fname, op, loc_text, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
   roles.classify_forward(dots)
   roles.pair_backward(dots)
@@ -86,10 +86,20 @@ def analyze(module, graph=None) -> Analysis:
   return Analysis(records=records, num_blocks=num_blocks)
 
 
-def _name_stack(graph, fname, loc_text):
-  """An op's name stack (from its printed location), prefixed with its function's first call site's."""
-  prefix, own = graph.call_prefix(fname), names.name_of(loc_text)
-  return f"{prefix}/{own}" if prefix and own else (prefix or own)
+def _name_stack(graph, fname, op, loc_text):
+  """An op's name stack (from its printed location), prefixed with its function's first call site's and with those of
+  the shard_map bodies around it in the function: JAX names the ops of a body from the body's own scope, and the
+  transforms around it (`transpose(`, `rematted_computation`: the phase) are on the sdy.manual_computation."""
+  parts = [graph.call_prefix(fname)]
+  cur = op.parent
+  bodies = []
+  while cur is not None and cur.name != "func.func":
+    if cur.name == "sdy.manual_computation":
+      bodies.append(names.name_of(str(cur.location)))
+    cur = cur.parent
+  parts += reversed(bodies)
+  parts.append(names.name_of(loc_text))
+  return "/".join(p for p in parts if p)
 
 
 def _gemm(op) -> Gemm:

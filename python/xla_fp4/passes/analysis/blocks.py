@@ -10,13 +10,14 @@ list (nnx.jit's graph state, jax.tree.leaves), their paths number leaves, not mo
 longest run of the forward made of repeats of one unit of layers of the same shapes (`_repeated_in_dataflow`).
 
 In a scanned stack the weight is a dynamic_slice of the stacked parameter, whose start index is the block index of
-the current iteration within the stack: `block_source` says where the rewrite finds that value (records.BlockSource).
+the current iteration within the stack: `block_source` says where the rewrite finds that value (records.BlockSource),
+which may lie outside a shard_map body around the dot (MaxText's sparse MoE under FSDP): the rewrite threads it in.
 Nested scans (a slice of a slice) give no value: the flat layer index exists nowhere in the program, so only
 `num_stacked` (the product) is set.
 """
 
 from xla_fp4.passes.analysis import names
-from xla_fp4.passes.analysis.callgraph import CallGraph, shape, visible
+from xla_fp4.passes.analysis.callgraph import CallGraph, in_scope, shape
 from xla_fp4.passes.analysis.records import BlockIndex, BlockSource, Role
 
 
@@ -25,9 +26,9 @@ def block_source(dot, src):
   if src is None or src.index is None:
     return None
   if src.entry_call is None:
-    kind = BlockIndex.IN_SCOPE if visible(src.index, dot) else BlockIndex.UNAVAILABLE
+    kind = BlockIndex.IN_SCOPE if in_scope(src.index, dot) else BlockIndex.UNAVAILABLE
   else:
-    kind = BlockIndex.PASSED_IN if visible(src.index, src.entry_call) else BlockIndex.UNAVAILABLE
+    kind = BlockIndex.PASSED_IN if in_scope(src.index, src.entry_call) else BlockIndex.UNAVAILABLE
   return BlockSource(kind, src.index, src.entry_call)
 
 

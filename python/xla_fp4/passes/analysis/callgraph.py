@@ -65,6 +65,8 @@ def forwarded(op, result_number):
     return op.operands[0]
   if op.name == "stablehlo.optimization_barrier":
     return op.operands[result_number]
+  if op.name == "stablehlo.all_gather" and len(op.operands) == 1:  # a shard_map body's FSDP gather of a weight
+    return op.operands[0]
   return None
 
 
@@ -234,8 +236,24 @@ def specialize_call_sites(module) -> "CallGraph":
         site.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
 
 
+# Ops whose regions are isolated from above: nothing inside reads a value defined outside; what the body needs comes in
+# as the op's operands, bound to its block arguments (a function's arguments, a shard_map body's tensors).
+ISOLATED = frozenset({"func.func", "sdy.manual_computation"})
+
+
+def in_scope(value, op):
+  """Whether `value` is defined in a block around `op` (before `op` where it is op's own block), crossing shard_map
+  bodies: what `thread` (rewrite/scope.py) can bring to `op` as shard_map operands."""
+  return _defined_around(value, op, stop=("func.func",))
+
+
 def visible(value, op):
-  """Whether `value` can be used at `op`: defined in an enclosing block, and before `op` if in the same block."""
+  """Whether `op` can use `value` as it stands: defined in a block around it, before it in its own block, and not
+  outside an op isolated from above (ISOLATED) that holds `op`."""
+  return _defined_around(value, op, stop=ISOLATED)
+
+
+def _defined_around(value, op, stop):
   if isinstance(value.owner, ir.Block):
     vblock, vop = value.owner, None
   else:
@@ -246,4 +264,6 @@ def visible(value, op):
     if cur.block == vblock:
       return vop is None or vop.is_before_in_block(cur)
     cur = cur.parent
+    if cur is not None and cur.name in stop:
+      return False
   return False

@@ -20,8 +20,10 @@ class Phase(enum.StrEnum):
 
 class BlockIndex(enum.StrEnum):
   """Where a scanned stack's dot finds the iteration's block index, for the per-iteration select of kept blocks."""
-  IN_SCOPE = "in_scope"  # visible at the dot (the dot is in the loop body itself)
-  PASSED_IN = "passed_in"  # visible at the body function's call: the rewrite passes it in as an extra argument
+  # In scope at the dot (the dot is in the loop body itself); where a shard_map body lies between, the rewrite passes it
+  # in as an operand of each (its region is isolated from above).
+  IN_SCOPE = "in_scope"
+  PASSED_IN = "passed_in"  # in scope at the body function's call: the rewrite passes it in as an extra argument
   UNAVAILABLE = "unavailable"  # not found: every iteration runs in NVFP4
 
 
@@ -93,8 +95,9 @@ class DotSite:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSource:
-  """The block index of a scanned stack's iteration: `value`, visible in the scope of `entry_call` (the func.call that
-  enters the dot's function; None when the dot sees the value itself)."""
+  """The block index of a scanned stack's iteration: `value`, in the scope of `entry_call` (the func.call that enters
+  the dot's function; None when the dot is in its scope itself), shard_map bodies between them aside (callgraph.in_scope).
+  """
   kind: BlockIndex
   value: Any  # ir.Value
   entry_call: Any = None  # ir.Operation

@@ -4,7 +4,7 @@ value it is a pass-through copy of (`root`: dots that read the same tensor get t
 Both look through `callgraph.forwarded` ops; they differ in how they cross functions and loops:
 - `Tracer.trace` follows call results into callees and function arguments back to their call sites (the call it came
   down through, else every call site, the first that traces wins), loop carries to the loop's initial operand and
-  shard_map arguments to the op's operand; a `dynamic_slice` of a stacked parameter records the slice's start index
+  shard_map arguments to the op's operand and shard_map results to what the body returns; a `dynamic_slice` of a stacked parameter records the slice's start index
   (the block of a scanned stack) in the scope of the call that entered the dot's function.
 - `root` follows functions with a single call site (nested jit, remat and custom_jvp bodies) and functions that
   return an argument, not into loops: a loop-carried value is another tensor every iteration.
@@ -17,7 +17,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.lib.mlir.dialects import sdy
 
-from xla_fp4.passes.analysis.callgraph import Binding, CallGraph, defining_op, forwarded, shape
+from xla_fp4.passes.analysis.callgraph import Binding, CallGraph, defining_op, forwarded, shape, terminator
 
 
 @dataclasses.dataclass
@@ -67,6 +67,8 @@ class Tracer:
     if op.name == "func.call":
       inner = self.graph.returned(op, number)
       return None if inner is None else self.trace(inner, stack + (op,), entry, depth + 1)
+    if op.name == "sdy.manual_computation":  # a residual a shard_map body returns (a remat's gathered weight)
+      return self.trace(terminator(op.regions[0]).operands[number], stack, entry, depth + 1)
     return None
 
   def _lift(self, value, stack):

@@ -8,22 +8,24 @@ After (Form.WHOLE_TENSOR; emitter.py shows every form):
   %acc = stablehlo.dot_general %qx, %qw (same dims and precision) -> f32
   %y   = convert(%acc * (%sx * %sw))
 The dot is erased; its uses read %y (same type). Where a scanned stack's block index is visible only at the call of
-the dot's function (BlockIndex.PASSED_IN), the function gets it as an extra argument, once per function and call.
+the dot's function (BlockIndex.PASSED_IN), the function gets it as an extra argument, once per function and call;
+a shard_map body around the dot gets it as an operand (scope.py).
 
   emitter.py      the pattern of one dot            kernel_sets.py  FFI custom calls or lowered twins
   probes.py       the telemetry of one dot (the `telemetry` option)
   reuse.py        quantizations, reshapes and selectors shared between dots
   dims.py         operand layouts (merged contracting dims, K-major matrices)
+  scope.py        values brought into functions and shard_map bodies; the isolation check before the verifier
   values.py       small MLIR value builders
 """
 
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import func as func_dialect
 
 from xla_fp4.passes.analysis import BlockIndex
 from xla_fp4.passes.rewrite.emitter import Emitter
 from xla_fp4.passes.rewrite.kernel_sets import FfiKernels, KernelSet, ReferenceKernels, Twins
 from xla_fp4.passes.rewrite.probes import Probes, Settings
+from xla_fp4.passes.rewrite.scope import into_shard_maps, isolation_violations, plumb_block_value
 
 __all__ = ["Emitter", "FfiKernels", "KernelSet", "ReferenceKernels", "Settings", "Twins", "apply"]
 
@@ -45,6 +47,10 @@ def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, emulate=False, 
     y = emitter.emit(plan, _block_value(module, plan, source, passed_in))
     dot.results[0].replace_all_uses_with(y)
     dot.erase()
+  # The verifier has crashed the process on a use across an isolated region (scope.py): such a module is refused first.
+  bad = isolation_violations(op for op in module.body.operations if op.operation.name == "func.func")
+  if bad:
+    raise RuntimeError("xla_fp4 built a module that reads values across an isolated region: " + "; ".join(bad))
   if not module.operation.verify():
     raise RuntimeError("xla_fp4 produced a module that does not verify")
   return [] if probes is None else probes.measured
@@ -55,32 +61,13 @@ def _block_value(module, plan, source, passed_in):
   if source is None or source.kind is BlockIndex.UNAVAILABLE:
     return None
   if source.kind is BlockIndex.IN_SCOPE:
-    return source.value
+    return into_shard_maps(source.value, plan.record.op)
   key = (plan.site.func, id(source.entry_call))
   if key not in passed_in:
     passed_in[key] = plumb_block_value(source.value, source.entry_call, _func(module, plan.site.func))
-  return passed_in[key]
+  return into_shard_maps(passed_in[key], plan.record.op)
 
 
 def _func(module, name):
   return next(op.operation for op in module.body.operations
               if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == name)
-
-
-def plumb_block_value(value, entry_call, func_op):
-  """Make `value` (visible at `entry_call`) available inside `func_op` by adding an argument; returns it there."""
-  block = func_op.regions[0].blocks[0]
-  arg = block.add_argument(value.type, ir.Location.unknown())
-  ftype = ir.FunctionType(ir.TypeAttr(func_op.attributes["function_type"]).value)
-  func_op.attributes["function_type"] = ir.TypeAttr.get(
-      ir.FunctionType.get(list(ftype.inputs) + [value.type], list(ftype.results)))
-  if "arg_attrs" in func_op.attributes:
-    attrs = list(ir.ArrayAttr(func_op.attributes["arg_attrs"]))
-    func_op.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs + [ir.DictAttr.get({})])
-  with ir.InsertionPoint(entry_call), entry_call.location:
-    new_call = func_dialect.CallOp([r.type for r in entry_call.results], entry_call.attributes["callee"],
-                                   list(entry_call.operands) + [value])
-  for old, new in zip(entry_call.results, new_call.results):
-    old.replace_all_uses_with(new)
-  entry_call.erase()
-  return arg
