@@ -62,6 +62,6 @@ def explain(fn, *args, **kwargs):
   if cfg is None:
     cfg = config_mod.load(enabled=True)
     source = "the pass is not enabled: options from the XLA_FP4_* environment"
-  rows, unmatched = pipeline.decisions(module, cfg)
-  print(report.table(rows, unmatched, title=f"{pipeline.module_name(module)} ({source})"), end="")
+  rows, unmatched, blocks = pipeline.decisions(module, cfg)
+  print(report.table(rows, unmatched, title=f"{pipeline.module_name(module)} ({source})", blocks=blocks), end="")
   return rows

@@ -37,7 +37,7 @@ def _shape(s):
   return "x".join(map(str, s))
 
 
-def table(rows, unmatched_rules=(), title="", backend=None):
+def table(rows, unmatched_rules=(), title="", backend=None, blocks=()):
   header = ("#", "layer", "role", "block", "lhs", "rhs", "decision", "recipe (lhs | rhs)", "reason")
   body = []
   for r in rows:
@@ -55,6 +55,7 @@ def table(rows, unmatched_rules=(), title="", backend=None):
     lines.append(f"kernels: {backend['kernels']}; GEMM: {backend['gemm']} ({backend['gemm_reason']})")
   if unmatched_rules:
     lines.append(f"rules that matched nothing: {', '.join(unmatched_rules)}")
+  lines += [f"blocks: {b}" for b in blocks]
   return "\n".join(l for l in lines if l is not None) + "\n"
 
 
@@ -96,4 +97,5 @@ def nvfp4_flop_share(dump_dir, module_filter=None):
 
 def print_report(dump_dir):
   for name, payload in load(dump_dir):
-    print(table(payload["decisions"], payload.get("unmatched_rules", ()), title=name, backend=payload.get("backend")))
+    print(table(payload["decisions"], payload.get("unmatched_rules", ()), title=name, backend=payload.get("backend"),
+                blocks=payload.get("blocks", ())))

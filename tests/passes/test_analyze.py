@@ -327,7 +327,7 @@ def _decided_for(fn, *args):
   """The pipeline's decision rows (call sites specialized, as the compile hook sees it) of a jitted program."""
   from xla_fp4 import config
   from xla_fp4.passes import pipeline
-  rows, _ = pipeline.decisions(fn.lower(*args).compiler_ir("stablehlo"), config.load(environ={}, enabled=True))
+  rows, _, _ = pipeline.decisions(fn.lower(*args).compiler_ir("stablehlo"), config.load(environ={}, enabled=True))
   return rows
 
 
@@ -411,7 +411,7 @@ def _decided_with(builder, **options):
   from xla_fp4.passes import pipeline
   fn, args = getattr(models, builder)()
   module = jax.jit(fn).lower(*args).compiler_ir("stablehlo")
-  rows, _ = pipeline.decisions(module, config.load(environ={}, enabled=True, **options))
+  rows, _, _ = pipeline.decisions(module, config.load(environ={}, enabled=True, **options))
   return {(r["layer"].split("/")[-1], r["role"]): (r["decision"], r["rule"]) for r in rows}
 
 
@@ -475,7 +475,7 @@ def test_nnx_scan_under_nnx_jit_selects_its_kept_block_per_iteration():
   from xla_fp4.passes import pipeline
   fn, args = models.nnx_transformer_nnx_jit(mode="scan")
   module = fn.lower(*args).compiler_ir("stablehlo")
-  rows, _ = pipeline.decisions(module, config.load(environ={}, enabled=True, min_dim=1, keep_last=1))
+  rows, _, _ = pipeline.decisions(module, config.load(environ={}, enabled=True, min_dim=1, keep_last=1))
   linear = [r for r in rows if r["role"] != "other" and r["rule"] != "head"]
   assert len(linear) >= 18 and all(r["block"] == "scan" and r["num_stacked"] == 3 for r in linear), linear
   assert {tuple(r["keep_blocks"]) for r in linear if r["decision"] == "nvfp4"} == {(2,)}
@@ -560,7 +560,7 @@ def test_ragged_dots_are_decided_alike_on_every_platform():
   rows = {}
   for platform in ("cpu", "cuda"):
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).compiler_ir("stablehlo")
-    rows[platform], _ = pipeline.decisions(module, config.load(environ={}, enabled=True))
+    rows[platform], _, _ = pipeline.decisions(module, config.load(environ={}, enabled=True))
   decided = {p: sorted((r["layer"], r["role"], r["decision"], r["rule"]) for r in rows[p]) for p in rows}
   assert decided["cpu"] == decided["cuda"], decided
   # both expert layers' forward and wgrad, w_out's dgrad (the tokens take no gradient); w_out feeds the loss (head)

@@ -169,7 +169,17 @@ def test_a_scanned_stack_keeps_its_share_of_the_global_blocks():
   scanned = _site(0, num_stacked=6, block_offset=6)
   (d,), _ = _decide([scanned], num_blocks=12, block_index={0: BlockIndex.IN_SCOPE})
   assert d.decision == "nvfp4" and d.keep_blocks == (4, 5)
-  assert "blocks [4, 5] run the high-precision dot" in d.reason
+  assert "iterations [4, 5] (blocks [10, 11]) run the high-precision dot" in d.reason
+
+
+def test_a_scanned_unit_of_several_layers_keeps_its_layers_own_iterations():
+  """Llama 4 scans 4 decoder layers per iteration: 2 iterations are blocks 0-7, and the third layer of the unit is
+  blocks 2 and 6. Keeping the last block (7) keeps the last iteration of the unit's fourth layer only."""
+  third, fourth = (_site(i, num_stacked=2, block_offset=i + 2, block_stride=4) for i in (0, 1))
+  (a, b), _ = _decide([third, fourth], num_blocks=8, keep_first=0, keep_last=1,
+                      block_index={0: BlockIndex.IN_SCOPE, 1: BlockIndex.IN_SCOPE})
+  assert a.keep_blocks == () and b.keep_blocks == (1,), (a, b)
+  assert "iterations [1] (blocks [7])" in b.reason
 
 
 def test_unmatched_rules_are_reported():

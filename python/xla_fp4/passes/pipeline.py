@@ -31,6 +31,7 @@ class Result:
   rows: list  # decision rows (report.py format)
   unmatched_rules: list
   changed: bool
+  blocks: tuple = ()  # how the blocks were found (Analysis.blocks_found)
   backend: dict = None  # Backend.describe() when anything was rewritten
 
 
@@ -66,11 +67,11 @@ def _analyze_and_decide(module, config):
 
 
 def decisions(module: ir.Module, config: Config):
-  """Analyze and decide only: (decision rows, unmatched rule names)."""
+  """Analyze and decide only: (decision rows, unmatched rule names, how the blocks were found)."""
   module = clone_module(module)
   with module.context, ir.Location.unknown():
     analysis, decided, unmatched = _analyze_and_decide(module, config)
-    return report.rows(analysis.sites, decided), unmatched
+    return report.rows(analysis.sites, decided), unmatched, analysis.blocks_found
 
 
 def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=None) -> Result:
@@ -100,7 +101,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     notes = {p.site.index: "; ".join(p.notes) for p in plans if p.notes}
     rows = report.rows(analysis.sites, decided, notes)
   return Result(module=new if changed else module, rows=rows, unmatched_rules=unmatched, changed=changed,
-                backend=backend.describe() if changed else None)
+                backend=backend.describe() if changed else None, blocks=analysis.blocks_found)
 
 
 def _telemetry(config, backend, platform, program):
@@ -130,9 +131,10 @@ def dump(dump_dir, before: ir.Module, result: Result):
   with open(stem + ".after.mlir", "w") as f:
     f.write(result.module.operation.get_asm(enable_debug_info=True))
   payload = {"module": module_name(before), "backend": result.backend, "decisions": result.rows,
-             "unmatched_rules": result.unmatched_rules}
+             "unmatched_rules": result.unmatched_rules, "blocks": list(result.blocks)}
   with open(stem + ".decisions.json", "w") as f:
     json.dump(payload, f, indent=1)
   with open(stem + ".decisions.txt", "w") as f:
-    f.write(report.table(result.rows, result.unmatched_rules, title=module_name(before), backend=result.backend))
+    f.write(report.table(result.rows, result.unmatched_rules, title=module_name(before), backend=result.backend,
+                         blocks=result.blocks))
   return stem

@@ -218,10 +218,12 @@ def decide(analysis: Analysis, config: Config, rules=None):
     # rule, so every iteration runs in NVFP4, as the same blocks would unscanned.
     builtin = rule.name == "nvfp4"
     if builtin and record.block_source is not None:
-      first = site.block_offset or 0  # the stack's blocks, numbered from its first layer
-      keep_blocks = tuple(sorted(b - first for b in ctx.kept_blocks if first <= b < first + (site.num_stacked or 0)))
+      # the iterations whose layer is a kept block (iteration i runs block block_offset + i * block_stride)
+      layers = {i: (site.block_offset or 0) + i * site.block_stride for i in range(site.num_stacked or 0)}
+      keep_blocks = tuple(i for i, b in layers.items() if b in ctx.kept_blocks)
       if keep_blocks:
-        reason += f"; scanned stack: blocks {list(keep_blocks)} run the high-precision dot"
+        reason += (f"; scanned stack: iterations {list(keep_blocks)} (blocks {[layers[i] for i in keep_blocks]}) run "
+                   "the high-precision dot")
     elif builtin and site.num_stacked and ctx.kept_blocks:
       reason += "; nested scanned stack without a per-iteration block index: every iteration runs in NVFP4"
     decisions.append(Decision(index=site.index, decision=Verdict.NVFP4, rule=rule.name, reason=reason, lhs=lhs, rhs=rhs,

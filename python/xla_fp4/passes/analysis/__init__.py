@@ -59,7 +59,7 @@ def analyze(module, graph=None) -> Analysis:
   roles.classify_forward(dots)
   roles.pair_backward(dots)
   heads = heads_mod.heads(graph, dots)
-  blocks, num_blocks = blocks_mod.blocks(graph, arg_names, dots)
+  blocks, num_blocks, blocks_found = blocks_mod.blocks(graph, arg_names, dots)
 
   found = {i: ragged.groups(d.op, d.role is not Role.OTHER) for i, d in enumerate(dots)}
   found.update(ragged.dense_expert_groups(graph, dots, found))
@@ -67,7 +67,7 @@ def analyze(module, graph=None) -> Analysis:
   for i, d in enumerate(dots):
     src = d.src
     arg_name = arg_names[src.arg] if src is not None and src.arg < len(arg_names) else None
-    block, stacked, offset = blocks.get(i, (None, None, None))
+    place = blocks.get(i, blocks_mod.Place())
     linear = d.role is not Role.OTHER
     enclosing = list(graph.around(d.op))
     site = DotSite(
@@ -75,15 +75,15 @@ def analyze(module, graph=None) -> Analysis:
         phase=d.phase, role=d.role, weight_operand=d.w if d.role in (Role.FPROP, Role.DGRAD) else None,
         gradient_operand=d.gradient if d.role is Role.WGRAD else None,
         weight_arg=arg_name, weight_replicated=src is not None and src.arg in replicated,
-        block=block, num_stacked=stacked, block_offset=offset,
+        block=place.block, num_stacked=place.num_stacked, block_offset=place.offset, block_stride=place.stride,
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
         excluded_scope=_excluded(d.op, enclosing), higher_order=names.higher_order(d.stack),
         ragged=d.ragged, groups=found[i],
         in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing),
         gemm=_gemm(d.op))
-    source = blocks_mod.block_source(d.op, src) if stacked is not None else None
+    source = blocks_mod.block_source(d.op, src) if place.num_stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))
-  return Analysis(records=records, num_blocks=num_blocks)
+  return Analysis(records=records, num_blocks=num_blocks, blocks_found=blocks_found)
 
 
 def _name_stack(graph, fname, op, loc_text):

@@ -200,6 +200,18 @@ class CallGraph:
       else:
         cur = cur.parent
 
+  def runs_before(self, a, b):
+    """Whether dot `a` runs before dot `b` in the network: the ops around each, from @main inward (through the first
+    call sites of outlined functions), compared where they first part in one block."""
+    chain_a, chain_b = self._chain(a), self._chain(b)
+    for x, y in zip(chain_a, chain_b):
+      if x != y:
+        return x.block == y.block and x.is_before_in_block(y)
+    return False
+
+  def _chain(self, op):
+    return [o for o in reversed([op, *self.around(op)]) if o.name != "func.func"]
+
   def loop_of(self, op):
     """The innermost stablehlo.while around `op`, through the first call site of outlined functions; None if none."""
     return next((o for o in self.around(op) if o.name == "stablehlo.while"), None)

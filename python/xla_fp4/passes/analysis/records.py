@@ -76,8 +76,9 @@ class DotSite:
   # that argument's sharding annotation (Shardy's or GSPMD's) replicates it over the mesh: every device holds it whole
   weight_replicated: bool = False
   block: Optional[int] = None  # static block index
-  num_stacked: Optional[int] = None  # layers in the scanned stack when the block is per iteration
-  block_offset: Optional[int] = None  # global block index of the scanned stack's first layer
+  num_stacked: Optional[int] = None  # iterations of the scanned stack when the block is per iteration
+  block_offset: Optional[int] = None  # global block index of the dot's layer in the stack's first iteration
+  block_stride: int = 1  # decoder layers one iteration runs: iteration i is block block_offset + i * block_stride
   head_reason: Optional[str] = None  # the layer is the output head: how that was found (dataflow, or the name)
   excluded_scope: bool = False  # inside xla_fp4.exclude()
   higher_order: bool = False  # differentiates a derivative: a transpose inside a jvp, or two transposes
@@ -114,6 +115,7 @@ class DotRecord:
 class Analysis:
   records: list  # [DotRecord], program order (records[i].site.index == i)
   num_blocks: int
+  blocks_found: tuple = ()  # how the blocks were found, one line per stack (the report's "blocks:")
 
   @property
   def sites(self):

@@ -116,6 +116,7 @@ class Probes:
       block = block_value
       if tensor_type(block).element_type != i32:
         block = hlo.ConvertOp(scalar_type(i32), block).result
+      block = hlo.MulOp(block, const(site.block_stride, i32)).result if site.block_stride != 1 else block
       block = hlo.AddOp(block, const(site.block_offset or 0, i32)).result
     else:
       block = const(-1 if site.block is None else site.block, i32)
