@@ -1,7 +1,8 @@
 """MaxText, unmodified, with and without XLA_FP4=1: loss gap, step time, FLOP share, and the pass's decisions.
 
-    python examples/maxtext/run.py                    # every configuration below, 8 steps each way
+    python examples/maxtext/run.py                    # every configuration of the default model, 8 steps each way
     python examples/maxtext/run.py --configs default fsdp8 --steps 4 --out /tmp/mt.json    # the CI smoke test
+    python examples/maxtext/run.py --families --steps 3 --native   # MaxText's newer families, every layout
 
 Builds (once) a Python 3.12 venv with `maxtext[tpu]==0.2.4` (which pins jax 0.10.2) outside the checkout
 (MAXTEXT_VENV, default ~/.cache/xla_fp4/maxtext-venv), installs this checkout into it the way a user would
@@ -10,7 +11,9 @@ decoder, for each configuration: once as is, once with XLA_FP4=1 and a dump dir.
 step's loss and time; from the dumps the pass's decisions, checked against the paper's policy (arXiv 2509.25149 §4):
 the logits head and the attention products kept, about 16% of the decoder layers (weighted to the end) kept, every
 other decoder linear layer's fprop, dgrad and wgrad in NVFP4 (an MoE's router, with fewer than 16 experts, is kept:
-too small for the kernels), and an MoE's expert GEMMs with one decode scale per expert and group of tokens. The
+too small for the kernels), the last decoder layer among the kept ones (a block is a decoder layer, however the
+family scans them), an MoE's expert GEMMs with one decode scale per expert and group of tokens in all three roles,
+and no warning of the pass (a fallback is a failure). The
 sharded configurations (8 host devices) are also checked against issue 8: per-device dot FLOPs and collective bytes
 from the dumped HLO, and the step-0 loss against a one-device run of the same global batch with the pass. Writes one
 JSON file and exits non-zero when a run fails, a decision breaks the policy or a sharded configuration misses those
@@ -58,9 +61,32 @@ CONFIGS = {
     "moe_sparse": [*_MIXTRAL, "sparse_matmul=true", "megablox=false"],
     "moe_dense": [*_MIXTRAL, "sparse_matmul=false"],
 }
+# MaxText's newer families (issue 40), tiny: 8 experts top-2 (Llama 4 routes top-1 only), expert MLP 512, head_dim 64,
+# sparse_matmul on jax.lax.ragged_dot. Each runs on one device and FSDP over 8 host devices, scanned and unscanned
+# (FAMILY_LAYOUTS). What one scan iteration holds: DeepSeek-V3 one layer in two stacks (1 dense, then MoE layers);
+# Qwen3-MoE one; Llama 4 4; gpt-oss 2; Qwen3-Next 4 (3 gated delta net, 1 attention); Gemma 3 a pattern of 6 and an
+# unscanned remainder (8 layers: 6 scanned, 2 after). Gemma 3 is dense.
+_MOE = ["override_model_config=true", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=512", "head_dim=64",
+        "sparse_matmul=true", "megablox=false"]
+FAMILIES = {
+    "deepseek3": ["model_name=deepseek3-671b", *_MOE, "first_num_dense_layers=1", "shared_experts=1",
+                  "q_lora_rank=64", "kv_lora_rank=64", "qk_nope_head_dim=32", "qk_rope_head_dim=32", "v_head_dim=64"],
+    "qwen3_moe": ["model_name=qwen3-30b-a3b", *_MOE],
+    "llama4": ["model_name=llama4-17b-16e", *_MOE, "num_experts_per_tok=1", "shared_experts=1"],
+    "gemma3": ["model_name=gemma3-4b", "override_model_config=true", "head_dim=64", "sliding_window_size=64",
+               "base_num_decoder_layers=8"],
+    "gpt_oss": ["model_name=gpt-oss-20b", *_MOE, "sliding_window_size=64"],
+    "qwen3_next": ["model_name=qwen3-next-80b-a3b", *_MOE, "gdn_num_key_heads=2", "gdn_num_value_heads=4",
+                   "gdn_key_head_dim=64", "gdn_value_head_dim=64"],
+}
+FAMILY_LAYOUTS = {"": [], "_unscanned": ["scan_layers=false"], "_fsdp8": ["ici_fsdp_parallelism=8"],
+                  "_fsdp8_unscanned": ["ici_fsdp_parallelism=8", "scan_layers=false"]}
+FAMILY_CONFIGS = {family + layout: overrides + extra for family, overrides in FAMILIES.items()
+                  for layout, extra in FAMILY_LAYOUTS.items()}
+CONFIGS.update(FAMILY_CONFIGS)
 # Configurations that run on 8 host devices. For these the optimized HLO of both runs' train step is dumped, and the
 # per-device dot FLOPs and collective bytes (xla_fp4.sharding.cost) must stay within issue 8's targets.
-SHARDED = {"fsdp8", "fsdp4_tp2"}
+SHARDED = {"fsdp8", "fsdp4_tp2"} | {f + layout for f in FAMILIES for layout in FAMILY_LAYOUTS if "fsdp8" in layout}
 HOST_DEVICES = 8
 STEP_RE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+),.* loss: ([0-9.]+)")
 
@@ -106,8 +132,10 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
   if sharded:
     env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={HOST_DEVICES} --xla_dump_hlo_as_proto "
                         f"--xla_dump_to={hlo_dir(dump_dir, fp4)} --xla_dump_hlo_module_re=.*train_step.*")
+  # An override given twice (a family's layer count) takes its last value.
   cmd = [str(python), "-m", "maxtext.trainers.pre_train.train", config, f"run_name={name}",
-         f"base_output_directory={dump_dir.parent / 'maxtext_out'}", f"steps={steps}", *small, *overrides]
+         f"base_output_directory={dump_dir.parent / 'maxtext_out'}", f"steps={steps}",
+         *_last_wins([*small, *overrides])]
   start = time.time()
   with open(log, "w") as f:
     proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=dump_dir.parent, timeout=1800)
@@ -123,6 +151,11 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
               losses=[l for _, _, l in steps_seen],
               # Step 0 compiles; the median of the others is the step time.
               step_s=statistics.median([t for s, t, _ in steps_seen if s > 0]) if len(steps_seen) > 1 else None)
+
+
+def _last_wins(overrides):
+  keys = [o.split("=", 1)[0] for o in overrides]
+  return [o for i, o in enumerate(overrides) if keys[i] not in keys[i + 1:]]
 
 
 def telemetry_run(python, name, nvfp4, work, steps, sharded):
@@ -256,7 +289,9 @@ def one_device_check(python, name, sharded_run, work):
   small = [f"per_device_batch_size={HOST_DEVICES}" if o == "per_device_batch_size=1" else o for o in SMALL]
   assert small != SMALL, "SMALL's per_device_batch_size changed: update one_device_check"
   (work / "dump_one").mkdir()
-  one = train(python, f"{name}_one_device", [], 1, True, work / "dump_one", work / "one_device.log", small=small)
+  overrides = [o for o in CONFIGS[name] if not o.startswith("ici_")]
+  one = train(python, f"{name}_one_device", overrides, 1, True, work / "dump_one", work / "one_device.log",
+              small=small)
   if one["returncode"] != 0 or not one["losses"]:
     return one, [f"the one-device run failed (see {one['log']})"]
   gap = round(abs(sharded_run["losses"][0] - one["losses"][0]), 4)
@@ -265,13 +300,22 @@ def one_device_check(python, name, sharded_run, work):
                f"gap {gap} > {ONE_DEVICE_TOLERANCE}"] if gap > ONE_DEVICE_TOLERANCE else []
 
 
+# Layer paths: a decoder layer (decoder/layers/..., layers_3, dense_layers_0, moe_layers, layers_remainder) and, in
+# it, the experts of an MoE block (MaxText's names per family) and their router.
+DECODER_LAYER = re.compile(r"decoder/\w*layers")
+EXPERTS = re.compile(r"(^|/)(MoeBlock_\d+|moe_block|GptOssMlp|routed_experts)/")  # not DeepSeek's shared_experts
+ROUTER = re.compile(r"/gate$")
+
+
 def check_policy(dump_dir):
   """The pass's decisions over every dumped train step, against the paper's policy; (summary, [violations])."""
-  rows = []
+  rows, num_blocks, found = [], set(), set()
   for path in sorted(glob.glob(str(dump_dir / "*.decisions.json"))):  # the format of xla_fp4/report.py
     payload = json.loads(Path(path).read_text())
     if "train_step" in payload["module"]:
       rows += [dict(r, module=payload["module"]) for r in payload["decisions"]]
+      num_blocks.add(payload.get("num_blocks"))
+      found.update(payload.get("blocks", ()))
   bad = []
   for r in rows:
     layer = r["layer"] or ""
@@ -281,18 +325,21 @@ def check_policy(dump_dir):
     if r["role"] == "other" and r["decision"] != "keep":
       bad.append("attention products stay in high precision: " + what)
     # kept blocks, and GEMMs the kernels cannot take (an MoE router: one column per expert, fewer than 16)
-    if "decoder/layers" in layer and r["role"] != "other" and r["decision"] == "keep" and \
+    if DECODER_LAYER.search(layer) and r["role"] != "other" and r["decision"] == "keep" and \
         r["rule"] not in ("high_precision_block", "tiny", "contraction_not_16"):
       bad.append("decoder linear layers run in NVFP4: " + what)
-    if "MoeBlock" in layer and "gate" not in layer and r["decision"] == "nvfp4" and not r.get("groups"):
+    if EXPERTS.search(layer) and not ROUTER.search(layer) and r["decision"] == "nvfp4" and not r.get("groups"):
       bad.append("expert GEMMs take one decode scale per expert: " + what)
   if not any(r["rule"] == "head" for r in rows):
     bad.append("no dot kept as the output head (logits_dense, or the embedding where logits_via_embedding)")
   scanned = [r for r in rows if r["block"] == "scan" and r["decision"] == "nvfp4"]
-  kept_blocks = sorted({b for r in scanned for b in r["keep_blocks"]} |
+  kept_blocks = sorted({r["block_offset"] + i * r["block_stride"] for r in scanned for i in r["keep_blocks"]} |
                        {r["block"] for r in rows if r["rule"] == "high_precision_block"})
-  if not kept_blocks:
-    bad.append("no decoder layer kept in high precision (the paper keeps ~16%, weighted to the end)")
+  if len(num_blocks) != 1:
+    bad.append(f"the train steps found different numbers of decoder layers: {sorted(num_blocks, key=str)}")
+  elif not kept_blocks or max(num_blocks) - 1 not in kept_blocks:
+    bad.append(f"the last of {max(num_blocks)} decoder layers is not kept in high precision (the paper keeps ~16%, "
+               f"weighted to the end): kept {kept_blocks}; {sorted(found)}")
   total = sum(r["flops"] for r in rows)
   # A scanned dot's FLOPs cover every layer of the stack; its kept layers run the high-precision dot.
   fp4 = sum(r["flops"] * (1 - len(r["keep_blocks"]) / (r.get("num_stacked") or 1)) for r in rows
@@ -304,13 +351,19 @@ def check_policy(dump_dir):
   summary = dict(dots=len(rows), nvfp4_dots=sum(r["decision"] == "nvfp4" for r in rows),
                  expert_dots=len(experts), expert_nvfp4_dots=sum(r["decision"] == "nvfp4" for r in experts),
                  nvfp4_flop_share=round(fp4 / total, 4) if total else 0.0, kept_blocks=kept_blocks,
+                 num_blocks=max(num_blocks) if len(num_blocks) == 1 else sorted(num_blocks, key=str),
+                 blocks_found=sorted(found),
                  head=sorted({f"{r['layer']} {r['role']}" for r in rows if r["rule"] == "head"}))
   return summary, bad
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+  p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
+                 help="default: every configuration of MaxText's default model (not the families)")
+  p.add_argument("--families", action="store_true",
+                 help="every family of FAMILIES in every layout of FAMILY_LAYOUTS (24 configurations; the benchmark "
+                      "tier's sweep, about an hour with --native)")
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--work", type=Path, default=Path("/tmp/xla_fp4_maxtext"), help="logs, dumps, MaxText's output")
   p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "maxtext.json")
@@ -321,6 +374,10 @@ def main(argv=None):
   p.add_argument("--telemetry", action="store_true",
                  help="train the NVFP4 run once more with XLA_FP4_TELEMETRY: same losses, records of every GEMM")
   args = p.parse_args(argv)
+  if args.configs is None:
+    args.configs = [c for c in CONFIGS if c not in FAMILY_CONFIGS] if not args.families else []
+  if args.families:
+    args.configs += [c for c in FAMILY_CONFIGS if c not in args.configs]
   python = setup()
   results, failed = {}, []
   for name in args.configs:

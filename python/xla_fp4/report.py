@@ -2,8 +2,8 @@
 
 A row is a dict: index, layer, role, phase, block, lhs_shape, rhs_shape, dtype, flops, decision, rule, reason, recipe,
 groups (an expert GEMM's analysis.Grouping: one decode scale per expert or group of tokens; else None), keep_blocks,
-num_stacked (`flops` count every iteration of a scanned stack; `keep_blocks` of its `num_stacked` layers
-run the high-precision dot). Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and
+num_stacked, block_offset, block_stride (`flops` count every iteration of a scanned stack; `keep_blocks` of its
+`num_stacked` iterations run the high-precision dot; iteration i is block block_offset + i * block_stride). Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and
 which GEMM run and why; rows; unmatched rules) and a `.decisions.txt` table.
 """
 
@@ -24,7 +24,8 @@ def rows(sites, decisions, notes=None):
                     decision=d.decision, rule=d.rule, reason=reason,
                     recipe=None if d.lhs is None else {"lhs": _recipe(d.lhs), "rhs": _recipe(d.rhs)},
                     groups=s.groups.kind if s.groups is not None else None,
-                    keep_blocks=list(d.keep_blocks), num_stacked=s.num_stacked))
+                    keep_blocks=list(d.keep_blocks), num_stacked=s.num_stacked, block_offset=s.block_offset,
+                    block_stride=s.block_stride))
   return out
 
 

@@ -32,6 +32,7 @@ class Result:
   unmatched_rules: list
   changed: bool
   blocks: tuple = ()  # how the blocks were found (Analysis.blocks_found)
+  num_blocks: int = 0
   backend: dict = None  # Backend.describe() when anything was rewritten
 
 
@@ -101,7 +102,8 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
     notes = {p.site.index: "; ".join(p.notes) for p in plans if p.notes}
     rows = report.rows(analysis.sites, decided, notes)
   return Result(module=new if changed else module, rows=rows, unmatched_rules=unmatched, changed=changed,
-                backend=backend.describe() if changed else None, blocks=analysis.blocks_found)
+                backend=backend.describe() if changed else None, blocks=analysis.blocks_found,
+                num_blocks=analysis.num_blocks)
 
 
 def _telemetry(config, backend, platform, program):
@@ -131,7 +133,7 @@ def dump(dump_dir, before: ir.Module, result: Result):
   with open(stem + ".after.mlir", "w") as f:
     f.write(result.module.operation.get_asm(enable_debug_info=True))
   payload = {"module": module_name(before), "backend": result.backend, "decisions": result.rows,
-             "unmatched_rules": result.unmatched_rules, "blocks": list(result.blocks)}
+             "unmatched_rules": result.unmatched_rules, "blocks": list(result.blocks), "num_blocks": result.num_blocks}
   with open(stem + ".decisions.json", "w") as f:
     json.dump(payload, f, indent=1)
   with open(stem + ".decisions.txt", "w") as f:
