@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("MAXTEXT_VENV", Path.home() / ".cache" / "xla_fp4" / "maxtext-venv"))
-MAXTEXT = "maxtext[tpu]==0.2.4"
+MAXTEXT = os.environ.get("MAXTEXT_SPEC", "maxtext[tpu]==0.2.4")  # MAXTEXT_SPEC='maxtext[tpu]==0.2.5': jax 0.12
 SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=512",
          "base_num_decoder_layers=4", "max_target_length=128", "vocab_size=256",
          "per_device_batch_size=1", "dataset_type=synthetic", "enable_checkpointing=false"]
