@@ -25,6 +25,7 @@ Also here: `excluded_scope` (the dot, or an op or call site around it, carries t
 attribute that `xla_fp4.exclude()` sets; JAX copies it onto the transposed dots) and `higher_order` (names.py).
 """
 
+import itertools
 import math
 
 from jax._src.lib.mlir import ir
@@ -90,14 +91,9 @@ def _name_stack(graph, fname, op, loc_text):
   """An op's name stack (from its printed location), prefixed with its function's first call site's and with those of
   the shard_map bodies around it in the function: JAX names the ops of a body from the body's own scope, and the
   transforms around it (`transpose(`, `rematted_computation`: the phase) are on the sdy.manual_computation."""
-  parts = [graph.call_prefix(fname)]
-  cur = op.parent
-  bodies = []
-  while cur is not None and cur.name != "func.func":
-    if cur.name == "sdy.manual_computation":
-      bodies.append(names.name_of(str(cur.location)))
-    cur = cur.parent
-  parts += reversed(bodies)
+  in_function = itertools.takewhile(lambda o: o.name != "func.func", graph.around(op))
+  bodies = [names.name_of(str(o.location)) for o in in_function if o.name == "sdy.manual_computation"]
+  parts = [graph.call_prefix(fname), *reversed(bodies)]
   parts.append(names.name_of(loc_text))
   return "/".join(p for p in parts if p)
 

@@ -84,8 +84,8 @@ class DotSite:
   higher_order: bool = False  # differentiates a derivative: a transpose inside a jvp, or two transposes
   ragged: bool = False  # a ragged dot: a chlo.ragged_dot, or its CPU expansion (an operand masked per group; ragged.py)
   groups: Optional[Groups] = None  # expert GEMMs: one global decode scale per slice or group (ragged.py)
-  # inside a shard_map body (sdy.manual_computation), where JAX records no transforms in the name stack: the phase
-  # and role there come from the dataflow alone
+  # inside a shard_map body (sdy.manual_computation): JAX names its ops from the body's own scope; the transforms
+  # around it (the phase) are on the sdy.manual_computation, whose name stack the analysis prefixes
   in_shard_map: bool = False
   gemm: Gemm
 

@@ -68,14 +68,13 @@ def _thread(value, manual):
   for i, operand in enumerate(manual.operands):
     if operand == value:
       return body.arguments[i]
-  shardings = list(sdy.TensorShardingPerValueAttr(manual.attributes["in_shardings"]).shardings) or \
-      list(sdy.TensorShardingPerValueAttr(manual.attributes["out_shardings"]).shardings)
+  ins = list(sdy.TensorShardingPerValueAttr(manual.attributes["in_shardings"]).shardings)
+  shardings = ins or list(sdy.TensorShardingPerValueAttr(manual.attributes["out_shardings"]).shardings)
   if not shardings:
     raise ValueError("a shard_map body with neither operands nor results: no mesh to bind the block index on")
   mesh = sdy.TensorShardingAttr(shardings[0]).mesh_or_ref
   rank = len(ir.RankedTensorType(value.type).shape)
-  replicated = sdy.TensorShardingAttr.get(mesh, [sdy.DimensionShardingAttr.get([], is_closed=True)] * rank)
-  ins = list(sdy.TensorShardingPerValueAttr(manual.attributes["in_shardings"]).shardings) + [replicated]
+  ins.append(sdy.TensorShardingAttr.get(mesh, [sdy.DimensionShardingAttr.get([], is_closed=True)] * rank))
   with ir.InsertionPoint(manual), manual.location:
     new = sdy.ManualComputationOp([r.type for r in manual.results], list(manual.operands) + [value],
                                   sdy.TensorShardingPerValueAttr.get(ins), manual.attributes["out_shardings"],
