@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xla_fp4.numerics import collective
 from xla_fp4.numerics import formats
 from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics import nvfp4 as qz
@@ -77,12 +78,13 @@ def _key(key, operand, group):
   return None if key is None else _group_key(formats.fold_in(key, operand), group)
 
 
-def _quantized(x32, axis, recipe, key, rht_seed, encoded=False):
+def _quantized(x32, axis, recipe, key, rht_seed, encoded=False, peers=()):
   """(q·scale in float32, s_dec) of one group's operand (other groups' rows already zero); `encoded`: (q, its E4M3
-  scales) in place of q·scale (`_encoded`)."""
+  scales) in place of q·scale (`_encoded`); `peers`: the devices whose parts make up the group's operand (a shard_map
+  body's, collective.py), whose amax the scale is."""
   if recipe.rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  s_dec = qz.global_decode_scale(qz.amax(x32))
+  s_dec = qz.global_decode_scale(collective.max_over_peers(qz.amax(x32), peers))
   if encoded:
     return _encoded(x32, axis, recipe, key, s_dec), s_dec
   return qz.unscaled_values(x32, axis, recipe.block_2d, recipe.rounding, key, s_dec), s_dec
@@ -175,7 +177,7 @@ def _operand_key(x, salt, stochastic):
   return kernel_twins.stochastic_key(x, salt) if stochastic else None
 
 
-def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed):
+def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed, peers=()):
   """(q·scale in x's dtype, s_dec shaped like x's `groups` dims): every slice of x along the group dims quantized
   along `axis` with its own global decode scale and key fold_in(key, slice number), as the reference quantizes a
   group. The slices of a masked operand [G, M, K] are the reference's masked groups; those of an expert weight
@@ -184,7 +186,7 @@ def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed):
   key = _operand_key(x, salt, stochastic)
   slices, inner, unslice = as_slices(x, groups, axis)
   recipe = _recipe(block_2d, stochastic, rht)
-  q, s_dec = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed))(
+  q, s_dec = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed, peers=peers))(
       slices.astype(jnp.float32), jnp.arange(slices.shape[0]))
   return unslice(q.astype(x.dtype)), s_dec.reshape([x.shape[d] for d in groups])
 
@@ -246,21 +248,22 @@ def _group_of_rows(group_sizes, num_rows):
   return jnp.searchsorted(_ends(group_sizes), jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
-def _group_scales(amax, group, num_groups):
+def _group_scales(amax, group, num_groups, peers=()):
   """(s_dec per group, s_dec per item) from `amax` of items (rows or blocks) of groups `group` (num_groups: none):
-  a group's amax is its items' max, 0 for a group without items."""
+  a group's amax is its items' max (on every device of `peers`: collective.py), 0 for a group without items."""
   per_group = jax.ops.segment_max(amax, group, num_segments=num_groups + 1)[:num_groups]
+  per_group = collective.max_over_peers(per_group, peers)
   s_dec = qz.global_decode_scale(jnp.maximum(per_group, 0.0))
   return s_dec, jnp.take(s_dec, group, mode="fill", fill_value=0.0)
 
 
 def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
-                lhs_recipe, rhs_recipe, rht_seed, dtype):
+                lhs_recipe, rhs_recipe, rht_seed, dtype, peers=()):
   """chlo.ragged_dot with lhs [M, K] in groups of rows and rhs [G, ...] one matrix per group (a forward or dgrad of
   an expert layer) in the grouped recipe, as one ragged GEMM. Recipes are (block_2d, stochastic, rht)."""
   _, qx, s_x, _, qw, s_w = ragged_rows_operands(
       lhs, rhs, group_sizes, lhs_salt, rhs_salt, lhs_contracting=lhs_contracting, rhs_contracting=rhs_contracting,
-      rhs_group=rhs_group, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, rht_seed=rht_seed)
+      rhs_group=rhs_group, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, rht_seed=rht_seed, peers=peers)
   group = _group_of_rows(group_sizes, lhs.shape[0])
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(([lhs_contracting], [rhs_contracting]), ([], [])), lhs_ragged_dimensions=[0],
@@ -272,19 +275,19 @@ def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, r
 
 
 def ragged_rows_operands(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
-                         lhs_recipe, rhs_recipe, rht_seed):
+                         lhs_recipe, rhs_recipe, rht_seed, peers=()):
   """ragged_rows' quantized operands: (lhs in float32 as quantized (rows outside the groups zeroed, after any RHT), its
   q·scale, s_dec per group, s_dec per row, rhs's q·scale, s_dec per expert)."""
   x32, s_x, s_row, row_key, recipe = _token_rows(lhs, group_sizes, lhs_salt, rhs.shape[rhs_group], lhs_contracting,
-                                                 lhs_recipe, rht_seed)
+                                                 lhs_recipe, rht_seed, peers)
   qx = qz.unscaled_values(x32, lhs_contracting, recipe.block_2d, recipe.rounding, row_key, s_row[:, None, None])
   rhs_recipe = _recipe(*rhs_recipe)
   qw, s_w = slice_qdq(rhs, rhs_salt, groups=(rhs_group,), axis=rhs_contracting, block_2d=rhs_recipe.block_2d,
-                      stochastic=rhs_recipe.stochastic, rht=rhs_recipe.rht, rht_seed=rht_seed)
+                      stochastic=rhs_recipe.stochastic, rht=rhs_recipe.rht, rht_seed=rht_seed, peers=peers)
   return x32, qx, s_x, s_row, qw, s_w
 
 
-def _token_rows(lhs, group_sizes, salt, num_groups, axis, recipe, rht_seed):
+def _token_rows(lhs, group_sizes, salt, num_groups, axis, recipe, rht_seed, peers=()):
   """The lhs of ragged_rows as it is quantized: (float32, rows outside the groups zeroed, after any RHT; s_dec per
   group; s_dec per row; the stochastic-rounding key per row or None; the OperandRecipe)."""
   recipe = _recipe(*recipe)
@@ -292,14 +295,14 @@ def _token_rows(lhs, group_sizes, salt, num_groups, axis, recipe, rht_seed):
   x32 = jnp.where((group < num_groups)[:, None], lhs.astype(jnp.float32), 0.0)
   if recipe.rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  s_x, s_row = _group_scales(qz._max(jnp.abs(x32), axis=1), group, num_groups)
+  s_x, s_row = _group_scales(qz._max(jnp.abs(x32), axis=1), group, num_groups, peers)
   key = _operand_key(lhs, salt, recipe.stochastic)
   row_key = None if key is None else _group_key(key, group)[:, None]
   return x32, s_x, s_row, row_key, recipe
 
 
 def ragged_rows_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
-                       lhs_recipe, rhs_recipe, rht_seed):
+                       lhs_recipe, rhs_recipe, rht_seed, peers=()):
   """ragged_rows' operands as the native backend's grouped FP4 GEMM reads them (xla_fp4_ragged_gemm_packed, ragged_k
   false): (lhs codes (M, K/2), scales (M, K/16), rhs codes (G, N, K/2), scales (G, N, K/16), alpha = s_dec of the
   tokens times s_dec of the expert, per group). The same quantization as ragged_rows_operands (lhs [M, K] contracting
@@ -308,12 +311,13 @@ def ragged_rows_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contrac
     raise ValueError(f"ragged_rows_packed takes lhs [M, K] and rhs [G, ., .], got {lhs.shape} contracting "
                      f"{lhs_contracting} and {rhs.shape}")
   x32, s_x, s_row, row_key, recipe = _token_rows(lhs, group_sizes, lhs_salt, rhs.shape[rhs_group], 1, lhs_recipe,
-                                                 rht_seed)
+                                                 rht_seed, peers)
   a_codes, a_scales = _k_major_packed(*_encoded(x32, 1, recipe, row_key, s_row[:, None, None]), 1)
   recipe = _recipe(*rhs_recipe)
   key = _operand_key(rhs, rhs_salt, recipe.stochastic)
   slices, inner, _ = as_slices(rhs, (rhs_group,), rhs_contracting)
-  (q, scales), s_w = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed, encoded=True))(
+  (q, scales), s_w = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed, encoded=True,
+                                                      peers=peers))(
       slices.astype(jnp.float32), jnp.arange(slices.shape[0]))
   b_codes, b_scales = jax.vmap(lambda q, s: _k_major_packed(q, s, inner))(q, scales)
   return a_codes, a_scales, b_codes, b_scales, s_x * s_w
@@ -340,7 +344,8 @@ def _padded_rows(group_sizes, num_rows, multiple=formats.BLOCK):
   return jnp.clip(original, 0, num_rows - 1), holds, group, padded_sizes
 
 
-def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, multiple=formats.BLOCK, encoded=False):
+def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, multiple=formats.BLOCK, encoded=False,
+                               peers=()):
   """One operand of ragged_contracting as it quantizes it: (the `_padded_rows` copy in float32 after any RHT, its
   q·scale in x's dtype, s_dec per group, s_dec per 16-row block). `multiple`: `_padded_rows`' (a group's zero blocks
   add nothing); `encoded`: (q, its E4M3 scales) in place of q·scale (`_encoded`)."""
@@ -351,7 +356,7 @@ def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, multiple=
   if recipe.rht:
     v = rht_f32(v, 0, rht_seed)
   block_amax = qz._max(jnp.abs(v).reshape(-1, formats.BLOCK, v.shape[1]), axis=(1, 2))
-  s_dec, s_block = _group_scales(block_amax, group[::formats.BLOCK], num_groups)
+  s_dec, s_block = _group_scales(block_amax, group[::formats.BLOCK], num_groups, peers)
   key, bits = _operand_key(x, salt, recipe.stochastic), None
   if key is not None:  # element (r, c) draws at its position in the original operand, with its group's key
     index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
@@ -362,11 +367,12 @@ def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, multiple=
   return v, q.astype(x.dtype), s_dec, s_block
 
 
-def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype):
+def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype,
+                       peers=()):
   """chlo.ragged_dot with lhs [M, K] and rhs [M, N] contracted over the rows of each group -> [G, K, N] (an expert
   layer's wgrad) in the grouped recipe: both operands along the rows, copied into `_padded_rows`' layout."""
-  _, qx, s_x, _ = ragged_contracting_operand(lhs, group_sizes, lhs_salt, lhs_recipe, rht_seed)
-  _, qy, s_y, _ = ragged_contracting_operand(rhs, group_sizes, rhs_salt, rhs_recipe, rht_seed)
+  _, qx, s_x, _ = ragged_contracting_operand(lhs, group_sizes, lhs_salt, lhs_recipe, rht_seed, peers=peers)
+  _, qy, s_y, _ = ragged_contracting_operand(rhs, group_sizes, rhs_salt, rhs_recipe, rht_seed, peers=peers)
   padded_sizes = _padded_rows(group_sizes, lhs.shape[0])[3]
   dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
@@ -378,7 +384,8 @@ def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe,
 _GEMM_K_MULTIPLE = 32
 
 
-def ragged_contracting_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed):
+def ragged_contracting_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed,
+                              peers=()):
   """ragged_contracting's operands as the native backend's grouped FP4 GEMM reads them (xla_fp4_ragged_gemm_packed,
   ragged_k true): (lhs codes (K, P/2), scales (K, P/16), rhs codes (N, P/2), scales (N, P/16), the groups' row counts
   in the `_padded_rows` layout (P = M + 32 G), alpha per group). The same quantization as ragged_contracting's, each
@@ -386,7 +393,7 @@ def ragged_contracting_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_
   packed = []
   for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)):
     _, (q, scales), s_dec, _ = ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed,
-                                                          multiple=_GEMM_K_MULTIPLE, encoded=True)
+                                                          multiple=_GEMM_K_MULTIPLE, encoded=True, peers=peers)
     packed.append((*_k_major_packed(q, scales, 0), s_dec))
   (a_codes, a_scales, s_x), (b_codes, b_scales, s_y) = packed
   sizes = _padded_rows(group_sizes, lhs.shape[0], _GEMM_K_MULTIPLE)[3].astype(jnp.int32)

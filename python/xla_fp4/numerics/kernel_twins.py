@@ -7,6 +7,7 @@ numbers, bit for bit (tests/kernels). The pass lowers them into the program wher
 import jax
 import jax.numpy as jnp
 
+from xla_fp4.numerics import collective
 from xla_fp4.numerics import nvfp4
 from xla_fp4.numerics.rht import rht_f32
 
@@ -27,13 +28,15 @@ def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
   return nvfp4.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
 
 
-def decode_scale(block_maxima):
+def decode_scale(block_maxima, peers=()):
   """The global decode scale s_dec = amax / (6 * 448) from xla_fp4_block_amax's output (NaN already +Inf there).
 
   Inlined into the program, amax * (1/2688) would be open to XLA's reassociation of constant products (into the GEMM's
   alpha): the barrier keeps the kernels' rounding. The pass lowers this twin into partitioned programs, where the max
-  is a plain reduce that XLA turns into an all-reduce."""
-  return jax.lax.optimization_barrier(nvfp4.global_decode_scale(jnp.max(block_maxima)))
+  is a plain reduce that XLA turns into an all-reduce; in a shard_map body, where XLA adds none, the max is taken over
+  the body's `peers` too (collective.py)."""
+  amax = collective.max_over_peers(jnp.max(block_maxima), peers)
+  return jax.lax.optimization_barrier(nvfp4.global_decode_scale(amax))
 
 
 def stochastic_key(x, salt):

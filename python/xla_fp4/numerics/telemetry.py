@@ -81,12 +81,12 @@ def _row(x32, q, s_elements, s_blocks, s_dec, *, axis, block_2d, elements):
 
 
 def ragged_rows_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
-                      lhs_recipe, rhs_recipe, rht_seed, dtype):
+                      lhs_recipe, rhs_recipe, rht_seed, dtype, peers=()):
   """[2, FIELDS]: the rows of grouped.ragged_rows' operands as it quantizes them (the token rows with their group's
   scale; the expert weights per expert: sliced_stats)."""
   x32, qx, s_x, s_row, qw, s_w = grouped.ragged_rows_operands(
       lhs, rhs, group_sizes, lhs_salt, rhs_salt, lhs_contracting=lhs_contracting, rhs_contracting=rhs_contracting,
-      rhs_group=rhs_group, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, rht_seed=rht_seed)
+      rhs_group=rhs_group, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, rht_seed=rht_seed, peers=peers)
   x_row = _row(x32, qx, s_row[:, None], s_row[:, None, None], s_x, axis=lhs_contracting, block_2d=lhs_recipe[0],
                elements=lhs.size)
   w_row = sliced_stats(rhs, qw, s_w, groups=(rhs_group,), axis=rhs_contracting, block_2d=rhs_recipe[0],
@@ -94,12 +94,13 @@ def ragged_rows_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contract
   return jnp.stack([x_row, w_row])
 
 
-def ragged_contracting_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype):
+def ragged_contracting_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype,
+                             peers=()):
   """[2, FIELDS]: the rows of grouped.ragged_contracting's operands as it quantizes them (along the rows, in blocks of
   one group each, each group's scale)."""
   rows = []
   for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)):
-    v, q, s_dec, s_block = grouped.ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed)
+    v, q, s_dec, s_block = grouped.ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, peers=peers)
     rows.append(_row(v, q, jnp.repeat(s_block, formats.BLOCK)[:, None], s_block[None, :, None], s_dec, axis=0,
                      block_2d=recipe[0], elements=x.size))
   return jnp.stack(rows)

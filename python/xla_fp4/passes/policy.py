@@ -94,6 +94,8 @@ class OperandPlan:
   # Quantized after the dot's gradient operand (whose decode scale orders it): a tensor the forward computed is then
   # quantized where the backward reads it, not held from the forward (docs/design.md §5).
   after_gradient: bool
+  # In a shard_map body: the replica groups its decode scales are max-reduced over (analysis/peers.py), else ().
+  peers: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -271,7 +273,7 @@ def _operand_plans(site: DotSite, decision: Decision, form: Form):
       k_follows_dot=site.role is not Role.WGRAD and kind is not Operand.WEIGHT,
       fresh=(site.role is Role.DGRAD and kind is Operand.WEIGHT and site.weight_replicated
              and form is not Form.WHOLE_TENSOR),
-      after_gradient=backward and kind is not Operand.GRADIENT) for i, kind in enumerate(kinds))
+      after_gradient=backward and kind is not Operand.GRADIENT, peers=site.peers) for i, kind in enumerate(kinds))
   order = (1, 0) if backward and kinds[1] is Operand.GRADIENT else (0, 1)
   return plans, order
 

@@ -34,6 +34,7 @@ from xla_fp4.passes.analysis import blocks as blocks_mod
 from xla_fp4.passes.analysis import heads as heads_mod
 from xla_fp4.passes.analysis import names
 from xla_fp4.passes.analysis import roles
+from xla_fp4.passes.analysis import peers
 from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_sites, visible
 from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Grouping,
                                              Groups, Phase, Role)
@@ -64,6 +65,7 @@ def analyze(module, graph=None) -> Analysis:
 
   found = {i: ragged.groups(d.op, d.role is not Role.OTHER) for i, d in enumerate(dots)}
   found.update(ragged.dense_expert_groups(graph, dots, found))
+  dot_peers = peers.of_dots(graph, dots, found)
   records = []
   for i, d in enumerate(dots):
     src = d.src
@@ -80,7 +82,7 @@ def analyze(module, graph=None) -> Analysis:
         head_reason=heads.get(i if d.role is Role.FPROP else d.partner) if linear else None,
         excluded_scope=_excluded(d.op, enclosing), higher_order=names.higher_order(d.stack),
         ragged=d.ragged, groups=found[i],
-        in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing),
+        in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing), peers=dot_peers[i],
         gemm=_gemm(d.op))
     source = blocks_mod.block_source(d.op, src) if place.num_stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))

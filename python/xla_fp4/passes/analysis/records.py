@@ -87,6 +87,9 @@ class DotSite:
   # inside a shard_map body (sdy.manual_computation): JAX names its ops from the body's own scope; the transforms
   # around it (the phase) are on the sdy.manual_computation, whose name stack the analysis prefixes
   in_shard_map: bool = False
+  # inside a shard_map body: the replica groups (global device ids) over which its per-device decode scales are
+  # max-reduced (peers.py); () outside bodies
+  peers: tuple = ()
   gemm: Gemm
 
   @property

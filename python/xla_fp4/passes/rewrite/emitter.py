@@ -168,7 +168,7 @@ class Emitter:
     # the unrewritten step, benchmarks/sharding.py), and a GPU would read x once more.
     measured = self.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=self.seed,
                                                                 digest=recipe.stochastic and digest is None))
-    s_dec = self.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())])[0]
+    s_dec = self.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())], **_peers(operand))[0]
     salt = const(formats.fold_in_int(self.seed, operand.salt_id), u32())
     if not recipe.stochastic:
       return s_dec, salt
@@ -439,7 +439,8 @@ class Emitter:
         q, s_dec = self.twins.call(grouped.slice_qdq, [x, self._salt(operand)], [x.type, scale_type],
                                    groups=tuple(group_dims[i]), block_2d=recipe.block_2d,
                                    axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
-                                   stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed)
+                                   stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=self.seed,
+                                   **_peers(operand))
         if tiled:
           self.reuse.remember(x, blocks, select, q, s_dec)
       self._measure(i, x=x, axis=contracting[i][0] if len(contracting[i]) == 1 else tuple(contracting[i]),
@@ -507,7 +508,8 @@ class Emitter:
     recipes = {name: (o.recipe.block_2d, o.recipe.stochastic, o.recipe.rht)
                for name, o in zip(("lhs_recipe", "rhs_recipe"), plan.operands)}
     operands = [lhs, rhs, sizes] + [self._salt(o) for o in plan.operands]
-    params = dict(rht_seed=self.seed, dtype=_dtype_name(tensor_type(op.results[0])), **recipes)
+    params = dict(rht_seed=self.seed, dtype=_dtype_name(tensor_type(op.results[0])), **recipes,
+                  **_peers(plan.operands[0]))
     rows = site.groups.kind is Grouping.RAGGED_ROWS
     stats_fn = telemetry.ragged_contracting_stats
     if rows:
@@ -517,6 +519,12 @@ class Emitter:
     self._measure(0, x=lhs, axis=None, recipe=plan.operands[0].recipe, salt=None, s_dec=None,
                   ragged=(stats_fn, operands, dict(params)))
     return rows, operands, params
+
+
+def _peers(operand):
+  """The twins' `peers` parameter of an operand in a shard_map body (OperandPlan.peers); none elsewhere, so that the
+  twins outside bodies are the same functions as before bodies had peers."""
+  return dict(peers=operand.peers) if operand.peers else {}
 
 
 def _slice(x, dim, index):
