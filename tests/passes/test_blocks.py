@@ -91,3 +91,66 @@ def test_dense_layers_before_moe_layers_are_layers_and_a_remainder_follows_its_s
   assert _blocks_of(rows, "layers_remainder/layers_1/")["fprop"] == {7}
   assert {r["rule"] for r in rows if "layers_remainder/layers_1/" in r["layer"]} == {"high_precision_block"}
   assert all(r["decision"] == "nvfp4" for r in rows if "layers_remainder/layers_1/" not in r["layer"])
+
+
+def _nested_scan_loss(outer):
+  """MaxText 0.2.5's Qwen3-Next: a scan over `outer` iterations of (a scan over 3 local layers, a scan over 1 global
+  layer), each body rematerialized. The backward reads each iteration's weights from the forward loop's stacked
+  residuals (its `ys`), not from the parameters."""
+  params = {"layers": {"local_layers": {"attn": _w(1, outer, 3, D, D), "mlp": _w(2, outer, 3, D, D)},
+                       "global_layer": {"attn": _w(3, outer, 1, D, D), "mlp": _w(4, outer, 1, D, D)}}}
+
+  def inner(h, p):
+    return _layer(p, h), None
+
+  def unit(h, p):
+    h, _ = jax.lax.scan(jax.checkpoint(inner), h, p["local_layers"])
+    h, _ = jax.lax.scan(jax.checkpoint(inner), h, p["global_layer"])
+    return h, None
+
+  def loss(params, x):
+    h, _ = jax.lax.scan(unit, x, params["layers"])
+    return jnp.sum(h ** 2)
+  return loss, params
+
+
+def test_nested_scans_classify_through_the_forward_loops_stacked_residuals():
+  """One iteration around the inner scans (4 layers): the layers are blocks 0-2 and 3, every linear dot is a fprop,
+  dgrad or wgrad (the backward's weights traced through the forward loop's `ys`), and keep-last keeps the global
+  layer in all three roles. With 2 iterations around them the flat layer index is no value of the program: every
+  GEMM still classified, and the rows say that every iteration runs in NVFP4."""
+  loss, params = _nested_scan_loss(1)
+  rows, blocks = _decisions(loss, params, _w(9, 16, D), keep_first=0, keep_last=1)
+  assert sorted(b.split(":")[0] for b in blocks) == ["block 3", "blocks 0-2"], blocks
+  for part, size in (("local_layers/", 3), ("global_layer/", 1)):
+    mine = [r for r in rows if part in r["layer"]]
+    assert sorted({r["role"] for r in mine}) == ["dgrad", "fprop", "wgrad"], mine
+    assert all(r["num_stacked"] == size for r in mine), mine
+  kept = {(r["role"], tuple(r["keep_blocks"])) for r in rows if "global_layer/" in r["layer"]}
+  assert kept == {("fprop", (0,)), ("dgrad", (0,)), ("wgrad", (0,))}, kept
+  assert all(not r["keep_blocks"] for r in rows if "local_layers/" in r["layer"])
+
+  loss, params = _nested_scan_loss(2)
+  rows, _ = _decisions(loss, params, _w(9, 16, D), keep_first=0, keep_last=1)
+  assert sorted({r["role"] for r in rows if r["layer"]}) == ["dgrad", "fprop", "wgrad"]
+  assert all(r["decision"] == "nvfp4" for r in rows)
+
+
+def test_a_loops_stacked_weight_slices_trace_to_the_parameter():
+  """A scan that stacks each iteration's weight slice into its output (`ys`; Flax's scanned variables: MaxText
+  0.2.5's Qwen3-Next backward reads its layers' weights so) hands a later loop the parameter again: that loop's
+  GEMMs are the same layers' (6 of 12 dots were 'not a linear-layer GEMM' before)."""
+  params = {"layers": {"attn": _w(1, 3, D, D), "mlp": _w(2, 3, D, D)}}
+
+  def loss(params, x):
+    def unit(h, p):
+      return _layer(p, h), jax.tree.map(lambda w: w.astype(jnp.bfloat16), p)
+    h, stacked = jax.lax.scan(unit, x, params["layers"])
+    h, _ = jax.lax.scan(lambda h, p: (_layer(p, h), None), h, stacked)
+    return jnp.sum(h ** 2)
+
+  step = jax.jit(jax.grad(loss))
+  module = step.lower(params, _w(9, 16, D)).compiler_ir("stablehlo")
+  rows, _, _ = pipeline.decisions(module, config.load(environ={}, enabled=True, min_dim=1, keep_head=False))
+  assert sorted(r["role"] for r in rows) == sorted(["fprop"] * 4 + ["dgrad"] * 4 + ["wgrad"] * 4), rows
+  assert all(r["block"] == "scan" and r["num_stacked"] == 3 for r in rows), rows

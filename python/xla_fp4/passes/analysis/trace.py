@@ -4,8 +4,9 @@ value it is a pass-through copy of (`root`: dots that read the same tensor get t
 Both look through `callgraph.forwarded` ops; they differ in how they cross functions and loops:
 - `Tracer.trace` follows call results into callees and function arguments back to their call sites (the call it came
   down through, else every call site, the first that traces wins), loop carries to the loop's initial operand and
-  shard_map arguments to the op's operand and shard_map results to what the body returns; a `dynamic_slice` of a stacked parameter records the slice's start index
-  (the block of a scanned stack) in the scope of the call that entered the dot's function.
+  shard_map arguments to the op's operand and shard_map results to what the body returns, and a scan's stacked output
+  of its iterations' slices (`_stacked_update`) to the sliced value; a `dynamic_slice` of a stacked parameter records
+  the slice's start index (the block of a scanned stack) in the scope of the call that entered the dot's function.
 - `root` follows functions with a single call site (nested jit, remat and custom_jvp bodies) and functions that
   return an argument, not into loops: a loop-carried value is another tensor every iteration.
 """
@@ -17,7 +18,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.lib.mlir.dialects import sdy
 
-from xla_fp4.passes.analysis.callgraph import Binding, CallGraph, defining_op, forwarded, shape, terminator
+from xla_fp4.passes.analysis.callgraph import (Binding, CallGraph, defining_op, forwarded, shape, terminator,
+                                              unforwarded)
 
 
 @dataclasses.dataclass
@@ -58,18 +60,48 @@ class Tracer:
       return self.trace(through, stack, entry, depth + 1)
     if op.name == "stablehlo.dynamic_slice":
       src = self.trace(op.operands[0], stack, entry, depth + 1)
-      if src is not None and src.stacked is None:
+      layers = shape(op.operands[0])[0]
+      if src is not None and (src.stacked is None or src.stacked == 1):  # a stack of one around it adds nothing
         src.index = self._lift(op.operands[1], stack)
-        src.stacked = shape(op.operands[0])[0]
-      elif src is not None:  # a slice of a slice (nested scans): the flat layer index is no value of the program
-        src.index, src.stacked = None, src.stacked * shape(op.operands[0])[0]
+        src.stacked = layers
+      elif src is not None and layers > 1:  # a slice of a slice (nested scans): the flat layer index is no value of
+        src.index, src.stacked = None, src.stacked * layers  # the program
       return src
     if op.name == "func.call":
       inner = self.graph.returned(op, number)
       return None if inner is None else self.trace(inner, stack + (op,), entry, depth + 1)
     if op.name == "sdy.manual_computation":  # a residual a shard_map body returns (a remat's gathered weight)
       return self.trace(terminator(op.regions[0]).operands[number], stack, entry, depth + 1)
+    if op.name == "stablehlo.while":
+      update = self._stacked_update(op, number)
+      src = None if update is None else self.trace(update, stack, entry, depth + 1)
+      if src is not None:  # the stack holds iteration i's slice at i: the stacked parameter again, unsliced
+        src.index, src.stacked = None, None
+      return src
     return None
+
+  def _stacked_update(self, loop, number):
+    """The value a scan's loop stacks into its result `number` (`ys`: the loop's carry `number` updated at one index
+    per iteration, `dynamic_update_slice`, in the loop body or a function it calls), or None. A scan over nested
+    scanned layers hands its backward the weights this way: each iteration's slice of the stacked parameter, stacked
+    again in iteration order."""
+    body = loop.regions[1].blocks[0]
+    value, call = terminator(loop.regions[1]).operands[number], None
+    if not isinstance(value.owner, ir.Block) and defining_op(value).name == "func.call":
+      call = defining_op(value)
+      value = self.graph.returned(call, ir.OpResult(value).result_number)
+      if value is None:
+        return None
+    if isinstance(value.owner, ir.Block) or defining_op(value).name != "stablehlo.dynamic_update_slice":
+      return None
+    update_op = defining_op(value)
+    buffer, update = update_op.operands[0], unforwarded(update_op.operands[1])
+    if call is not None:  # the callee's arguments stand for the call's operands
+      if not (isinstance(buffer.owner, ir.Block) and isinstance(update.owner, ir.Block)):
+        return None
+      buffer = call.operands[ir.BlockArgument(buffer).arg_number]
+      update = call.operands[ir.BlockArgument(update).arg_number]
+    return update if buffer == body.arguments[number] else None
 
   def _lift(self, value, stack):
     """Express a callee-local block argument in the scope of the calls on `stack`."""
