@@ -23,6 +23,7 @@ checks.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -35,7 +36,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("MAXTEXT_VENV", Path.home() / ".cache" / "xla_fp4" / "maxtext-venv"))
+DEFAULT_VENV = Path.home() / ".cache" / "xla_fp4" / "maxtext-venv"
+VENV = Path(os.environ.get("MAXTEXT_VENV", DEFAULT_VENV))
 MAXTEXT = os.environ.get("MAXTEXT_SPEC", "maxtext[tpu]==0.2.4")  # MAXTEXT_SPEC='maxtext[tpu]==0.2.5': jax 0.12
 SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=512",
          "base_num_decoder_layers=4", "max_target_length=128", "vocab_size=256",
@@ -80,13 +82,15 @@ FAMILIES = {
                    "gdn_key_head_dim=64", "gdn_value_head_dim=64"],
 }
 FAMILY_LAYOUTS = {"": [], "_unscanned": ["scan_layers=false"], "_fsdp8": ["ici_fsdp_parallelism=8"],
-                  "_fsdp8_unscanned": ["ici_fsdp_parallelism=8", "scan_layers=false"]}
+                  "_fsdp8_unscanned": ["ici_fsdp_parallelism=8", "scan_layers=false"],
+                  # expert parallelism: each device holds 4 of the 8 experts (MoE families only)
+                  "_ep2_fsdp4": ["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"]}
 FAMILY_CONFIGS = {family + layout: overrides + extra for family, overrides in FAMILIES.items()
-                  for layout, extra in FAMILY_LAYOUTS.items()}
+                  for layout, extra in FAMILY_LAYOUTS.items() if family != "gemma3" or "ep2" not in layout}
 CONFIGS.update(FAMILY_CONFIGS)
 # Configurations that run on 8 host devices. For these the optimized HLO of both runs' train step is dumped, and the
 # per-device dot FLOPs and collective bytes (xla_fp4.sharding.cost) must stay within issue 8's targets.
-SHARDED = {"fsdp8", "fsdp4_tp2"} | {f + layout for f in FAMILIES for layout in FAMILY_LAYOUTS if "fsdp8" in layout}
+SHARDED = {"fsdp8", "fsdp4_tp2"} | {name for name in FAMILY_CONFIGS if "fsdp" in name}
 HOST_DEVICES = 8
 STEP_RE = re.compile(r"completed step: (\d+), seconds: ([0-9.]+),.* loss: ([0-9.]+)")
 
@@ -235,11 +239,24 @@ def hlo_dir(dump_dir, fp4):
   return dump_dir.parent / f"hlo_{dump_dir.name}_{'fp4' if fp4 else 'base'}"
 
 
+@functools.lru_cache(maxsize=None)
+def _proto_reader(python):
+  """A Python with XLA's protos (tensorflow's): MaxText 0.2.4's venv has them; 0.2.5's (no tensorflow) borrows the
+  0.2.4 venv's where it exists."""
+  for candidate in (python, DEFAULT_VENV / "bin" / "python"):
+    if Path(candidate).exists() and subprocess.run(
+        [candidate, "-c", "from tensorflow.compiler.xla.service import hlo_pb2"], capture_output=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")).returncode == 0:
+      return candidate
+  raise SystemExit(f"reading the dumped HLO needs tensorflow's XLA protos, in neither {python} nor {DEFAULT_VENV}: "
+                   f"build MaxText 0.2.4's venv (run.py with MAXTEXT_VENV unset) or pip install tensorflow-cpu there")
+
+
 def hlo_module_proto(python, path):
   """The HloModuleProto inside the xla.HloProto that XLA dumps as *.hlo.pb, read with the XLA protos that ship in the
-  MaxText venv (tensorflow's)."""
+  MaxText venv (tensorflow's: `_proto_reader`)."""
   out = path.with_suffix(".module")
-  subprocess.run([python, "-c", "import sys; from tensorflow.compiler.xla.service import hlo_pb2; "
+  subprocess.run([_proto_reader(python), "-c", "import sys; from tensorflow.compiler.xla.service import hlo_pb2; "
                   "p = hlo_pb2.HloProto.FromString(open(sys.argv[1], 'rb').read()); "
                   "open(sys.argv[2], 'wb').write(p.hlo_module.SerializeToString())", str(path), str(out)],
                  check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
@@ -373,7 +390,7 @@ def main(argv=None):
   p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
                  help="default: every configuration of MaxText's default model (not the families)")
   p.add_argument("--families", action="store_true",
-                 help="every family of FAMILIES in every layout of FAMILY_LAYOUTS (24 configurations; the benchmark "
+                 help="every family of FAMILIES in every layout of FAMILY_LAYOUTS (29 configurations; the benchmark "
                       "tier's sweep, about an hour with --native)")
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--work", type=Path, default=Path("/tmp/xla_fp4_maxtext"), help="logs, dumps, MaxText's output")
