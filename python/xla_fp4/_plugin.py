@@ -8,6 +8,9 @@ from xla_fp4 import config
 
 
 def initialize():
+  from xla_fp4 import notice
+  for line in config.unknown_variables():
+    notice.warn(line)
   try:
     cfg = config.load()
   except ValueError as e:

@@ -56,6 +56,8 @@ def explain(fn, *args, **kwargs):
   The options are the enabled pass's (xla_fp4.enable or XLA_FP4=1); where the pass is not enabled, the XLA_FP4_*
   environment's, and the printout says so."""
   lowered = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args, **kwargs)
+  # eqx.filter_jit's `lower` wraps JAX's Lowered (in `.lowered`); jax.jit, nnx.jit and Haiku under jax.jit return it
+  lowered = getattr(lowered, "lowered", lowered)
   module = lowered.compiler_ir("stablehlo")
   cfg = hook.installed_config()
   source = "the enabled pass's options"

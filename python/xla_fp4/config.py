@@ -5,6 +5,7 @@ a bad value raises a ValueError naming the variable and the accepted values.
 """
 
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -259,6 +260,23 @@ def _parse(option, value, source):
     return option.parse(value)
   except ValueError as e:
     raise ValueError(f"{source} = {value!r} is invalid: {e}. ({option.help})") from None
+
+
+# Variables the build reads (CMakeLists.txt), not the pass.
+BUILD_VARIABLES = ("XLA_FP4_CUDA",)
+
+
+def unknown_variables(environ=None):
+  """One line for each XLA_FP4_* variable of `environ` that nothing reads (a misspelt option does nothing), naming the
+  closest known variable."""
+  environ = os.environ if environ is None else environ
+  known = sorted({o.env for o in OPTIONS} | set(BUILD_VARIABLES))
+  lines = []
+  for var in sorted(v for v in environ if v.startswith("XLA_FP4") and v not in known):
+    close = difflib.get_close_matches(var, known, n=1, cutoff=0.85)
+    hint = f"did you mean {close[0]}?" if close else "`python -m xla_fp4 options` lists the variables"
+    lines.append(f"xla_fp4: {var} is not an xla_fp4 variable and does nothing; {hint}")
+  return lines
 
 
 def load(environ=None, **overrides) -> Config:

@@ -13,12 +13,11 @@ process's; what the hook has told the user is in xla_fp4/state.py.
 import inspect
 import logging
 import threading
-import warnings
 
 import jax
 from jax._src import compiler
 
-from xla_fp4 import report, state
+from xla_fp4 import notice, report, state
 from xla_fp4.config import BEFORE_USER_RULES, Config
 from xla_fp4.passes import pipeline
 
@@ -36,9 +35,9 @@ def _check_jax():
 
 def _warn_once(what, computation, e):
   if state.current().first_time("pass failed"):
-    warnings.warn(f"xla_fp4: {what} on module {pipeline.module_name(computation)!r} ({type(e).__name__}: {e}); "
-                  "compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. (Warned once per process.)",
-                  RuntimeWarning, stacklevel=3)
+    notice.warn(f"xla_fp4: {what} on module {pipeline.module_name(computation)!r} ({type(e).__name__}: {e}); "
+                "compiling it unchanged. Set XLA_FP4_STRICT=1 to raise instead. (Warned once per process.)",
+                RuntimeWarning)
   logger.debug("xla_fp4 failure", exc_info=True)
 
 

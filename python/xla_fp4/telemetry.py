@@ -5,10 +5,11 @@ With `XLA_FP4_TELEMETRY=DIR` every NVFP4 GEMM the pass rewrites gets probes; the
 a daemon thread, and at exit) drains them and appends one JSON line per operand and recorded step to
 DIR/telemetry.jsonl:
 
-  {"step", "module", "layer", "role", "operand", "block", "amax", "s_dec", "elements", "underflow", "all_zero",
+  {"step", "module", "dot", "layer", "role", "operand", "block", "amax", "s_dec", "elements", "underflow", "all_zero",
    "scale_underflow", "scale_saturated", "snr_db", "output_zeros", "alerts"}
 
-`operand` is activation, weight or gradient; `block` the block (a scanned stack's iteration counts) or null;
+`dot` is the GEMM's index in the module's program order (the decision report's `#`); `operand` is activation,
+weight or gradient; `block` the block (a scanned stack's iteration counts) or null;
 `output_zeros` a wgrad's fraction of exact zeros in the weight gradient (null for fprop and dgrad); `snr_db` null for
 an all-zero operand, "inf" for an exact one. Alerts (once per GEMM operand and kind, in a warning per drain and in
 DIR/alerts.jsonl): `all_zero` (nonzero elements and none survives), `underflow` (above `telemetry_underflow`), `snr`
@@ -24,8 +25,8 @@ import os
 import sys
 import threading
 import time
-import warnings
 
+from xla_fp4 import notice
 from xla_fp4 import state
 from xla_fp4.numerics import telemetry as stats
 
@@ -112,7 +113,7 @@ def records(raw, sites):
     zeros = rows[2][0] / rows[2][1] if site.role == "wgrad" and rows[2][1] else None
     for kind, row in zip(site.operands, rows):
       summary = stats.summary(row)
-      record = dict(step=step, module=site.module, layer=site.layer, role=site.role, operand=kind,
+      record = dict(step=step, module=site.module, dot=site_index, layer=site.layer, role=site.role, operand=kind,
                     block=block if block >= 0 else None, **summary, output_zeros=zeros)
       record["alerts"] = _alerts(record, site)
       out.append((site, record))
@@ -167,8 +168,8 @@ def flush():
       shown = "\n  ".join(new[:_SHOWN])
       more = f"\n  ... and {len(new) - _SHOWN} more" if len(new) > _SHOWN else ""
       where = ", ".join(sorted(os.path.join(d, ALERTS) for d in alerts))
-      warnings.warn(f"xla_fp4: {len(new)} new telemetry alert(s) (each GEMM operand and kind once; all in {where}):\n  "
-                    f"{shown}{more}", stacklevel=1)
+      notice.warn(f"xla_fp4: {len(new)} new telemetry alert(s) (each GEMM operand and kind once; all in {where}):\n  "
+                  f"{shown}{more}")
     if _process_index() != 0:
       return
     for files, name in ((writes, FILE), (alerts, ALERTS)):
@@ -202,6 +203,12 @@ def load(directory):
 def _layer(record):
   block = "" if record["block"] is None else f"[{record['block']}]"
   return f"{record['module']}:{record['layer'] or '?'}{block}"
+
+
+def _label(record):
+  """A heatmap row: the layer, its block, the operand (the panel names the role, the title the module)."""
+  block = "" if record["block"] is None else f"[{record['block']}]"
+  return f"{record['layer'] or '?'}{block} {record['operand']}"
 
 
 def _gemm(record):
@@ -244,9 +251,32 @@ def print_worst(records, n=10, file=None):
             f"{count:>5}", file=file)
 
 
+def network_order(records):
+  """{(layer, block): rank} in the order the network runs its layers: by block (a scanned stack's iteration, a
+  decoder layer), then by the program order of the layer's forward GEMM; layers outside blocks (embeddings, the
+  head) before or after the blocks, where their forward GEMM is."""
+  first = {}
+  for r in sorted(records, key=lambda r: (r["role"] != "fprop", r.get("dot", 0))):
+    first.setdefault(r["layer"], r.get("dot", 0))
+  blocked = [first[r["layer"]] for r in records if r["block"] is not None]
+  lo, hi = (min(blocked), max(blocked)) if blocked else (0, 0)
+
+  def key(layer, block):
+    if block is None:
+      return (-1 if first[layer] < lo else math.inf, first[layer])
+    return (block, first[layer])
+  keys = sorted({(r["layer"], r["block"]) for r in records}, key=lambda lb: key(*lb))
+  return {lb: i for i, lb in enumerate(keys)}
+
+
+# The heatmaps' fixed color scales, so that two runs' plots compare: underflow 0-25% (the default alert is at 10%),
+# SNR 0-25 dB (NVFP4's round-to-nearest on Gaussian data reads about 17-20 dB; the default alert is below 5).
+_SCALES = {"underflow": (0.0, 0.25), "snr_db": (0.0, 25.0)}
+
+
 def plot(records, directory):
-  """Heatmaps of GEMM operand x step, one panel per role: DIR/telemetry_underflow.png and DIR/telemetry_snr.png.
-  Returns their paths."""
+  """Heatmaps of GEMM operand x step, one panel per role, rows in network order (`network_order`), on fixed color
+  scales (`_SCALES`): DIR/telemetry_underflow.png and DIR/telemetry_snr.png. Returns their paths."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -254,28 +284,37 @@ def plot(records, directory):
 
   steps = sorted({r["step"] for r in records})
   column = {s: i for i, s in enumerate(steps)}
+  order = network_order(records)
+  modules = ", ".join(sorted({r["module"] for r in records}))
   paths = []
-  for key, title, cmap, name in (("underflow", "underflow (fraction of nonzero elements -> 0)", "magma_r",
+  for key, title, cmap, name in (("underflow", "underflow: fraction of nonzero elements that quantize to 0", "magma_r",
                                   "telemetry_underflow.png"),
-                                 ("snr_db", "quantization SNR (dB)", "viridis", "telemetry_snr.png")):
-    roles = [role for role in ROLES if any(r["role"] == role for r in records)]
-    fig, axes = plt.subplots(1, max(len(roles), 1), figsize=(6 * max(len(roles), 1), 0.5 + 0.22 * max(
-        len({_gemm(r) for r in records if r["role"] == role}) for role in roles or ["fprop"]) + 1.5), squeeze=False)
+                                 ("snr_db", "quantization SNR (dB; higher is better)", "viridis",
+                                  "telemetry_snr.png")):
+    roles = [role for role in ROLES if any(r["role"] == role for r in records)] or ["fprop"]
+    vmin, vmax = _SCALES[key]
+    rows_per_panel = max(len({(r["layer"], r["block"], r["operand"]) for r in records if r["role"] == role})
+                         for role in roles)
+    width = max(len(_label(r)) for r in records) if records else 10
+    fig, axes = plt.subplots(1, len(roles), figsize=(len(roles) * (3.5 + 0.06 * width), 1.5 + 0.18 * rows_per_panel),
+                             squeeze=False, layout="constrained")
     for ax, role in zip(axes[0], roles):
-      operand = lambda r: f"{_layer(r)} {r['operand']}"  # noqa: E731  (the panel is the role)
-      names = sorted({operand(r) for r in records if r["role"] == role})
+      mine = [r for r in records if r["role"] == role]
+      names = sorted({(r["layer"], r["block"], r["operand"]) for r in mine},
+                     key=lambda n: (order[n[:2]], n[2]))
       row = {n: i for i, n in enumerate(names)}
       grid = np.full((len(names), len(steps)), np.nan)
-      for r in records:
-        if r["role"] == role and r[key] is not None:
-          grid[row[operand(r)], column[r["step"]]] = min(r[key], 99.0)
-      image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap,
+      for r in mine:
+        if r[key] is not None:
+          grid[row[(r["layer"], r["block"], r["operand"])], column[r["step"]]] = min(r[key], 99.0)
+      image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=vmin, vmax=vmax,
                         extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5) if steps else None)
-      ax.set_yticks(range(len(names)), names, fontsize=6)
+      ax.set_yticks(range(len(names)), [_label(dict(layer=n[0], block=n[1], operand=n[2])) for n in names],
+                    fontsize=6)
       ax.set_xlabel("step")
-      ax.set_title(f"{role}: {title}", fontsize=9)
-      fig.colorbar(image, ax=ax)
-    fig.tight_layout()
+      ax.set_title(role, fontsize=9)
+    fig.colorbar(image, ax=list(axes[0]), shrink=0.9, extend="max")
+    fig.suptitle(f"{title}\n{modules}", fontsize=9)
     path = os.path.join(directory, name)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -259,6 +259,37 @@ def test_explain_returns_decisions_without_running(capsys):
   assert ("the pass is not enabled: options from the XLA_FP4_* environment" in out) == (not enabled)
 
 
+def _two_layer_steps():
+  """{frontend: (jitted train step, its args)}: a 2-layer MLP's gradient step under each frontend's own jit."""
+  import equinox as eqx
+  import haiku as hk
+  from flax import nnx
+  x = jnp.ones((16, 32))
+  steps = {}
+  mlp = eqx.nn.MLP(32, 32, 64, depth=2, key=jax.random.key(0))
+  steps["eqx.filter_jit"] = (eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2))), (mlp, x))
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      self.fc1, self.fc2 = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs)
+
+    def __call__(self, x):
+      return self.fc2(jnp.tanh(self.fc1(x)))
+  steps["nnx.jit"] = (nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2))), (Mlp(nnx.Rngs(0)), x))
+  f = hk.transform(lambda x: hk.nets.MLP([64, 32])(x))
+  params = f.init(jax.random.key(0), x)
+  steps["hk.transform + jax.jit"] = (jax.jit(jax.grad(lambda p, x: jnp.sum(f.apply(p, None, x) ** 2))), (params, x))
+  steps["jax.jit"] = (jax.jit(jax.grad(_loss)), _data())
+  return steps
+
+
+@pytest.mark.parametrize("frontend", ["eqx.filter_jit", "nnx.jit", "hk.transform + jax.jit", "jax.jit"])
+def test_explain_takes_every_frontends_jit(frontend):
+  step, args = _two_layer_steps()[frontend]
+  rows = xla_fp4.explain(step, *args)
+  assert {r["role"] for r in rows} >= {"fprop", "dgrad", "wgrad"}, rows
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nan_and_inf_in_an_operand_reach_the_output(bad):
   x = np.array(jax.random.normal(jax.random.key(0), (16, 16, 64)))

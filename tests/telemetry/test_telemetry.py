@@ -298,6 +298,35 @@ def test_command_line(tmp_path):
   assert missing.returncode == 2 and "XLA_FP4_TELEMETRY" in missing.stderr
 
 
+def test_command_line_without_matplotlib_piped_and_explained(tmp_path):
+  """No matplotlib: the tables and one line on how to get the plots. A reader that leaves early (`| head`): no
+  traceback. `--help` explains every column."""
+  w, x, t = _data()
+  _run(tmp_path, _linear_step(), (w, x, t), steps=2)
+  no_plots = ("import sys; sys.modules['matplotlib'] = None; from xla_fp4.__main__ import main; "
+              f"sys.exit(main(['telemetry', {str(tmp_path)!r}]))")
+  r = subprocess.run([sys.executable, "-c", no_plots], capture_output=True, text=True, cwd=ROOT)
+  assert r.returncode == 0 and r.stderr == "", r.stderr
+  assert "lowest quantization SNR" in r.stdout and r.stdout.rstrip().endswith("pip install matplotlib)"), r.stdout
+  piped = subprocess.Popen([sys.executable, "-m", "xla_fp4", "telemetry", str(tmp_path), "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, bufsize=0)
+  piped.stdout.close()  # the reader leaves before the first line, as `| head -0` does
+  assert "Traceback" not in piped.stderr.read().decode() and piped.wait() in (0, 1)
+  helped = subprocess.run([sys.executable, "-m", "xla_fp4", "telemetry", "--help"], capture_output=True, text=True,
+                          cwd=ROOT).stdout
+  assert all(column in helped for column in ("worst", "at step", "alerts since", "steps"))
+
+
+def test_heatmap_rows_run_in_network_order():
+  def record(layer, block, dot, role="fprop"):
+    return dict(layer=layer, block=block, dot=dot, role=role)
+  order = telemetry.network_order([
+      record("head", None, 9), record("blocks/mlp", 1, 3), record("blocks/attn", 0, 2), record("blocks/mlp", 0, 3),
+      record("blocks/attn", 1, 2), record("embed", None, 0), record("blocks/attn", 0, 12, role="dgrad")])
+  assert sorted(order, key=order.get) == [("embed", None), ("blocks/attn", 0), ("blocks/mlp", 0), ("blocks/attn", 1),
+                                          ("blocks/mlp", 1), ("head", None)]
+
+
 _SHARDED = textwrap.dedent("""
     import json, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

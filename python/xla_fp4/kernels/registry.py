@@ -9,10 +9,10 @@ touches JAX backends, so registering is safe in a plugin's `initialize()`.
 """
 
 import re
-import warnings
 
 import jax
 
+from xla_fp4 import notice
 from xla_fp4 import state
 
 
@@ -136,8 +136,8 @@ def register_all():
         why = str(e)
     ok = platform in current.registered
     if not ok and (built or platform == "cpu") and current.first_time(("registration", why)):
-      warnings.warn(f"xla_fp4: {why}. NVFP4 on {platform} uses the plain StableHLO form of the kernels (same numbers, "
-                    "slower).", RuntimeWarning, stacklevel=2)
+      notice.warn(f"xla_fp4: {why}. NVFP4 on {platform} uses the plain StableHLO form of the kernels (same numbers, "
+                  "slower).", RuntimeWarning)
     out[platform] = (ok, why)
   return out
 

@@ -50,9 +50,16 @@ def choose_backend(config: Config, platform, module, kernels=None, *, partitione
     kernel_set, described = FfiKernels(partitioned=partitioned > 1, mesh=mesh), why
   else:
     kernel_set, described = ReferenceKernels(module, lowering_platform(platform)), f"plain StableHLO form ({why})"
-  packed = kernel_set.has_packed
+  gemm, reason = gemm_choice(config, platform, kernel_set.has_packed, described)
+  return Backend(kernel_set, described, gemm, reason)
+
+
+def gemm_choice(config: Config, platform, packed, described):
+  """(the GEMM, why): "native" or "emulate" on `platform` for config.backend, where `packed` says whether its kernel
+  set runs the packed targets (the compiled kernels) and `described` which kernels those are. Raises where
+  XLA_FP4_BACKEND=native cannot run."""
   if config.backend == "emulate":
-    return Backend(kernel_set, described, "emulate", "XLA_FP4_BACKEND=emulate")
+    return "emulate", "XLA_FP4_BACKEND=emulate"
   if is_cuda(platform):
     fp4_gemm, fp4_why = registry.fp4_gemm_supported()
   else:
@@ -63,7 +70,18 @@ def choose_backend(config: Config, platform, module, kernels=None, *, partitione
                          "build them (see docs/cuda.md) or use XLA_FP4_BACKEND=emulate")
     if is_cuda(platform) and not fp4_gemm:  # the GEMM would fail at run time: refuse at compile time instead
       raise RuntimeError(f"XLA_FP4_BACKEND=native: {fp4_why}; use XLA_FP4_BACKEND=emulate or auto")
-    return Backend(kernel_set, described, "native", "XLA_FP4_BACKEND=native")
+    return "native", "XLA_FP4_BACKEND=native"
   if fp4_gemm and packed:
-    return Backend(kernel_set, described, "native", "auto: cuBLASLt FP4 GEMM (compute capability 10.x)")
-  return Backend(kernel_set, described, "emulate", f"auto: {fp4_why if not fp4_gemm else described}")
+    return "native", "auto: cuBLASLt FP4 GEMM (compute capability 10.x)"
+  return "emulate", f"auto: {fp4_why if not fp4_gemm else described}"
+
+
+def summary(config: Config, platform):
+  """One line: what a compilation for `platform` would run under `config` (`python -m xla_fp4 info`)."""
+  registered, why = registry.status(platform)
+  kernels = why if registered else "plain StableHLO form (its registration line says why)"
+  try:
+    gemm, reason = gemm_choice(config, platform, registered, kernels)
+  except RuntimeError as e:
+    return f"fails to compile: {e}"
+  return f"{gemm} GEMM ({reason}); kernels: {kernels}"

@@ -10,11 +10,11 @@ warns).
 import dataclasses
 import json
 import os
-import warnings
 
 import jax
 from jax._src.lib.mlir import ir
 
+from xla_fp4 import notice
 from xla_fp4 import report
 from xla_fp4 import state
 from xla_fp4 import telemetry
@@ -114,8 +114,8 @@ def _telemetry(config, backend, platform, program):
   if not isinstance(backend.kernel_set, rewrite.FfiKernels):
     current = state.current()
     if current.first_time("telemetry without kernels"):
-      warnings.warn("xla_fp4: XLA_FP4_TELEMETRY records through the compiled kernels, which are not registered on "
-                    "this platform (python -m xla_fp4 info says why); no telemetry is recorded", stacklevel=2)
+      notice.warn("xla_fp4: XLA_FP4_TELEMETRY records through the compiled kernels, which are not registered on "
+                  "this platform (python -m xla_fp4 info says why); no telemetry is recorded")
     return None
   return rewrite.Settings(module=telemetry.register_module(program), every=config.telemetry_every, strict=config.strict,
                          one_process=jax.process_count() == 1, record_in_case=not is_cuda(platform))
