@@ -12,6 +12,7 @@ process's; what the hook has told the user is in xla_fp4/state.py.
 
 import inspect
 import logging
+import re
 import threading
 
 import jax
@@ -83,8 +84,12 @@ def _tell(config, module, result):
            else "whose linear layers carry no names")
   for name in (n for n in result.unmatched_rules if n in user):
     if state.current().first_time(("unmatched", name, module)):
+      positional = any(re.fullmatch(r"(block_\d+/)?linear_\d+", layer) for layer in layers)
+      hint = (" The parameters reach the program as a flat list of leaves (nnx.jit, Equinox, penzai): its layers are "
+              "named by where they run, block_<b>/linear_<k>; or mark them with xla_fp4.exclude(), or under nnx.jit "
+              "split the module (nnx.split + jax.jit) to keep its paths." if positional else "")
       logger.warning(f"xla_fp4: {user[name]} matched no dot of module {module!r}, {named}; check the pattern "
-                     "against the layer paths of `python -m xla_fp4 report` or xla_fp4.explain.")
+                     f"against the layer paths of `python -m xla_fp4 report` or xla_fp4.explain.{hint}")
 
 
 def install(config: Config):

@@ -1,6 +1,7 @@
-"""The benchmark tier's MaxText sweep: every family of examples/maxtext/run.py in every layout (one device, unscanned,
-FSDP over 8 host devices scanned and unscanned, expert parallelism), both backends. CI runs two of them
-(`.ci/run`); this runs all, about two hours on 2 cores, and builds MaxText's venv the first time (run.py `setup`)."""
+"""The MaxText sweep (marker `sweep`: in neither test tier nor CI, `./dev test -m sweep tests`): every family of
+examples/maxtext/run.py in every layout (one device, unscanned, FSDP over 8 host devices scanned and unscanned, expert
+parallelism), both backends. CI runs two of them (`.ci/run`); this runs all, about two hours on 2 cores, and builds
+MaxText's venv the first time (run.py `setup`)."""
 
 import json
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.benchmark
+@pytest.mark.sweep
 def test_every_family_in_every_layout(tmp_path):
   out = tmp_path / "families.json"
   r = subprocess.run([sys.executable, "examples/maxtext/run.py", "--families", "--steps", "2", "--native",

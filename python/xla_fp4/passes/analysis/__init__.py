@@ -66,6 +66,7 @@ def analyze(module, graph=None) -> Analysis:
   found = {i: ragged.groups(d.op, d.role is not Role.OTHER) for i, d in enumerate(dots)}
   found.update(ragged.dense_expert_groups(graph, dots, found))
   dot_peers = peers.of_dots(graph, dots, found)
+  positional = _positional_layers(dots, arg_names, blocks)
   records = []
   for i, d in enumerate(dots):
     src = d.src
@@ -73,8 +74,11 @@ def analyze(module, graph=None) -> Analysis:
     place = blocks.get(i, blocks_mod.Place())
     linear = d.role is not Role.OTHER
     enclosing = list(graph.around(d.op))
+    layer = d.path
+    if linear:
+      layer = positional.get(src.arg) if src is not None and src.arg in positional else names.layer_of(d.path, arg_name)
     site = DotSite(
-        index=i, func=d.fname, name_stack=d.stack, layer=names.layer_of(d.path, arg_name) if linear else d.path,
+        index=i, func=d.fname, name_stack=d.stack, layer=layer,
         phase=d.phase, role=d.role, weight_operand=d.w if d.role in (Role.FPROP, Role.DGRAD) else None,
         gradient_operand=d.gradient if d.role is Role.WGRAD else None,
         weight_arg=arg_name, weight_replicated=src is not None and src.arg in replicated,
@@ -87,6 +91,25 @@ def analyze(module, graph=None) -> Analysis:
     source = blocks_mod.block_source(d.op, src) if place.num_stacked is not None else None
     records.append(DotRecord(op=d.op, site=site, block_source=source))
   return Analysis(records=records, num_blocks=num_blocks, blocks_found=blocks_found)
+
+
+def _positional_layers(dots, arg_names, blocks):
+  """{weight argument: layer name} where the parameters are a flat list (nnx.jit's `states/0/23`, Equinox's
+  `first/12`, penzai): a leaf number says nothing, so the name says where the layer runs in the forward's dataflow,
+  `block_<b>/linear_<k>` (the k-th layer of block b) or `linear_<k>` (the k-th outside blocks: an embedding
+  projection, the head). {} where the parameters have paths."""
+  fprops = [(i, d) for i, d in enumerate(dots) if d.role is Role.FPROP and d.src is not None]
+  paths = {d.src.arg: names.path_from_arg(arg_names[d.src.arg]) if d.src.arg < len(arg_names) else ""
+           for _, d in fprops}
+  if len(paths) < 2 or not all(p.split("/")[-1].isdigit() for p in paths.values()):
+    return {}
+  out, count = {}, {}
+  for i, d in fprops:  # program order: the forward's first use of each weight comes first
+    if d.src.arg not in out:
+      block = blocks.get(i, blocks_mod.Place()).block
+      count[block] = count.get(block, -1) + 1
+      out[d.src.arg] = f"block_{block}/linear_{count[block]}" if block is not None else f"linear_{count[block]}"
+  return out
 
 
 def _name_stack(graph, fname, op, loc_text):

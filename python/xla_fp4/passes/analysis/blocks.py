@@ -177,7 +177,9 @@ def _describe(key, stack, start, scanned_paths, arg_paths):
               f"layers each ({stack['unit']}_*)")
     return f"{span}: scanned stack {where or '?'}, one layer per iteration"
   if kind == "dataflow":
-    return f"{span}: repeats of one unit of layers in the forward's dataflow (parameters passed as a flat list)"
+    return (f"{span}: repeats of one unit of layers in the forward's dataflow (parameters passed as a flat list, "
+            f"whose paths are leaf numbers: layers named block_<b>/linear_<k> by where they run; under nnx.jit, "
+            f"nnx.split + jax.jit keeps the module paths)")
   return f"{span}: numbered parameter subtrees {key[1]}_*"
 
 

@@ -94,7 +94,8 @@ def path_from_arg(arg_name: str) -> str:
   keys = re.findall(r"\[\s*'?([^'\]]+)'?\s*\]|\.(\w+)", arg_name)
   parts = [key or attr for key, attr in keys
            if (key and key not in _LEAF_NAMES) or (attr and attr not in _LEAF_NAMES | _ATTRS)]
-  return "/".join(parts)
+  # Haiku's module names join a module and the modules it made with "/~/" (block_0/mlp/~/linear_0)
+  return "/".join(p for p in "/".join(parts).split("/") if p != "~")
 
 
 def layer_of(stack_path, arg_name):
@@ -110,6 +111,10 @@ def layer_of(stack_path, arg_name):
   if len(arg_parts) > len(stack_parts) and arg_parts[-len(stack_parts):] == stack_parts:
     return arg_path  # the parameter path names the same module more fully (Haiku's name_scope: block_1/attn/query)
   last = arg_parts[-1]
+  if last in stack_parts and any(_INDEXED_RE.match(p) and p not in stack_parts for p in arg_parts[:-1]):
+    # The name stack lost the block the parameters number (a linen block applied under jax.checkpoint to
+    # params['blocks'][1] is Block/attn in every block): the parameter path names the layer.
+    return arg_path
   if any(c == last or c.startswith(last + ".") for c in stack_parts):
     return stack_path
   overlap = next((k for k in range(min(len(arg_parts), len(stack_parts)), 0, -1)
