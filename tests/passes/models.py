@@ -635,6 +635,79 @@ def haiku_name_scopes(num_blocks=3):
   return step, (params, opt_init(params), x)
 
 
+def haiku_mlp_blocks(num_blocks=3):
+  """Haiku's own hk.nets.MLP inside named blocks: its layers are `block_1/mlp/~/linear_0` in the parameters, but the
+  name stack says `mlp/linear_0` in every block."""
+  import haiku as hk
+
+  def net(x):
+    for i in range(num_blocks):
+      with hk.experimental.name_scope(f"block_{i}"):
+        x = x + hk.nets.MLP([H, D], name="mlp")(hk.Linear(D, name="attn")(x))
+    return hk.Linear(V, name="head")(x)
+
+  f = hk.without_apply_rng(hk.transform(net))
+  x = _x((S * 2, D))
+  params = jax.eval_shape(f.init, jax.random.key(0), x)
+  step, opt_init = _sgd_step(lambda p, x: jnp.mean(f.apply(p, x) ** 2))
+  return step, (params, opt_init(params), x)
+
+
+def linen_checkpointed_blocks(num_blocks=3):
+  """One linen block applied under jax.checkpoint to each of params['blocks'][i]: the name stack says `Block/fc1` in
+  every block; only the parameter path numbers it."""
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dense(D, name="fc2")(jax.nn.relu(nn.Dense(H, name="fc1")(x)))
+
+  block, head = Block(), nn.Dense(V)
+  x = _x((S * 2, D))
+  params = {"blocks": [jax.eval_shape(block.init, jax.random.key(i), x) for i in range(num_blocks)],
+            "head": jax.eval_shape(head.init, jax.random.key(9), x)}
+
+  def loss(p, x):
+    for i in range(num_blocks):
+      x = jax.checkpoint(block.apply)(p["blocks"][i], x)
+    return jnp.mean(head.apply(p["head"], x) ** 2)
+  step, opt_init = _sgd_step(loss)
+  return step, (params, opt_init(params), x)
+
+
+def equinox_blocks(num_blocks=3):
+  """Equinox modules of blocks (Linear D->H, H->D) and a head, trained under eqx.filter_jit: the parameters reach the
+  program as leaves (`first/4`), biases between the weights."""
+  import equinox as eqx
+
+  class Block(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, key):
+      k1, k2 = jax.random.split(key)
+      self.fc1, self.fc2 = eqx.nn.Linear(D, H, key=k1), eqx.nn.Linear(H, D, key=k2)
+
+    def __call__(self, x):
+      return x + self.fc2(jax.nn.relu(self.fc1(x)))
+
+  class Net(eqx.Module):
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+      keys = jax.random.split(key, num_blocks + 1)
+      self.blocks = [Block(k) for k in keys[:-1]]
+      self.head = eqx.nn.Linear(D, V, key=keys[-1])
+
+    def __call__(self, x):
+      for b in self.blocks:
+        x = b(x)
+      return self.head(x)
+
+  step = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)))
+  return step, (Net(jax.random.key(0)), _x((S * 2, D)))
+
+
 def penzai_llamalike(num_blocks=5):
   """penzai's llama-like transformer with its parameters unbound to one flat tuple (pz.unbind_params), as penzai's
   training recipes pass them: leaf positions for names, and name stacks that number leaves too."""

@@ -448,7 +448,8 @@ def test_ragged_dots_are_expert_layers_with_groups():
 
 def _lowered_analysis(builder, **kwargs):
   fn, args = getattr(models, builder)(**kwargs)
-  module = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args).compiler_ir("stablehlo")
+  lowered = (fn if hasattr(fn, "lower") else jax.jit(fn)).lower(*args)
+  module = getattr(lowered, "lowered", lowered).compiler_ir("stablehlo")  # eqx.filter_jit wraps JAX's Lowered
   with module.context:
     return analysis.analyze(module)
 
@@ -489,11 +490,33 @@ def test_haiku_name_scopes_are_in_the_layer_path():
   assert layers == {(f"block_{b}/{n}", b) for b in range(3) for n in ("fc1", "fc2")} | {("head", None)}, layers
 
 
+@pytest.mark.parametrize("builder,layers", [
+    ("haiku_mlp_blocks", {f"block_{b}/{n}" for b in range(3) for n in ("attn", "mlp/linear_0", "mlp/linear_1")}),
+    ("linen_checkpointed_blocks", {f"blocks/{b}/{n}" for b in range(3) for n in ("fc1", "fc2")}),
+    ("equinox_blocks", {f"block_{b}/linear_{k}" for b in range(3) for k in range(2)}),
+    ("nnx_transformer_nnx_jit", {f"block_{b}/linear_{k}" for b in range(3) for k in range(6)}),
+])
+def test_no_layer_name_is_shared_by_two_blocks(builder, layers):
+  """Issue 43: Haiku's MLP layers and a linen block under jax.checkpoint lost their block in the name stack (every
+  block's were `mlp/linear_0`, `Block/fc1`); where parameters are flat leaves (nnx.jit, Equinox) the names were leaf
+  numbers. Each layer's name now identifies it, in every role."""
+  a = _lowered_analysis(builder)
+  linear = [s for s in a.sites if s.role != "other" and not s.is_head]
+  assert {s.layer for s in linear} == layers, sorted({s.layer for s in linear})
+  by_name = collections.defaultdict(set)
+  for s in linear:
+    by_name[s.layer].add(s.block)
+  assert all(len(blocks) == 1 for blocks in by_name.values()), by_name
+  assert {s.role for s in linear} == {"fprop", "dgrad", "wgrad"}
+
+
 @pytest.mark.parametrize("stack,arg,layer", [
     ("", "state['blocks'][2]['attn']['value']['kernel'].value", "blocks/2/attn/value"),  # NNX: a module `value`
     ("", "state['layers'][3]['q']['kernel'].value", "layers/3/q"),                       # NNX's Variable.value
     ("LM/block_0/moe", "params['params']['block_0']['moe']['w_in']", "LM/block_0/moe/w_in"),  # linen: overlap once
     ("fc1", "params['block_1/fc1']['w']", "block_1/fc1"),                                 # Haiku's name_scope
+    ("mlp/linear_0", "p['block_1/mlp/~/linear_0']['w']", "block_1/mlp/linear_0"),         # Haiku's submodules
+    ("Block/fc1", "p['blocks'][2]['params']['fc1']['kernel']", "blocks/2/fc1"),           # a block under remat
     ("MLP/fc1", "p['params']['fc1']['kernel']", "MLP/fc1"),                               # linen: the stack names it
     ("dense", "ws[3]", "dense/3"),                                                        # a shared helper
 ])

@@ -94,8 +94,9 @@ def analyze(module, graph=None) -> Analysis:
 
 
 def _positional_layers(dots, arg_names, blocks):
-  """{weight argument: layer name} where the parameters are a flat list (nnx.jit's `states/0/23`, Equinox's
-  `first/12`, penzai): a leaf number says nothing, so the name says where the layer runs in the forward's dataflow,
+  """{weight argument: layer name} where the parameters are a flat list of leaves (nnx.jit's `states/0/23`,
+  Equinox's `first/12`, penzai), numbered with gaps (the biases, norms between): a leaf number says nothing, so the
+  name says where the layer runs in the forward's dataflow,
   `block_<b>/linear_<k>` (the k-th layer of block b) or `linear_<k>` (the k-th outside blocks: an embedding
   projection, the head). {} where the parameters have paths."""
   fprops = [(i, d) for i, d in enumerate(dots) if d.role is Role.FPROP and d.src is not None]
@@ -103,6 +104,9 @@ def _positional_layers(dots, arg_names, blocks):
            for _, d in fprops}
   if len(paths) < 2 or not all(p.split("/")[-1].isdigit() for p in paths.values()):
     return {}
+  numbers = sorted(int(p.split("/")[-1]) for p in paths.values())
+  if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+    return {}  # one leaf per layer (a list of weights, ws[i]): the numbers count layers and name them
   out, count = {}, {}
   for i, d in fprops:  # program order: the forward's first use of each weight comes first
     if d.src.arg not in out:
