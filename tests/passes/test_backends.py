@@ -142,11 +142,25 @@ def test_the_running_jaxlib_api_is_read_and_the_build_is_accepted():
 
 
 def test_native_needs_k_a_multiple_of_32_on_cuda_only():
-  site = lambda k, batch=((), ()): types.SimpleNamespace(gemm=types.SimpleNamespace(k=k, batch=batch))  # noqa: E731
+  site = lambda k, batch=((), ()): types.SimpleNamespace(  # noqa: E731
+      gemm=types.SimpleNamespace(k=k, batch=batch, n=64, dtype="bf16"))
   assert policy.native_ineligible(site(48), cuda=False) is None
   assert "K a multiple of 32, K=48" in policy.native_ineligible(site(48), cuda=True)
   assert policy.native_ineligible(site(64), cuda=True) is None
   assert "no batch dims" in policy.native_ineligible(site(64, ((0,), (0,))), cuda=False)
+
+
+@pytest.mark.parametrize("n,dtype,refused", [(100, "bf16", True), (100, "f16", True), (100, "f32", False),
+                                             (104, "bf16", False), (102, "f32", True), (96, "f32", False)])
+def test_native_on_cuda_refuses_an_output_whose_rows_cuBLASLt_cannot_align(n, dtype, refused):
+  """cuBLASLt's block-scaled GEMM needs 16-byte output rows: a layer with N = 100 in bf16 would find no algorithm at
+  run time on Blackwell and fail the step; the policy keeps its emulated GEMM, with the rule as its reason."""
+  site = types.SimpleNamespace(gemm=types.SimpleNamespace(k=64, batch=((), ()), n=n, dtype=dtype))
+  why = policy.native_ineligible(site, cuda=True)
+  assert (why is not None) == refused, why
+  if refused:
+    assert f"N a multiple of {16 // (4 if dtype == 'f32' else 2)} for {dtype}, N={n}" in why
+  assert policy.native_ineligible(site, cuda=False) is None  # the C++ reference GEMM takes any N
 
 
 def test_report_shows_the_backend():
@@ -239,3 +253,16 @@ def test_twins_are_lowered_outside_the_users_mesh():
       jax.set_mesh(jax.make_mesh((1,), ("data",))):
     _twin_calls(module, 1)
   assert "@mesh" not in str(module) and "sdy.sharding" not in str(module)
+
+
+def test_native_grouped_gemms_on_cuda_refuse_unaligned_output_rows():
+  """The grouped row path offsets each group's output by begin * N elements: the same 16-byte rule; the per-expert
+  GEMMs write f32 products (N a multiple of 4)."""
+  from xla_fp4.passes.analysis.records import Grouping
+  gemm = lambda n, dtype: types.SimpleNamespace(lhs_shape=(256, 64), rhs_shape=(8, 64, n), contracting=((1,), (1,)),  # noqa: E731
+                                                batch=((), ()), n=n, dtype=dtype)
+  ragged = lambda n, dtype: types.SimpleNamespace(  # noqa: E731
+      gemm=gemm(n, dtype), groups=types.SimpleNamespace(kind=Grouping.RAGGED_ROWS, k=64, free=(), lhs=(0,), rhs=(0,)))
+  assert "N a multiple of 8 for bf16, N=100" in policy.native_grouped_ineligible(ragged(100, "bf16"), cuda=True)
+  assert policy.native_grouped_ineligible(ragged(104, "bf16"), cuda=True) is None
+  assert policy.native_grouped_ineligible(ragged(100, "bf16"), cuda=False) is None

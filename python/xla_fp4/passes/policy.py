@@ -236,13 +236,22 @@ def decide(analysis: Analysis, config: Config, rules=None):
 
 def native_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
   """Why the packed FP4 GEMM cannot run `site`, or None. It multiplies plain matrices (free and contracting dims merge
-  into M, N and K; M and N need no alignment, the scales are padded to 128x4 tiles); cuBLASLt also needs K-major rows
-  of 16 bytes (K a multiple of 32)."""
+  into M, N and K; the scales are padded to 128x4 tiles, so M needs no alignment); cuBLASLt needs every matrix's rows
+  16-byte aligned: K-major operand rows (K a multiple of 32) and output rows (`_output_rows`)."""
   if site.gemm.batch[0]:
     return "the packed GEMM takes no batch dims"
   if cuda and site.gemm.k % 32:
     return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={site.gemm.k}"
-  return None
+  return _output_rows(site.gemm.n, site.gemm.dtype) if cuda else None
+
+
+def _output_rows(n, dtype):
+  """Why cuBLASLt cannot write an (M, N) output of `dtype` (its rows of N elements must be 16-byte aligned: N a
+  multiple of 8 in bf16/f16, of 4 in f32), or None. Without this the GEMM would find no algorithm at run time and fail
+  the step on Blackwell; the policy keeps such a dot in the emulated GEMM instead."""
+  multiple = 16 // (4 if dtype == "f32" else 2)
+  return None if n % multiple == 0 else (f"cuBLASLt's FP4 GEMM writes 16-byte output rows: N a multiple of {multiple} "
+                                         f"for {dtype}, N={n}")
 
 
 def native_grouped_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
@@ -261,7 +270,9 @@ def native_grouped_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
     return "the packed GEMM takes no batch dims besides the experts"
   if cuda and groups.k % 32:
     return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={groups.k}"
-  return None
+  # A ragged GEMM writes the dot's type, the per-expert GEMMs f32 products (summed or stacked after)
+  ragged = groups.kind in (Grouping.RAGGED_ROWS, Grouping.RAGGED_CONTRACTING)
+  return _output_rows(gemm.n, gemm.dtype if ragged else "f32") if cuda else None
 
 
 def _operand_plans(site: DotSite, decision: Decision, form: Form):
