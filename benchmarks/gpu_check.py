@@ -213,7 +213,11 @@ def main(argv=None):
   checks["telemetry on the device == CPU, outputs unchanged"] = _check_telemetry(step, params, batch, device, cpu)
 
   fp4_gemm, why = kernels.fp4_gemm_supported() if args.platform != "cpu" else (False, "cpu stand-in")
-  result["fp4_gemm"] = dict(supported=fp4_gemm, reason=why)
+  capability = str(getattr(device, "compute_capability", "") or "")
+  result["fp4_gemm"] = dict(supported=fp4_gemm, reason=why, compute_capability=capability)
+  if capability.startswith("10.") and not fp4_gemm:
+    # A Blackwell GPU must run the FP4 GEMM: a check that skipped it would pass without testing what it is for.
+    checks["FP4 GEMM runs on compute capability 10.x"] = dict(ok=False, compute_capability=capability, reason=why)
   if fp4_gemm:
     xla_fp4.enable(backend="native")
     native = _run(step, params, batch, device, args.repeats)
