@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile check of the CUDA kernels and the cuBLASLt FP4 GEMM for sm_90 and sm_100a: configures and builds the
+# Compile check of the CUDA kernels and the cuBLASLt FP4 GEMM for sm_90 and sm_100: configures and builds the
 # extensions with XLA_FP4_CUDA=ON into build/cuda-check, checks that both architectures' code is in the CUDA module and
 # that it imports. Nothing here needs a GPU; tests/kernels/test_cuda_kernels.py runs the kernels on one.
 # Exits 0 with "SKIPPED: <reason>" only when there is no nvcc.
@@ -39,13 +39,13 @@ fi
 export PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"  # the venv's ninja
 
 cmake -S . -B "$BUILD" -G Ninja -DXLA_FP4_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" \
-  -DCMAKE_CUDA_ARCHITECTURES="90;100a" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')"
+  -DCMAKE_CUDA_ARCHITECTURES="90;100" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')"
 cmake --build "$BUILD" -j "$(nproc)"
 
 EXT=$(ls "$BUILD"/_xla_fp4_ext*.so)
 CUDA_EXT=$(ls "$BUILD"/_xla_fp4_cuda*.so)
 # Both architectures reached nvcc (and it succeeded); cuobjdump, where the toolkit has it, lists the SASS as well.
-for arch in sm_90 sm_100a; do
+for arch in sm_90 sm_100; do
   grep -q "code=\[[^]]*$arch" "$BUILD/build.ninja" || { echo "FAILED: nvcc was not asked for $arch code"; exit 1; }
 done
 CUOBJDUMP=$(command -v cuobjdump || true)
@@ -64,11 +64,11 @@ def load(name, path):
     return module
 ext, cuda = load("xla_fp4._xla_fp4_ext", sys.argv[1]), load("xla_fp4._xla_fp4_cuda", sys.argv[2])
 print("CPU module:", ext.cuda_build)
-assert ext.cuda_build.startswith("built for sm_90, sm_100a"), ext.cuda_build
+assert ext.cuda_build.startswith("built for sm_90, sm_100 "), ext.cuda_build
 targets = sorted(cuda.registrations())
 assert targets == sorted(ext.registrations()), (targets, sorted(ext.registrations()))
 assert tuple(cuda.ffi_api_version) == tuple(ext.ffi_api_version)
 print("CUDA targets:", ", ".join(targets))
 print("fp4_gemm_supported():", cuda.fp4_gemm_supported())
 PYEOF
-echo "PASSED: CUDA compile check (sm_90, sm_100a)"
+echo "PASSED: CUDA compile check (sm_90, sm_100)"

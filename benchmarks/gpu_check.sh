@@ -9,11 +9,11 @@ PY=${PYTHON:-python3}
 OUT_DIR=${OUT_DIR:-benchmarks/results}
 start=$(date +%s)
 
-# This GPU's architecture only (a few minutes less of nvcc), unless CUDAARCHS says otherwise; sm_100 and newer get
-# their arch-specific "a" variant, which the FP4 path targets.
+# This GPU's architecture only (a few minutes less of nvcc), unless CUDAARCHS says otherwise. Every Blackwell 10.x
+# (10.0, 10.3) runs sm_100 code, which any nvcc with Blackwell support builds (10.3's own target needs nvcc >= 12.9).
 if [[ -z "${CUDAARCHS:-}" ]]; then
   cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d '. ')
-  if (( cap >= 100 )); then CUDAARCHS="${cap}a"; else CUDAARCHS="$cap"; fi
+  if (( cap >= 100 && cap < 110 )); then CUDAARCHS=100; else CUDAARCHS="$cap"; fi
   export CUDAARCHS
 fi
 echo "== building with CUDA for sm_$CUDAARCHS"

@@ -66,12 +66,14 @@ for root in target + build:
 endif()
 
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  # sm_90 SASS + PTX (Hopper, and JIT for anything newer), sm_100a SASS (Blackwell B200/GB200); -DCMAKE_CUDA_ARCHITECTURES
-  # or the CUDAARCHS environment variable overrides this.
+  # sm_90 SASS + PTX (Hopper), sm_100 SASS + PTX: Blackwell 10.0 (B200, GB200) and 10.3 (B300, GB300) run the sm_100
+  # SASS (a cubin runs on its major version's later minors; the kernels use nothing arch-specific, so no "a" variant,
+  # whose SASS loads on 10.0 only), later GPUs JIT the compute_100 PTX (12.x: the kernels run, the FP4 GEMM's gate
+  # refuses, so the emulate backend runs). -DCMAKE_CUDA_ARCHITECTURES or the CUDAARCHS environment variable overrides.
   if(DEFINED ENV{CUDAARCHS})
     set(CMAKE_CUDA_ARCHITECTURES "$ENV{CUDAARCHS}")
   else()
-    set(CMAKE_CUDA_ARCHITECTURES "90;100a")
+    set(CMAKE_CUDA_ARCHITECTURES "90;100")
   endif()
 endif()
 enable_language(CUDA)

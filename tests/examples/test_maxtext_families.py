@@ -1,6 +1,6 @@
 """The MaxText sweep (marker `sweep`: in neither test tier nor CI, `./dev test -m sweep tests`): every family of
-examples/maxtext/run.py in every layout (one device, unscanned, FSDP over 8 host devices scanned and unscanned, expert
-parallelism), both backends. CI runs two of them (`.ci/run`); this runs all, about two hours on 2 cores, and builds
+examples/maxtext/run.py in every layout (one device, unscanned, FSDP over 8 host devices scanned and unscanned), both
+backends. CI runs two of them (`.ci/run`); this runs all, about two hours on 2 cores, and builds
 MaxText's venv the first time (run.py `setup`)."""
 
 import json
