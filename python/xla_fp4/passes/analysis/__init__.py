@@ -96,9 +96,8 @@ def analyze(module, graph=None) -> Analysis:
 def _positional_layers(dots, arg_names, blocks):
   """{weight argument: layer name} where the parameters are a flat list of leaves (nnx.jit's `states/0/23`,
   Equinox's `first/12`, penzai), numbered with gaps (the biases, norms between): a leaf number says nothing, so the
-  name says where the layer runs in the forward's dataflow,
-  `block_<b>/linear_<k>` (the k-th layer of block b) or `linear_<k>` (the k-th outside blocks: an embedding
-  projection, the head). {} where the parameters have paths."""
+  name says where the layer runs in the forward's dataflow, `block_<b>/linear_<k>` (the k-th layer of block b) or
+  `linear_<k>` (the k-th outside blocks: an embedding projection, the head). {} where the parameters have paths."""
   fprops = [(i, d) for i, d in enumerate(dots) if d.role is Role.FPROP and d.src is not None]
   paths = {d.src.arg: names.path_from_arg(arg_names[d.src.arg]) if d.src.arg < len(arg_names) else ""
            for _, d in fprops}

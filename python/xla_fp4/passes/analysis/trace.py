@@ -64,8 +64,9 @@ class Tracer:
       if src is not None and (src.stacked is None or src.stacked == 1):  # a stack of one around it adds nothing
         src.index = self._lift(op.operands[1], stack)
         src.stacked = layers
-      elif src is not None and layers > 1:  # a slice of a slice (nested scans): the flat layer index is no value of
-        src.index, src.stacked = None, src.stacked * layers  # the program
+      elif src is not None and layers > 1:
+        # A slice of a slice (nested scans): the flat layer index is no value of the program.
+        src.index, src.stacked = None, src.stacked * layers
       return src
     if op.name == "func.call":
       inner = self.graph.returned(op, number)
