@@ -62,6 +62,7 @@ class Target:
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
   packed: Optional[Packed] = None  # a packed target's partitioning (sharding/partition.py), or None
   side_effect: bool = False  # the call acts on the host (telemetry): XLA must neither remove nor merge it
+  quantizes: bool = False  # it quantizes its first operand (sharding/cost.py counts the elements it quantizes)
 
   @property
   def sharded(self):
@@ -156,22 +157,23 @@ def _target(name, attributes, results, **kw):
 
 QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool}, _like_x,
               twin=kernel_twins.qdq, twin_fixed=(("apply_global_scale", False),),
-              block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True))
+              block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True), quantizes=True)
 QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
-                         twin=kernel_twins.qdq_with_scale, twin_operands=("salt",))
+                         twin=kernel_twins.qdq_with_scale, twin_operands=("salt",), quantizes=True)
 # Telemetry: the quantizers' forms that also measure what they do, in the same pass over x, and a GEMM output's zeros,
 # as FIELDS rows of numerics/telemetry.py; zeros, without measuring, where the step operand (int32) is -1.
 _ROW = lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)]  # noqa: E731
 QDQ_WITH_SCALE_STATS = _target("xla_fp4_qdq_with_scale_stats", {"axis": int, **_QUANTIZE, "salt": int},
                                lambda operands, attrs, dtype: _with_scale(operands, attrs, dtype) + _ROW(
                                    operands, attrs, dtype), twin=telemetry.qdq_with_scale_stats,
-                               twin_operands=("salt",))
+                               twin_operands=("salt",), quantizes=True)
 # A partitioned program's quantizer with telemetry: xla_fp4_qdq's y (apply_global_scale false) and the row of what it
 # did to the shard it holds (zeros in an unrecorded step).
 QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE},
                         lambda operands, attrs, dtype: _like_x(operands, attrs, dtype) + _ROW(operands, attrs, dtype),
                         twin=telemetry.qdq_and_stats,
-                        block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True))
+                        block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True),
+                        quantizes=True)
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
                        block_local=BlockLocal(blocked=False, device_stats=True))
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
@@ -179,13 +181,13 @@ RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int, "digest": bool}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
 QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE}, _packed,
-                          packed=Packed("quantize", key_operand=2))
+                          packed=Packed("quantize", key_operand=2), quantizes=True)
 # The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to
 # the x (or shard) it holds, from the same pass (zeros in an unrecorded step).
 QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE},
                                 lambda operands, attrs, dtype: _packed(operands, attrs, dtype) + _ROW(
                                     operands, attrs, dtype),
-                                packed=Packed("quantize", key_operand=2, device_stats=True))
+                                packed=Packed("quantize", key_operand=2, device_stats=True), quantizes=True)
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 # `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,
 # which gathers packed operands but has no FP4 GEMM); the numbers are the same. `b_transposed`: b is Bᵀ packed along N,

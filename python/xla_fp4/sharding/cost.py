@@ -5,8 +5,8 @@ one-line text (`%dot.1 = f32[256,1024]{1,0} dot(...)`), which that API does not 
 hlo_to_stablehlo drops dots of an optimized CPU module, so it cannot be used here.) Dot FLOPs are 2 x output elements x
 contracted size; collective bytes are the result bytes of every all-reduce, all-gather, reduce-scatter, all-to-all and
 collective-permute (async pairs counted once); the FP4 GEMM (xla_fp4_gemm_packed) counts as a dot of its shape;
-quantized elements are the elements of the operand of every
-quantizing `xla_fp4_*` custom call (qdq, qdq_with_scale, quantize_packed; not the amax pass over the same tensor).
+quantized elements are the elements of the operand of every quantizing `xla_fp4_*` custom call (the targets marked
+`quantizes`, their telemetry forms included; not the amax pass over the same tensor).
 Collective bytes are also split by what moves, from dataflow: a gather (all-gather, all-to-all, collective-permute or
 broadcast) of a value that depends on no data input (the step's entry parameters the caller names, such as the
 tokens) is a weight gather, any other gather an activation gather, and all-reduces and reduce-scatters are reductions
@@ -23,6 +23,7 @@ import dataclasses
 import math
 import re
 
+from xla_fp4.kernels import targets
 from xla_fp4.passes.rewrite.emitter import BRANCH_RUNS
 
 _COLLECTIVES = {"kAllReduce", "kAllReduceStart", "kAllGather", "kAllGatherStart", "kReduceScatter", "kAllToAll",
@@ -32,8 +33,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
-_PACKED_GEMM = re.compile(r'custom_call_target="xla_fp4_gemm_packed"')
-_QUANTIZING = re.compile(r'custom_call_target="xla_fp4_(?:qdq|qdq_with_scale|quantize_packed)"')
+_PACKED_GEMM = re.compile(f'custom_call_target="{targets.GEMM_PACKED.name}"')
+_QUANTIZING = re.compile('custom_call_target="(?:' + "|".join(t.name for t in targets.ALL if t.quantizes) + ')"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _PARAMETER = re.compile(r"\bparameter\((\d+)\)")
 _INDEX = re.compile(r"\bindex=(\d+)")
