@@ -5,6 +5,8 @@
 #ifndef XLA_FP4_CUDA_STATS_SINK_CUH_
 #define XLA_FP4_CUDA_STATS_SINK_CUH_
 
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -18,13 +20,17 @@
 namespace xla_fp4::cuda {
 namespace {
 
+namespace cg = cooperative_groups;
+
 // Each thread compares its block's q * scale with the block's x (reloaded, the RHT applied) and adds to counts[7] (amax
 // bits by max; nonzero, underflow, kept elements; live, zero-scale and clipped blocks) and energies[2] (x², error²).
-// Counts are exact and order-free; the energies' order follows the atomics (float rounding only).
+// Counts are exact and order-free; the energies' order follows the warps' reductions and the atomics (float rounding
+// only).
 template <typename T>
 struct StatsSink {
   const T* x;
   Recipe r;
+  static constexpr int kCounts = 7;
   const int32_t* step;  // -1: not a recorded step, nothing to do
   unsigned long long* counts;
   double* energies;
@@ -51,17 +57,26 @@ struct StatsSink {
       error += static_cast<double>(e * e);
     }
     const bool live = amax > 0.0f;  // the block's amax as the quantizer saw it (a 2D tile's: the tile's)
-    atomicMax(&counts[0], static_cast<unsigned long long>(m));
-    atomicAdd(&counts[1], nonzero);
-    atomicAdd(&counts[2], underflow);
-    atomicAdd(&counts[3], kept);
-    if (live) {
-      atomicAdd(&counts[4], 1ull);
-      if (bs.code == 0) atomicAdd(&counts[5], 1ull);
-      if (amax * ts.s_enc_over_6 >= 464.0f) atomicAdd(&counts[6], 1ull);  // numerics/telemetry.py _CLIPPED
+    const unsigned long long block_counts[kCounts] = {
+        m, nonzero, underflow, kept, live, live && bs.code == 0,
+        live && amax * ts.s_enc_over_6 >= 464.0f};  // numerics/telemetry.py _CLIPPED
+    // Every thread of the grid adds to the same 9 addresses: the lanes measuring a block reduce first, and one of
+    // them adds the warp's sums (a count that is zero adds nothing).
+    const cg::coalesced_group lanes = cg::coalesced_threads();
+    const unsigned long long warp_max = cg::reduce(lanes, block_counts[0], cg::greater<unsigned long long>());
+    unsigned long long warp_counts[kCounts];
+    for (int i = 1; i < kCounts; ++i) {
+      warp_counts[i] = cg::reduce(lanes, block_counts[i], cg::plus<unsigned long long>());
     }
-    atomicAdd(&energies[0], energy);
-    atomicAdd(&energies[1], error);
+    const double warp_energy = cg::reduce(lanes, energy, cg::plus<double>());
+    const double warp_error = cg::reduce(lanes, error, cg::plus<double>());
+    if (lanes.thread_rank() != 0) return;
+    if (warp_max != 0) atomicMax(&counts[0], warp_max);
+    for (int i = 1; i < kCounts; ++i) {
+      if (warp_counts[i] != 0) atomicAdd(&counts[i], warp_counts[i]);
+    }
+    atomicAdd(&energies[0], warp_energy);
+    atomicAdd(&energies[1], warp_error);
   }
 };
 

@@ -5,6 +5,8 @@
 //   to the sink from a host function queued behind the copy. Only XLA_FP4_STRICT=1 (`strict_row` >= 0) waits for the
 //   copy, to fail the step;
 // - xla_fp4_output_stats counts a GEMM output's zeros, on the device, when the step (read there) is recorded.
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -42,7 +44,10 @@ __global__ void CountZerosKernel(const T* y, int64_t n, const int32_t* step, uns
   if (*step < 0) return;
   unsigned long long z = 0;
   for (int64_t i = ThreadIndex(); i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) z += ToFloat(y[i]) == 0.0f;
-  atomicAdd(zeros, z);
+  // One atomic per warp, and none for a warp that counted no zero (all threads add to one address).
+  const cooperative_groups::coalesced_group lanes = cooperative_groups::coalesced_threads();
+  z = cooperative_groups::reduce(lanes, z, cooperative_groups::plus<unsigned long long>());
+  if (lanes.thread_rank() == 0 && z != 0) atomicAdd(zeros, z);
 }
 
 __global__ void OutputRowKernel(const unsigned long long* zeros, const int32_t* step, float elements, float* row) {
