@@ -616,6 +616,16 @@ def flat_jax_transformer(num_blocks=3):
   return jax.grad(loss), (leaves, _x((S * 2, D)))
 
 
+def _haiku_step(net):
+  """(an SGD step of mean(net(x)²), its args) for a Haiku network function `net`."""
+  import haiku as hk
+  f = hk.without_apply_rng(hk.transform(net))
+  x = _x((S * 2, D))
+  params = jax.eval_shape(f.init, jax.random.key(0), x)
+  step, opt_init = _sgd_step(lambda p, x: jnp.mean(f.apply(p, x) ** 2))
+  return step, (params, opt_init(params), x)
+
+
 def haiku_name_scopes(num_blocks=3):
   """Haiku modules under hk.experimental.name_scope: the scope is in the parameter path (`block_1/query`), not in
   the name stack."""
@@ -628,11 +638,7 @@ def haiku_name_scopes(num_blocks=3):
         x = x + hk.Linear(D, name="fc2")(h)
     return hk.Linear(V, name="head")(x)
 
-  f = hk.without_apply_rng(hk.transform(net))
-  x = _x((S * 2, D))
-  params = jax.eval_shape(f.init, jax.random.key(0), x)
-  step, opt_init = _sgd_step(lambda p, x: jnp.mean(f.apply(p, x) ** 2))
-  return step, (params, opt_init(params), x)
+  return _haiku_step(net)
 
 
 def haiku_mlp_blocks(num_blocks=3):
@@ -646,11 +652,7 @@ def haiku_mlp_blocks(num_blocks=3):
         x = x + hk.nets.MLP([H, D], name="mlp")(hk.Linear(D, name="attn")(x))
     return hk.Linear(V, name="head")(x)
 
-  f = hk.without_apply_rng(hk.transform(net))
-  x = _x((S * 2, D))
-  params = jax.eval_shape(f.init, jax.random.key(0), x)
-  step, opt_init = _sgd_step(lambda p, x: jnp.mean(f.apply(p, x) ** 2))
-  return step, (params, opt_init(params), x)
+  return _haiku_step(net)
 
 
 def linen_checkpointed_blocks(num_blocks=3):

@@ -28,14 +28,20 @@ def _eager(x, *, peers):
   raise NotImplementedError("max_over_peers is lowered into a shard_map body by the pass; it has no eager form")
 
 
-def _lowering(ctx, x, *, peers):
-  op = hlo.AllReduceOp([x.type], [x], ir.DenseIntElementsAttr.get(np.asarray(peers, np.int64)),
+def all_reduce(x, groups, combine):
+  """`stablehlo.all_reduce` of the value x over each group of devices (global device ids), its elements combined by
+  `combine` (hlo.MaxOp, hlo.AddOp), as JAX lowers a collective in a shard_map body; returns the result value."""
+  op = hlo.AllReduceOp([x.type], [x], ir.DenseIntElementsAttr.get(np.asarray(groups, np.int64)),
                        channel_handle=hlo.ChannelHandle.get(1, 1), use_global_device_ids=True)
   scalar = ir.RankedTensorType.get([], ir.RankedTensorType(x.type).element_type)
   block = op.regions[0].blocks.append(scalar, scalar)
   with ir.InsertionPoint(block):
-    hlo.ReturnOp([hlo.MaxOp(*block.arguments).result])
-  return op.results
+    hlo.ReturnOp([combine(*block.arguments).result])
+  return op.results[0]
+
+
+def _lowering(ctx, x, *, peers):
+  return [all_reduce(x, peers, hlo.MaxOp)]
 
 
 _max_over_peers.def_impl(_eager)

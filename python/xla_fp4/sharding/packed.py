@@ -38,6 +38,7 @@ from jax._src.lib.mlir.dialects import sdy
 
 from xla_fp4 import kernels
 from xla_fp4.kernels import targets
+from xla_fp4.numerics.collective import all_reduce
 from xla_fp4.numerics.formats import BLOCK
 from xla_fp4.sharding import partition as common
 
@@ -295,13 +296,7 @@ def _gemm_module(attrs, arg_shapes, result_shape, groups):
 
 def _all_reduce(x, groups):
   """The sum of x over each group of devices (global device ids)."""
-  op = hlo.AllReduceOp([x.type], [x], ir.DenseIntElementsAttr.get(np.asarray(groups, np.int64)),
-                       channel_handle=hlo.ChannelHandle.get(1, 1), use_global_device_ids=True)
-  scalar = ir.RankedTensorType.get([], ir.RankedTensorType(x.type).element_type)
-  block = op.regions[0].blocks.append(scalar, scalar)
-  with ir.InsertionPoint(block):
-    hlo.ReturnOp([hlo.AddOp(*block.arguments).result])
-  return op.results[0]
+  return all_reduce(x, groups, hlo.AddOp)
 
 
 # -- GSPMD's propagation (Shardy uses the rules) ---------------------------------------------------------------------

@@ -65,7 +65,8 @@ def analyze(module, graph=None) -> Analysis:
 
   found = {i: ragged.groups(d.op, d.role is not Role.OTHER) for i, d in enumerate(dots)}
   found.update(ragged.dense_expert_groups(graph, dots, found))
-  dot_peers = peers.of_dots(graph, dots, found)
+  around = [list(graph.around(d.op)) for d in dots]  # the ops enclosing each dot, innermost first
+  dot_peers = peers.of_dots(dots, found, around)
   positional = _positional_layers(dots, arg_names, blocks)
   records = []
   for i, d in enumerate(dots):
@@ -73,7 +74,7 @@ def analyze(module, graph=None) -> Analysis:
     arg_name = arg_names[src.arg] if src is not None and src.arg < len(arg_names) else None
     place = blocks.get(i, blocks_mod.Place())
     linear = d.role is not Role.OTHER
-    enclosing = list(graph.around(d.op))
+    enclosing = around[i]
     layer = d.path
     if linear:
       layer = positional.get(src.arg) if src is not None and src.arg in positional else names.layer_of(d.path, arg_name)
@@ -101,7 +102,7 @@ def _positional_layers(dots, arg_names, blocks):
   fprops = [(i, d) for i, d in enumerate(dots) if d.role is Role.FPROP and d.src is not None]
   paths = {d.src.arg: names.path_from_arg(arg_names[d.src.arg]) if d.src.arg < len(arg_names) else ""
            for _, d in fprops}
-  if len(paths) < 2 or not all(p.split("/")[-1].isdigit() for p in paths.values()):
+  if not names.leaf_numbered(paths.values()):
     return {}
   numbers = sorted(int(p.split("/")[-1]) for p in paths.values())
   if numbers == list(range(numbers[0], numbers[0] + len(numbers))):

@@ -200,8 +200,7 @@ def _leaf_positions(arg_paths):
   parameters (`model.states[0][23]` under nnx.jit, `leaves[5]` from jax.tree.leaves, penzai's unbind_params): every
   path ends in a bare number. Their numbers count leaves, not modules, and name stacks there carry leaf numbers too
   (penzai), so neither names the blocks."""
-  flat = len(arg_paths) >= 2 and all(p.split("/")[-1].isdigit() for p in arg_paths.values())
-  return list(arg_paths) if flat else []
+  return list(arg_paths) if names.leaf_numbered(arg_paths.values()) else []
 
 
 def _repeated_in_dataflow(stacks, fprops, dots, first_use):

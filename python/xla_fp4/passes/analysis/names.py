@@ -98,6 +98,14 @@ def path_from_arg(arg_name: str) -> str:
   return "/".join(p for p in "/".join(parts).split("/") if p != "~")
 
 
+def leaf_numbered(paths):
+  """Whether parameter paths are positions in a flat list of leaves (`states/0/23` under nnx.jit, `leaves[5]` from
+  jax.tree.leaves, penzai's unbind_params): at least two, each ending in a bare number. Such numbers count leaves, not
+  modules."""
+  paths = list(paths)
+  return len(paths) >= 2 and all(p.split("/")[-1].isdigit() for p in paths)
+
+
 def layer_of(stack_path, arg_name):
   """The layer of a linear dot: the name-stack path (linen module names, named scopes), completed with the weight's
   argument path where the name stack does not name the weight's module (NNX, plain pytrees); where both name it, the

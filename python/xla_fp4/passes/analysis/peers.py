@@ -28,8 +28,9 @@ MANUAL = "sdy.manual_computation"
 _KEEPS_DIMS = {"stablehlo.convert", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy"}
 
 
-def of_dots(graph, dots, groups):
-  """(peers per dot, in dots' order): `dots` are roles.Dot, `groups[i]` dot i's records.Groups or None."""
+def of_dots(dots, groups, around):
+  """(peers per dot, in dots' order): `dots` are roles.Dot, `groups[i]` dot i's records.Groups or None, `around[i]`
+  the ops enclosing dot i (CallGraph.around)."""
   split = {}  # the @main argument of an expert weight -> the mesh axes that split its expert dims
   for i, d in enumerate(dots):
     if d.role is Role.FPROP and d.phase is Phase.FORWARD and groups[i] is not None and d.src is not None:
@@ -38,8 +39,8 @@ def of_dots(graph, dots, groups):
       # the user's spec: the user's axes are those every forward GEMM of the weight agrees on.
       split[d.src.arg] = split.get(d.src.arg, axes) & axes
   out = []
-  for d in dots:
-    bodies = [o for o in graph.around(d.op) if o.name == MANUAL]
+  for d, enclosing in zip(dots, around):
+    bodies = [o for o in enclosing if o.name == MANUAL]
     if not bodies:
       out.append(())
       continue
