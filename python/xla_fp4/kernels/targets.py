@@ -63,6 +63,10 @@ class Target:
   packed: Optional[Packed] = None  # a packed target's partitioning (sharding/partition.py), or None
   side_effect: bool = False  # the call acts on the host (telemetry): XLA must neither remove nor merge it
   quantizes: bool = False  # it quantizes its first operand (sharding/cost.py counts the elements it quantizes)
+  # telemetry: the target that computes the same and also measures it, taking the step as its last operand and adding
+  # a statistics row as its last result (the rewrite calls it where the GEMM is probed)
+  with_stats: Optional["Target"] = None
+  counts_as_dot: bool = False  # the FP4 GEMM C (M, N) of a (M, K/2): sharding/cost.py counts it as a dot of its shape
 
   @property
   def sharded(self):
@@ -155,11 +159,6 @@ def _target(name, attributes, results, **kw):
   return Target(name, types.MappingProxyType(attributes), results, **kw)
 
 
-QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool}, _like_x,
-              twin=kernel_twins.qdq, twin_fixed=(("apply_global_scale", False),),
-              block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True), quantizes=True)
-QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
-                         twin=kernel_twins.qdq_with_scale, twin_operands=("salt",), quantizes=True)
 # Telemetry: the quantizers' forms that also measure what they do, in the same pass over x, and a GEMM output's zeros,
 # as FIELDS rows of numerics/telemetry.py; zeros, without measuring, where the step operand (int32) is -1.
 _ROW = lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)]  # noqa: E731
@@ -174,25 +173,34 @@ QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE},
                         twin=telemetry.qdq_and_stats,
                         block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True),
                         quantizes=True)
+QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool}, _like_x,
+              twin=kernel_twins.qdq, twin_fixed=(("apply_global_scale", False),),
+              block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True), quantizes=True,
+              with_stats=QDQ_AND_STATS)
+QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
+                         twin=kernel_twins.qdq_with_scale, twin_operands=("salt",), quantizes=True,
+                         with_stats=QDQ_WITH_SCALE_STATS)
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
                        block_local=BlockLocal(blocked=False, device_stats=True))
 RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_local=BlockLocal())
 # `digest`: each block's digest too (a second result), so that the stochastic-rounding key needs no other pass over x.
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int, "digest": bool}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
-QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE}, _packed,
-                          packed=Packed("quantize", key_operand=2), quantizes=True)
 # The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to
 # the x (or shard) it holds, from the same pass (zeros in an unrecorded step).
 QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE},
                                 lambda operands, attrs, dtype: _packed(operands, attrs, dtype) + _ROW(
                                     operands, attrs, dtype),
                                 packed=Packed("quantize", key_operand=2, device_stats=True), quantizes=True)
+QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE}, _packed,
+                          packed=Packed("quantize", key_operand=2), quantizes=True,
+                          with_stats=QUANTIZE_PACKED_STATS)
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 # `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,
 # which gathers packed operands but has no FP4 GEMM); the numbers are the same. `b_transposed`: b is Bᵀ packed along N,
 # in 16x16 tiles (a weight's forward copy, read by its dgrad: one copy of the weight is quantized and gathered).
-GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool, "b_transposed": bool}, _product, packed=Packed("gemm"))
+GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool, "b_transposed": bool}, _product, packed=Packed("gemm"),
+                      counts_as_dot=True)
 # The grouped FP4 GEMM of expert layers (a chlo.ragged_dot under the native backend), whole tensors only: the groups of
 # a's rows (or with `ragged_k` of K) each with their own B and alpha; numerics/grouped.py packs its operands.
 RAGGED_GEMM_PACKED = _target("xla_fp4_ragged_gemm_packed", {"ragged_k": bool}, _ragged_product)

@@ -117,3 +117,19 @@ def key_to_u32(key):
   if key.shape == () and jnp.issubdtype(key.dtype, jnp.integer):
     return key.astype(jnp.uint32)
   raise TypeError(f"key must be a jax PRNG key or an integer scalar, got {key.dtype}{list(key.shape)}")
+
+
+def canonical_axis(shape, axis):
+  """Normalize `axis` and check that blocks of 16 fit along it; returns (axis, outer, K, inner)."""
+  rank = len(shape)
+  if not -rank <= axis < rank:
+    raise ValueError(f"axis {axis} is out of range for a tensor of rank {rank}")
+  axis %= rank
+  k = shape[axis]
+  if k % BLOCK:
+    raise ValueError(f"NVFP4 quantizes blocks of {BLOCK} along the contraction axis, but axis {axis} of shape "
+                     f"{tuple(shape)} has size {k}; pad it to a multiple of {BLOCK} or keep this tensor in high "
+                     "precision")
+  outer = int(np.prod(shape[:axis], dtype=np.int64))
+  inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+  return axis, outer, k, inner

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xla_fp4.numerics import formats
-from xla_fp4.numerics.formats import BLOCK
+from xla_fp4.numerics.formats import BLOCK, canonical_axis
+from xla_fp4.numerics.rht import rht_f32
 
 
 
@@ -40,22 +41,6 @@ class NVFP4Tensor:
   global_scale: Any  # float32 scalar decode scale amax / (6 * 448)
   axis: int = dataclasses.field(metadata=dict(static=True))
   block_2d: bool = dataclasses.field(metadata=dict(static=True))
-
-
-def canonical_axis(shape, axis):
-  """Normalize `axis` and check that blocks of 16 fit along it; returns (axis, outer, K, inner)."""
-  rank = len(shape)
-  if not -rank <= axis < rank:
-    raise ValueError(f"axis {axis} is out of range for a tensor of rank {rank}")
-  axis %= rank
-  k = shape[axis]
-  if k % BLOCK:
-    raise ValueError(f"NVFP4 quantizes blocks of {BLOCK} along the contraction axis, but axis {axis} of shape "
-                     f"{tuple(shape)} has size {k}; pad it to a multiple of {BLOCK} or keep this tensor in high "
-                     "precision")
-  outer = int(np.prod(shape[:axis], dtype=np.int64))
-  inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
-  return axis, outer, k, inner
 
 
 def _check_rounding(rounding):
@@ -120,7 +105,6 @@ def block_amax(x, *, axis=-1, rht_seed=None):
   """max |v| over every 1x16 block along `axis` as float32, NaN counted as +Inf; v = the block's RHT with `rht_seed`
   when one is given. The result has x's shape with the axis divided by 16, and its max is the tensor's amax. Blocks
   are local, so a sharded tensor's shards measure their own (the kernel xla_fp4_block_amax)."""
-  from xla_fp4.numerics.rht import rht_f32  # rht imports this module
   v = x.astype(jnp.float32)
   if rht_seed is not None:
     v = rht_f32(v, canonical_axis(x.shape, axis)[0], rht_seed)

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xla_fp4.numerics import formats
-from xla_fp4.numerics.formats import BLOCK
-from xla_fp4.numerics.nvfp4 import canonical_axis
+from xla_fp4.numerics.formats import BLOCK, canonical_axis
 
 
 def rht_signs(seed):

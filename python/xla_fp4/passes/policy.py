@@ -97,6 +97,19 @@ class OperandPlan:
   # In a shard_map body: the replica groups its decode scales are max-reduced over (analysis/peers.py), else ().
   peers: tuple = ()
 
+  @property
+  def reusable(self):
+    """Whether an earlier quantization of the same elements in the same blocks serves (rewrite/reuse.py): nearest
+    rounding gives the same q wherever it runs; not where the plan asks for a `fresh` one."""
+    return not self.recipe.stochastic and not self.fresh
+
+  @property
+  def tiles_alike(self):
+    """Whether one quantized copy serves a GEMM that contracts either of the matrix's dims: 16x16 tiles with nearest
+    rounding and no RHT read alike along both (the recipe's dgrad sharing its fprop's weight, arXiv 2509.25149
+    §4.3), in a value that may be reused."""
+    return self.recipe.block_2d and not self.recipe.rht and self.reusable
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:

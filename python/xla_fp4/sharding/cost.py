@@ -4,8 +4,8 @@ The instructions come from jaxlib's HloModule API (opcode, operands); only each 
 one-line text (`%dot.1 = f32[256,1024]{1,0} dot(...)`), which that API does not expose otherwise. (jaxlib's
 hlo_to_stablehlo drops dots of an optimized CPU module, so it cannot be used here.) Dot FLOPs are 2 x output elements x
 contracted size; collective bytes are the result bytes of every all-reduce, all-gather, reduce-scatter, all-to-all and
-collective-permute (async pairs counted once); the FP4 GEMM (xla_fp4_gemm_packed) counts as a dot of its shape;
-quantized elements are the elements of the operand of every quantizing `xla_fp4_*` custom call (the targets marked
+collective-permute (async pairs counted once); the FP4 GEMM (the targets marked `counts_as_dot`) counts as a dot of its
+shape; quantized elements are the elements of the operand of every quantizing custom call (the targets marked
 `quantizes`, their telemetry forms included; not the amax pass over the same tensor).
 Collective bytes are also split by what moves, from dataflow: a gather (all-gather, all-to-all, collective-permute or
 broadcast) of a value that depends on no data input (the step's entry parameters the caller names, such as the
@@ -13,7 +13,7 @@ tokens) is a weight gather, any other gather an activation gather, and all-reduc
 (gradients, and the partial sums of a split contraction); scalar collectives are left out of the split.
 Computations are followed from the entry through their call sites
 (fusions, calls, loops, reductions); a conditional counts its most expensive branch, the one work a step can run,
-except the pass's kept-iteration case in a scanned stack (emitter.BRANCH_RUNS: how many iterations run each branch),
+except the pass's kept-iteration case in a scanned stack (BRANCH_RUNS: how many iterations run each branch),
 whose branches count in proportion to the iterations that run them. A loop body counts once (not times its trip
 count: the average iteration), which is what a side-by-side ratio of two programs of the same structure needs.
 FP4 GEMMs are counted once per call site, in whichever branch.
@@ -24,8 +24,10 @@ import math
 import re
 
 from xla_fp4.kernels import targets
-from xla_fp4.passes.rewrite.emitter import BRANCH_RUNS
 
+# The frontend attribute of the pass's kept-iteration case (passes/rewrite/emitter.py): how many iterations of its stack
+# run each branch ("kept,other").
+BRANCH_RUNS = "xla_fp4_branch_runs"
 _COLLECTIVES = {"kAllReduce", "kAllReduceStart", "kAllGather", "kAllGatherStart", "kReduceScatter", "kAllToAll",
                 "kCollectivePermute", "kCollectivePermuteStart", "kCollectiveBroadcast"}
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
@@ -33,7 +35,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
-_PACKED_GEMM = re.compile(f'custom_call_target="{targets.GEMM_PACKED.name}"')
+_PACKED_GEMM = re.compile('custom_call_target="(?:' + "|".join(t.name for t in targets.ALL if t.counts_as_dot) + ')"')
 _QUANTIZING = re.compile('custom_call_target="(?:' + "|".join(t.name for t in targets.ALL if t.quantizes) + ')"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _PARAMETER = re.compile(r"\bparameter\((\d+)\)")
@@ -53,7 +55,7 @@ class Cost:
   scalar_collective_bytes: int  # the part of collective_bytes in scalar collectives (at most SCALAR_BYTES a result)
   collectives: dict  # opcode -> count (a weighted branch's collectives count by their share of its runs)
   quantized_elements: int = 0  # per device: elements the pass's kernels quantize
-  packed_gemms: int = 0  # FP4 GEMM calls (xla_fp4_gemm_packed)
+  packed_gemms: int = 0  # FP4 GEMM calls (the targets marked counts_as_dot)
   # per device, scalar collectives aside: {"weight_gathers", "activation_gathers", "reductions"} -> bytes; empty
   # unless the caller named the data inputs
   collective_bytes_by_kind: dict = dataclasses.field(default_factory=dict)

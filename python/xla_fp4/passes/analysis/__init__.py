@@ -35,14 +35,14 @@ from xla_fp4.passes.analysis import heads as heads_mod
 from xla_fp4.passes.analysis import names
 from xla_fp4.passes.analysis import roles
 from xla_fp4.passes.analysis import peers
-from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_sites, visible
+from xla_fp4.passes.analysis.callgraph import CallGraph, shape, specialize_call_sites
 from xla_fp4.passes.analysis.records import (Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Gemm, Grouping,
                                              Groups, Phase, Role)
 from xla_fp4.passes.analysis import ragged
 from xla_fp4.passes.analysis.trace import Tracer, dot_dims, ragged_dot_dims, replicated_arguments
 
 __all__ = ["Analysis", "BlockIndex", "BlockSource", "DotRecord", "DotSite", "EXCLUDE_ATTRIBUTE", "Gemm", "Grouping",
-           "Groups", "Phase", "Role", "analyze", "specialize_call_sites", "visible"]
+           "Groups", "Phase", "Role", "analyze", "specialize_call_sites"]
 
 EXCLUDE_ATTRIBUTE = "xla_fp4_exclude"  # the frontend attribute xla_fp4.exclude() sets (jax's set_xla_metadata)
 
@@ -90,7 +90,8 @@ def analyze(module, graph=None) -> Analysis:
         in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing), peers=dot_peers[i],
         gemm=_gemm(d.op))
     source = blocks_mod.block_source(d.op, src) if place.num_stacked is not None else None
-    records.append(DotRecord(op=d.op, site=site, block_source=source))
+    mask = ragged.expansion_mask(d.op) if found[i] is not None and found[i].kind is Grouping.SLICES else None
+    records.append(DotRecord(op=d.op, site=site, block_source=source, group_mask=mask))
   return Analysis(records=records, num_blocks=num_blocks, blocks_found=blocks_found)
 
 

@@ -21,7 +21,8 @@ import functools
 from typing import Optional
 
 from xla_fp4.passes.analysis import names
-from xla_fp4.passes.analysis.callgraph import CallGraph, in_scope, shape
+from xla_fp4.passes.analysis.callgraph import CallGraph, shape
+from xla_fp4.passes.regions import in_scope
 from xla_fp4.passes.analysis.records import BlockIndex, BlockSource, Role
 
 

@@ -18,16 +18,13 @@ from typing import Any
 
 from jax._src.lib.mlir import ir
 
+from xla_fp4.passes.regions import op_of
+
 _PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
                  "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding",
                  "sdy.sharding_constraint", "sdy.reshard"}
 _SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "annotate_device_placement"}
 _COLLECTED = {"stablehlo.dot_general", "func.call", "chlo.ragged_dot"}
-
-
-def op_of(value_or_owner):
-  """The ir.Operation behind an op view or operation."""
-  return value_or_owner.operation if hasattr(value_or_owner, "operation") else value_or_owner
 
 
 def defining_op(value):
@@ -246,36 +243,3 @@ def specialize_call_sites(module) -> "CallGraph":
         module.body.append(copy)
         graph.funcs[name] = copy
         site.attributes["callee"] = ir.FlatSymbolRefAttr.get(name)
-
-
-# Ops whose regions are isolated from above: nothing inside reads a value defined outside; what the body needs comes in
-# as the op's operands, bound to its block arguments (a function's arguments, a shard_map body's tensors).
-ISOLATED = frozenset({"func.func", "sdy.manual_computation"})
-
-
-def in_scope(value, op):
-  """Whether `value` is defined in a block around `op` (before `op` where it is op's own block), crossing shard_map
-  bodies: what `thread` (rewrite/scope.py) can bring to `op` as shard_map operands."""
-  return _defined_around(value, op, stop=("func.func",))
-
-
-def visible(value, op):
-  """Whether `op` can use `value` as it stands: defined in a block around it, before it in its own block, and not
-  outside an op isolated from above (ISOLATED) that holds `op`."""
-  return _defined_around(value, op, stop=ISOLATED)
-
-
-def _defined_around(value, op, stop):
-  if isinstance(value.owner, ir.Block):
-    vblock, vop = value.owner, None
-  else:
-    vop = op_of(value.owner)
-    vblock = vop.block
-  cur = op
-  while cur is not None:
-    if cur.block == vblock:
-      return vop is None or vop.is_before_in_block(cur)
-    cur = cur.parent
-    if cur is not None and cur.name in stop:
-      return False
-  return False

@@ -53,6 +53,16 @@ def group_mask(value):
   return None if select is None else select.operands[0]
 
 
+def expansion_mask(op):
+  """(operand, i1 mask shaped like it) of the first operand of `op` that is masked per group in full: a ragged dot's
+  CPU expansion, whose GEMM runs over the groups as the program has it (rewrite/experts.py); else None."""
+  for i in (0, 1):
+    mask = group_mask(op.operands[i])
+    if mask is not None and shape(mask) == shape(op.operands[i]):
+      return i, mask
+  return None
+
+
 def unmasked(value):
   """The tensor a group-masked operand masks (x, before the broadcast to every group), else `value` itself: the
   forward, dgrad and wgrad of one expert layer mask the same activations and gradients."""

@@ -100,7 +100,7 @@ class DotSite:
 @dataclasses.dataclass(frozen=True)
 class BlockSource:
   """The block index of a scanned stack's iteration: `value`, in the scope of `entry_call` (the func.call that enters
-  the dot's function; None when the dot is in its scope itself), shard_map bodies between them aside (callgraph.in_scope).
+  the dot's function; None when the dot is in its scope itself), shard_map bodies between them aside (regions.in_scope).
   """
   kind: BlockIndex
   value: Any  # ir.Value
@@ -112,6 +112,8 @@ class DotRecord:
   op: Any  # the stablehlo.dot_general (ir.Operation)
   site: DotSite
   block_source: Optional[BlockSource] = None  # scanned stacks whose block index the program holds
+  # expert GEMMs (Grouping.SLICES) of a ragged dot's CPU expansion: (operand, its i1 group mask, shaped like it)
+  group_mask: Optional[tuple] = None
 
 
 @dataclasses.dataclass

@@ -11,8 +11,14 @@ The dot is erased; its uses read %y (same type). Where a scanned stack's block i
 the dot's function (BlockIndex.PASSED_IN), the function gets it as an extra argument, once per function and call;
 a shard_map body around the dot gets it as an operand (scope.py).
 
-  emitter.py      the pattern of one dot            kernel_sets.py  FFI custom calls or lowered twins
-  probes.py       the telemetry of one dot (the `telemetry` option)
+  emitter.py      dispatch on the plan's form; the kept-iteration select or case around it
+  quantize.py     dense operand quantization (q·scale and its decode scale)
+  emulated.py     the emulated GEMM (Form.WHOLE_TENSOR, Form.PARTITIONED)
+  packed.py       the packed FP4 GEMM (Form.PACKED)
+  experts.py      expert GEMMs (Form.GROUPED, Form.PACKED_GROUPED)
+  probes.py       the telemetry of one dot (the `telemetry` option): the Probe the forms report to
+  context.py      what the forms share: kernels, twins, seed, reuse
+  kernel_sets.py  FFI custom calls or lowered twins
   reuse.py        quantizations, reshapes and selectors shared between dots
   dims.py         operand layouts (merged contracting dims, K-major matrices)
   scope.py        values brought into functions and shard_map bodies; the isolation check before the verifier
@@ -21,7 +27,7 @@ a shard_map body around the dot gets it as an operand (scope.py).
 
 from jax._src.lib.mlir import ir
 
-from xla_fp4.passes.analysis import BlockIndex
+from xla_fp4.passes.analysis.records import BlockIndex
 from xla_fp4.passes.rewrite.emitter import Emitter
 from xla_fp4.passes.rewrite.kernel_sets import FfiKernels, KernelSet, ReferenceKernels, Twins
 from xla_fp4.passes.rewrite.probes import Probes, Settings

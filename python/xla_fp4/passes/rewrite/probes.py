@@ -3,7 +3,7 @@
 Before the GEMM's operands are quantized, `Probes.begin`:
   %step  = stablehlo.custom_call @xla_fp4_telemetry_step() {module, site, every, calls}   (-1: not recorded)
            (decided on the host; `calls`: a scanned stack's GEMM runs once per layer and step; -1 in kept iterations)
-The emitter then quantizes with the step at hand and hands over, per operand, what it quantized (`Measure`s), and
+The forms then quantize with the step at hand and hand over, per operand, what they quantized (`Probe.measure`), and
 `Probes.emit` adds after the GEMM's pattern:
   %rows  = f32[3, FIELDS] (numerics/telemetry.py): a row per operand and one for a wgrad's output zeros
   stablehlo.custom_call @xla_fp4_telemetry_record(%rows, %step, %block) {module, site, strict_row, parts = 1}
@@ -39,7 +39,6 @@ telemetry, bit for bit. The rows reach the host through the record call, with no
 """
 
 import dataclasses
-import typing
 from typing import Any, Optional
 
 from jax._src.lib.mlir import ir
@@ -49,6 +48,7 @@ from xla_fp4.kernels import targets
 from xla_fp4.numerics import telemetry as stats
 from xla_fp4.passes.analysis.records import Role
 from xla_fp4.passes.policy import Operand
+from xla_fp4.passes.rewrite.dims import reshape_source
 from xla_fp4.passes.rewrite.values import const, f32, scalar_type, tensor_type, u32
 
 _ROW = len(stats.FIELDS)
@@ -76,11 +76,53 @@ class Measure:
   ragged: Optional[tuple] = None
 
 
-class Step(typing.NamedTuple):
-  """A GEMM's telemetry step (Probes.begin): `value`, int32 (-1 where not recorded), and the global block index
-  (int32: a scanned stack's iteration + its first block, else the static block or -1)."""
-  value: Any
-  block: Any
+class Probe:
+  """The telemetry of one GEMM while the forms build its pattern (Probes.begin), the one interface they call:
+  `step`, the GEMM's telemetry step (int32, -1 where not recorded: the quantizers' `with_stats` forms take it), or
+  None without telemetry (UNPROBED); `measure(i, ...)`, what operand i's quantizer did (a Measure); `took_output`,
+  an emulated GEMM's (f32 accumulator, alpha), from which its output's statistics are made; `row` / `keep_row`, the
+  statistics row a quantizer computed of a value, kept across GEMMs (a reused quantization brings its row along)."""
+
+  def __init__(self, step, block, rows):
+    self.step = step
+    self.block = block  # int32: a scanned stack's iteration + its first block, else the static block or -1
+    self.measures = ([], [])
+    self.output = None
+    self._rows = rows  # the Probes' q·scale value (or packed codes) -> its statistics row
+
+  def measure(self, i, **measure):
+    self.measures[i].append(Measure(**measure))
+
+  def took_output(self, acc, alpha):
+    self.output = (acc, alpha)
+
+  def row(self, q):
+    """The statistics row the quantizer of q computed, or None. A reuse reshapes an earlier q (a weight its dgrad reads
+    with dims merged, as MaxText's attention projections): the same elements, the same row."""
+    return self._rows.get(reshape_source(q))
+
+  def keep_row(self, q, row):
+    if row is not None:
+      self._rows[q] = row
+
+
+class _Unprobed(Probe):
+  """No telemetry: no step, nothing measured or kept."""
+
+  def __init__(self):
+    super().__init__(None, None, {})
+
+  def measure(self, i, **measure):
+    pass
+
+  def took_output(self, acc, alpha):
+    pass
+
+  def keep_row(self, q, row):
+    pass
+
+
+UNPROBED = _Unprobed()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +148,10 @@ class Probes:
   def __init__(self, kernels, twins, seed, settings):
     self.kernels, self.twins, self.seed, self.settings = kernels, twins, seed, settings
     self.measured = []  # the sites that got probes
+    self._rows = {}  # q·scale value (or packed codes) -> the statistics row its quantizer computed (Probe.row)
 
   def begin(self, plan, block_value, select):
-    """The telemetry Step of `plan`'s GEMM, taken before its operands are quantized.
+    """The Probe of `plan`'s GEMM, its telemetry step taken before its operands are quantized.
     `block_value`: a scanned stack's iteration (or None), `select`: true in kept iterations, which record nothing."""
     site = plan.site
     i32 = ir.IntegerType.get_signless(32)
@@ -125,16 +168,15 @@ class Probes:
                                                               every=self.settings.every, calls=calls))[0]
     if select is not None:
       step = hlo.SelectOp(select, const(-1, i32), step).result
-    return Step(step, block)
+    return Probe(step, block, self._rows)
 
-  def emit(self, plan, measures, output, probe, result=None):
-    """The statistics and the record of `plan`'s GEMM in the Step `probe` (begin), whose operands were quantized as
-    `measures` ([lhs Measures], [rhs Measures]) and whose result is `output`: the value, or an emulated GEMM's (f32
-    accumulator, alpha), from which the statistics make it (so that the result itself is not held for them, where
-    XLA would otherwise fuse it into its readers). `result`: the result value itself, which a partitioned program
-    measures (made again from the accumulator, XLA computed it a second time in every step, recorded or not: a 6%
-    longer FSDP step of benchmarks/telemetry.py, measured)."""
-    site, step = plan.site, probe.value
+  def emit(self, plan, probe, result):
+    """The statistics and the record of `plan`'s GEMM, whose `probe` (begin) holds what its operands' quantizers did
+    (probe.measures: [lhs Measures], [rhs Measures]) and, for an emulated GEMM, its (f32 accumulator, alpha), from
+    which the statistics make its output (so that the result itself is not held for them, where XLA would otherwise
+    fuse it into its readers); else its `result`. A partitioned program measures `result` itself: made again from the
+    accumulator, XLA computed it a second time in every step, recorded or not (docs/design.md §7)."""
+    site, step, measures, output = plan.site, probe.step, probe.measures, probe.output or result
     gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
     strict_row = gradients[0] if self.settings.strict and gradients else -1
     attrs = dict(module=self.settings.module, site=site.index, strict_row=strict_row, parts=1)

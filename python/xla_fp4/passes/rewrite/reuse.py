@@ -27,7 +27,7 @@ import math
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
-from xla_fp4.passes.analysis import visible
+from xla_fp4.passes.regions import visible
 from xla_fp4.passes.rewrite.dims import reshape_source
 from xla_fp4.passes.rewrite.values import tensor_type
 

@@ -23,7 +23,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import func as func_dialect
 from jax._src.lib.mlir.dialects import sdy
 
-from xla_fp4.passes.analysis.callgraph import ISOLATED, op_of, visible
+from xla_fp4.passes.regions import ISOLATED, op_of, visible
 
 
 def plumb_block_value(value, entry_call, func_op):

@@ -1,0 +1,96 @@
+"""Dense operand quantization: one operand of an emulated GEMM as q·scale (in x's dtype) and its decode scale.
+
+  Form.WHOLE_TENSOR   %q, %s = xla_fp4_qdq_with_scale(%x) {axis, block_2d, stochastic, rht, rht_seed, salt}
+                      one call measures x itself (amax, key)
+  Form.PARTITIONED    %b(, %d) = xla_fp4_block_amax(%x) {digest where stochastic}
+                      %s = decode_scale twin(%b)                 a max reduce, which XLA turns into an all-reduce
+                      %key = %salt ^ digest_of_blocks twin(%d)   a sum, all-reduced likewise; once per value
+                                                                 (reuse.py), or the salt where rounding is nearest
+                      %q = xla_fp4_qdq(%x, %s, %key) {apply_global_scale = false}
+
+Operands follow their OperandPlan: a `reusable` one (nearest rounding, not `fresh`) takes an earlier quantization of
+the same elements in the same blocks (reuse.py); an `after_gradient` operand takes the gradient's decode scale,
+bitcast to uint32, as its key: a nearest-rounded qdq never reads its key, so this orders the call after the gradient
+without changing a number (StableHLO has no control dependency). Stochastic-rounding keys are
+`digest(operand) ^ fold_in(seed, salt_id)`: they change every step and differ between layers, yet are reproducible.
+
+With telemetry (the Probe of the GEMM has a step) the same quantizers' `with_stats` forms also measure what they do,
+in the same pass (probes.py).
+"""
+
+from jax._src.lib.mlir.dialects import hlo
+
+from xla_fp4.kernels import targets
+from xla_fp4.numerics import kernel_twins
+from xla_fp4.passes.policy import Form
+from xla_fp4.passes.rewrite.context import peers
+from xla_fp4.passes.rewrite.probes import device_rows_type
+from xla_fp4.passes.rewrite.reuse import blocking
+from xla_fp4.passes.rewrite.values import const, f32, scalar_type, tensor_type, u32
+
+
+def scale_and_key(ctx, x, axis, operand, user):
+  """The global decode scale of x (after the RHT where it applies) and the stochastic-rounding key, as the
+  partitioned pattern computes them: per-block maxima (block-local, so each shard measures its own), then the twins
+  kernel_twins.decode_scale (a plain max reduce, which XLA partitions into a scalar all-reduce) and
+  digest_of_blocks (a sum of the per-block digests, all-reduced likewise) where no earlier dot `user` sees has
+  digested x's elements (reuse.py)."""
+  recipe = operand.recipe
+  digest = ctx.reuse.digest(x, user) if recipe.stochastic else None
+  # The key's digest comes from the same pass over x (the kernel's per-block digests): as a reduction of its own, XLA
+  # CPU materialized x's bits as uint32 for it, and a GPU would read x once more (docs/design.md §5).
+  measured = ctx.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=ctx.seed,
+                                                             digest=recipe.stochastic and digest is None))
+  s_dec = ctx.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())], **peers(operand))[0]
+  salt = ctx.salt(operand)
+  if not recipe.stochastic:
+    return s_dec, salt
+  if digest is None:
+    digest = ctx.twins.call(kernel_twins.digest_of_blocks, [measured[1]], [scalar_type(u32())])[0]
+    ctx.reuse.remember_digest(x, digest)
+  return s_dec, hlo.XorOp(salt, digest).result
+
+
+def operand(ctx, probe, x, axis, plan, user, form, select, after):
+  """-> (q·scale in x's dtype, s_dec f32 scalar) of x quantized along `axis` per `plan` (an OperandPlan); with
+  `select`, `stablehlo.select`s that give (x, 1.0) in kept iterations instead. `after`: the gradient's decode scale
+  where the plan orders this operand after it."""
+  blocks = blocking(tensor_type(x).shape, axis, plan.recipe.block_2d, plan.recipe.rht)
+  if plan.reusable:
+    found = ctx.reuse.quantized(x, blocks, select, user)
+    if found is not None:
+      return found
+  q, s_dec = _quantize(ctx, probe, x, axis, plan, form, after, user)
+  if select is not None:
+    measured = probe.row(q)
+    q = hlo.SelectOp(select, x, q).result
+    probe.keep_row(q, measured)  # telemetry measures the quantization, in the iterations that run it
+    s_dec = hlo.SelectOp(select, const(1.0, f32()), s_dec).result
+  if plan.reusable:
+    ctx.reuse.remember(x, blocks, select, q, s_dec)
+  return q, s_dec
+
+
+def _quantize(ctx, probe, x, axis, plan, form, after, user):
+  recipe = plan.recipe
+  attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)
+  if form is Form.WHOLE_TENSOR:
+    target, operands = targets.QDQ_WITH_SCALE, [x]
+    if probe.step is not None:  # the quantizer also measures what it does, in the same pass, in recorded steps
+      target, operands = target.with_stats, [x, probe.step]
+    q, s_dec, *row = ctx.kernels.call(target, operands, dict(attrs, salt=ctx.salt_value(plan)))
+    probe.keep_row(q, row[0] if row else None)
+    return q, s_dec
+  s_dec, key = scale_and_key(ctx, x, axis, plan, user)
+  if after is not None and not recipe.stochastic:
+    # Quantized where the backward reads it rather than held from the forward (docs/design.md §5).
+    key = hlo.BitcastConvertOp(scalar_type(u32()), after).result
+  if probe.step is not None and ctx.mesh is not None:
+    # Each device's row of what the quantizer did to its shard, from the same pass (probes.py).
+    q, rows = ctx.kernels.call(targets.QDQ.with_stats, [x, s_dec, key, probe.step], attrs,
+                               result_types=[x.type, device_rows_type(ctx.mesh)], k_follows_dot=plan.k_follows_dot)
+    probe.keep_row(q, rows)
+    return q, s_dec
+  q = ctx.kernels.call(targets.QDQ, [x, s_dec, key], dict(attrs, apply_global_scale=False),
+                       k_follows_dot=plan.k_follows_dot)[0]
+  return q, s_dec
