@@ -13,9 +13,9 @@ from xla_fp4.passes.analysis import EXCLUDE_ATTRIBUTE
 
 def enable_config(cfg):
   from xla_fp4 import kernels
-  from xla_fp4.sharding import partition
+  from xla_fp4.sharding import register
   kernels.register_all()  # every platform built; a platform that cannot register gets the StableHLO form, and a warning
-  partition.register()
+  register.register()
   hook.install(cfg)
 
 

@@ -4,8 +4,8 @@
 shard_map (docs/design.md §4). We wrap it: the StableHLO module goes through the pass before XLA (and before the
 persistent cache key is computed from it, so rewritten and original programs never share cache entries).
 Other private JAX modules the project uses: jax._src.lib.mlir (the MLIR bindings and dialects; passes/),
-jax._src.interpreters.mlir (custom_call and the IR context; kernels/ and sharding/partition.py), jax._src.lib
-.xla_client and jax._src.xla_bridge (the custom-call partitioners; sharding/partition.py); docs/design.md §4 lists
+jax._src.interpreters.mlir (custom_call and the IR context; kernels/ and sharding/shards.py), jax._src.lib
+.xla_client and jax._src.xla_bridge (the custom-call partitioners; sharding/register.py); docs/design.md §4 lists
 what each relies on. The installation (JAX's wrapped function and the config) stays here, as the patch of JAX is the
 process's; what the hook has told the user is in xla_fp4/state.py.
 """

@@ -1,7 +1,7 @@
 """The process state of xla_fp4, in one object: what lives as long as the process (or until a test replaces it).
 
 - kernel registration: the XLA platforms whose FFI targets are registered, those refused and why
-  (kernels/registry.py);
+  (kernels/registry.py), and the targets whose partitioners XLA has (sharding/register.py);
 - the lowered twins: a twin's StableHLO text per signature (lowering one costs 11-16 ms, parsing it back well under
   one, so each signature is lowered once per process: passes/rewrite/kernel_sets.py `Twins`);
 - the dump counter (passes/pipeline.py `dump`);
@@ -33,6 +33,7 @@ class Telemetry:
 class State:
   registered: set = dataclasses.field(default_factory=set)  # XLA platform names: "cpu", "CUDA"
   refused: dict = dataclasses.field(default_factory=dict)  # XLA platform name -> why its targets were not registered
+  partitioners: list = dataclasses.field(default_factory=list)  # targets whose partitioner XLA has (sharding/register.py)
   lowered_twins: dict = dataclasses.field(default_factory=dict)  # twin signature -> its StableHLO text
   dumps: Any = dataclasses.field(default_factory=itertools.count)  # numbers the dump files of a process
   said: set = dataclasses.field(default_factory=set)  # what has been told the user (first_time's keys)

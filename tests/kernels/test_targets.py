@@ -8,10 +8,10 @@ import pytest
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 
-from xla_fp4 import kernels
+from xla_fp4 import kernels, state
 from xla_fp4.kernels import targets
 from xla_fp4.numerics import telemetry
-from xla_fp4.sharding import packed, partition
+from xla_fp4.sharding import packed, partition, register
 
 X = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
 SCALAR_F32, SCALAR_U32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.uint32)
@@ -88,7 +88,29 @@ def test_the_partitioner_covers_exactly_the_block_local_targets():
   # telemetry's per-device statistics rows: the partitioned quantizers' (block-local and packed) and a wgrad output's
   assert {t.name for t in targets.ALL if t.device_stats} == {
       "xla_fp4_qdq_and_stats", "xla_fp4_quantize_packed_stats", "xla_fp4_output_stats"}
-  assert set(packed.callbacks()) == {t.name for t in targets.ALL if t.packed is not None}
+  with state.use(state.State()) as fresh:
+    register.register()
+  assert set(fresh.partitioners) == {t.name for t in targets.ALL if t.block_local or t.packed or t.side_effect}
+  assert packed.callbacks(targets.GEMM_PACKED)["partition"] is packed._partition_gemm
+  assert packed.callbacks(targets.QUANTIZE_PACKED_STATS)["partition"].args == ("xla_fp4_quantize_packed_stats",)
+
+
+def test_a_with_stats_form_computes_the_same_and_adds_the_row():
+  """Target.with_stats (what the rewrite calls where a GEMM is probed): the step as one more operand, the plain form's
+  results and then one statistics row, the same partitioning kind."""
+  x = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
+  scalar, key = jax.ShapeDtypeStruct((), np.float32), jax.ShapeDtypeStruct((), np.uint32)
+  stats_forms = {t: t.with_stats for t in targets.ALL if t.with_stats is not None}
+  assert {t.name: s.name for t, s in stats_forms.items()} == {
+      "xla_fp4_qdq": "xla_fp4_qdq_and_stats", "xla_fp4_qdq_with_scale": "xla_fp4_qdq_with_scale_stats",
+      "xla_fp4_quantize_packed": "xla_fp4_quantize_packed_stats"}
+  for plain, stats in stats_forms.items():
+    attrs = {k: 0 if t is int else False for k, t in plain.attributes.items()}
+    operands = [x] if plain is targets.QDQ_WITH_SCALE else [x, scalar, key]
+    results, measured = plain.results(operands, attrs, None), stats.results(operands, attrs, None)
+    assert measured[:-1] == results and measured[-1].shape == (len(telemetry.FIELDS),), plain.name
+    assert stats.quantizes and (stats.sharded is None) == (plain.sharded is None) and stats.device_stats == (
+        plain.sharded is not None)
 
 
 def test_records_and_the_extension_list_the_same_targets():

@@ -9,6 +9,7 @@ from jax._src.lib.mlir import ir
 from nvfp4_testing import kernel_calls_row_major
 from xla_fp4 import kernels
 from xla_fp4.sharding import partition as p
+from xla_fp4.sharding import shards
 
 
 def test_blocks_stay_whole_on_every_shard():
@@ -26,7 +27,7 @@ def test_blocks_stay_whole_on_every_shard():
 
 def _groups(sharding, rank):
   """shard index -> the set of devices holding it."""
-  table = p._shard_index_table(sharding, rank, 8)
+  table = shards.shard_index_table(sharding, rank, 8)
   out = {}
   for device, shard in enumerate(table):
     out.setdefault(int(shard), set()).add(device)
@@ -36,15 +37,15 @@ def _groups(sharding, rank):
 def test_replicating_a_dim_keeps_the_other_split():
   sharding = xc.HloSharding.iota_tile([2, 4])  # (data=2, model=4) over 8 devices
   assert _groups(sharding, 2) == {i: {i} for i in range(8)}
-  rows = p._replicate_dims(sharding, 2, {1})
-  assert p._tiles_and_devices(rows, 2)[0] == [2, 1]
+  rows = shards.replicate_dims(sharding, 2, {1})
+  assert shards.tiles_and_devices(rows, 2)[0] == [2, 1]
   assert _groups(rows, 2) == {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}}  # replicas of a row shard share its index
-  assert p._replicate_dims(sharding, 2, {0, 1}).is_replicated()
-  assert p._replicate_dims(sharding, 2, set()) is sharding
+  assert shards.replicate_dims(sharding, 2, {0, 1}).is_replicated()
+  assert shards.replicate_dims(sharding, 2, set()) is sharding
 
 
 def test_shard_salts_leave_shard_zero_unchanged_and_differ():
-  salts = p._shard_salts(list(range(8)))
+  salts = shards.shard_salts(list(range(8)))
   assert salts[0] == 0 and len(set(int(s) for s in salts)) == 8
 
 
@@ -78,7 +79,7 @@ def test_per_shard_module_fixes_row_major_layouts():
   shape = xc.Shape.array_shape(np.dtype(np.float32), (8, 32, 32))
   scalar, key = xc.Shape.array_shape(np.dtype(np.float32), ()), xc.Shape.array_shape(np.dtype(np.uint32), ())
   attrs = dict(axis=2, block_2d=False, stochastic=True, rht=False, rht_seed=0, apply_global_scale=False)
-  bytecode = p._per_shard_module(kernels.QDQ_TARGET, attrs, [shape, scalar, key], shape, np.arange(8, dtype=np.uint32))
+  bytecode = shards.kernel_module(kernels.QDQ_TARGET, attrs, [shape, scalar, key], shape, np.arange(8, dtype=np.uint32))
   with mlir.make_ir_context():
     assert len(kernel_calls_row_major(ir.Module.parse(bytecode))) == 1
 

@@ -60,7 +60,7 @@ class Target:
   twin_operands: tuple = ()  # attributes the twin takes as uint32 scalar operands, after the call's own operands
   twin_fixed: tuple = ()  # (attribute, value) pairs: the only values of those attributes the twin implements
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
-  packed: Optional[Packed] = None  # a packed target's partitioning (sharding/partition.py), or None
+  packed: Optional[Packed] = None  # a packed target's partitioning (sharding/packed.py), or None
   side_effect: bool = False  # the call acts on the host (telemetry): XLA must neither remove nor merge it
   quantizes: bool = False  # it quantizes its first operand (sharding/cost.py counts the elements it quantizes)
   # telemetry: the target that computes the same and also measures it, taking the step as its last operand and adding
@@ -210,7 +210,7 @@ RAGGED_GEMM_PACKED = _target("xla_fp4_ragged_gemm_packed", {"ragged_k": bool}, _
 # with that step and the block index, whose result is the step passed through (XLA's partitioner needs a result to give
 # a side-effecting op its sharding). The statistics are whole tensors', replicated; with `parts` > 1 one device's part
 # of them, [devices, rows, FIELDS] split one row per device (a partitioned program in one process: the sink sums the
-# parts, so that no collective gathers them; sharding/partition.py).
+# parts, so that no collective gathers them; sharding/device_rows.py).
 TELEMETRY_STEP = _target("xla_fp4_telemetry_step", {"module": int, "site": int, "every": int, "calls": int},
                          lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": int, "strict_row": int, "parts": int},

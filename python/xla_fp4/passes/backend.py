@@ -45,7 +45,7 @@ def choose_backend(config: Config, platform, module, kernels=None, *, partitione
   elif registered:
     mesh = None
     if partitioned > 1:
-      from xla_fp4.sharding.partition import device_mesh  # the partitioners load with the compiled kernels
+      from xla_fp4.sharding.device_rows import device_mesh  # the partitioners load with the compiled kernels
       mesh = device_mesh(module, partitioned)
     kernel_set, described = FfiKernels(partitioned=partitioned > 1, mesh=mesh), why
   else:

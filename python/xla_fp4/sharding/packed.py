@@ -40,7 +40,8 @@ from xla_fp4 import kernels
 from xla_fp4.kernels import targets
 from xla_fp4.numerics.collective import all_reduce
 from xla_fp4.numerics.formats import BLOCK
-from xla_fp4.sharding import partition as common
+from xla_fp4.sharding import device_rows
+from xla_fp4.sharding import shards
 
 K_PAIR = 2 * BLOCK  # K splits in whole pairs of blocks: cuBLASLt's FP4 GEMM takes K in multiples of 32
 PACKED = {t.name: t.packed for t in targets.ALL if t.packed is not None}
@@ -142,7 +143,7 @@ def _split(sharding, shape, dim, tile):
   hold whole tiles of `tile` elements."""
   if sharding is None or sharding.is_replicated() or sharding.is_manual() or sharding.is_maximal():
     return 1, {}
-  tiles, _, _, devices = common._tiles_and_devices(sharding, len(shape))
+  tiles, _, _, devices = shards.tiles_and_devices(sharding, len(shape))
   pieces = tiles[dim]
   if pieces == 1 or shape[dim] % pieces or (shape[dim] // pieces) % tile:
     return 1, {}
@@ -182,35 +183,35 @@ def _num_devices(shardings):
 def _quantize_sharding(x_shape, sharding, block_2d, axis):
   """The sharding of x, its codes and its scales (the same dims; K is dim `axis`): `sharding` with the dims replicated
   whose shards would split a group of rows (16x16 tiles) or a pair of blocks."""
-  tiles = common._tiles_and_devices(sharding, 2)[0]
+  tiles = shards.tiles_and_devices(sharding, 2)[0]
   bad = set()
   for dim, group in ((1 - axis, BLOCK if block_2d else 1), (axis, K_PAIR)):
     if tiles[dim] > 1 and (x_shape[dim] % tiles[dim] or (x_shape[dim] // tiles[dim]) % group):
       bad.add(dim)
-  return common._replicate_dims(sharding, 2, bad)
+  return shards.replicate_dims(sharding, 2, bad)
 
 
 def _partition_quantize(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
   """XLA's partition callback of a packed quantizer: the shard quantizes alone (the codes' sharding, block-aligned);
   with telemetry (`device_stats`) its statistics one row per device, zeros on a replica of a shard, as partition.py
   does for the block-local quantizer."""
-  attrs = common._decode_config(target, backend_config)
+  attrs = shards.decode_config(target, backend_config)
   shardings = list(result_sharding.tuple_elements())
   results = list(result_shape.tuple_shapes())
   if _whole(shardings[0]):
-    module = common._per_shard_module(target, attrs, arg_shapes, results, None)
+    module = shards.kernel_module(target, attrs, arg_shapes, results, None)
     return module, [shardings[0]] * len(arg_shapes), result_sharding
   sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), shardings[0], attrs["block_2d"], attrs["axis"])
   stats = PACKED[target].device_stats
   num = results[-1].dimensions()[0] if stats else _num_devices([sharding])
-  table = common._shard_index_table(sharding, 2, num)
-  salts = common._shard_salts(table) if attrs["stochastic"] and not sharding.is_replicated() else None
+  table = shards.shard_index_table(sharding, 2, num)
+  salts = shards.shard_salts(table) if attrs["stochastic"] and not sharding.is_replicated() else None
   out, counted = [sharding, sharding], None
   if stats:
-    out.append(shardings[-1] if common._one_row_each(shardings[-1], num) else common.device_rows(num))
-    counted = common._first_replicas(table)
+    out.append(shardings[-1] if device_rows.one_row_each(shardings[-1], num) else device_rows.device_rows(num))
+    counted = shards.first_replicas(table)
   local_args = [sharding.tile(arg_shapes[0])] + list(arg_shapes[1:])
-  module = common._per_shard_module(target, attrs, local_args, [o.tile(r) for o, r in zip(out, results)], salts,
+  module = shards.kernel_module(target, attrs, local_args, [o.tile(r) for o, r in zip(out, results)], salts,
                                     counted=counted)
   return (module, [sharding] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 1),
           xc.HloSharding.tuple_sharding(result_shape, out))
@@ -241,7 +242,7 @@ def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_shar
 
 def _partition_gemm(arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
   target = targets.GEMM_PACKED.name
-  attrs = common._decode_config(target, backend_config)
+  attrs = shards.decode_config(target, backend_config)
   if _whole(result_sharding):
     module = _gemm_module(attrs, arg_shapes, result_shape, None)
     return module, [result_sharding] * len(arg_shapes), result_sharding
@@ -265,7 +266,7 @@ def _partition_gemm(arg_shapes, arg_shardings, result_shape, result_sharding, ba
 def _gemm_module(attrs, arg_shapes, result_shape, groups):
   """@main(the device's shards) -> its tile of C; `groups`: the all-reduce groups of a split K, or None."""
   def body(operands):
-    out_type = common._ir_type(result_shape)
+    out_type = shards.ir_type(result_shape)
     f32 = ir.F32Type.get()
     acc_type = ir.RankedTensorType.get(out_type.shape, f32)
     if attrs["emulate"]:
@@ -291,7 +292,7 @@ def _gemm_module(attrs, arg_shapes, result_shape, groups):
     if ir.RankedTensorType(y.type).element_type != out_type.element_type:
       y = hlo.ConvertOp(out_type, y).result
     return [y]
-  return common.per_shard_module(arg_shapes, [result_shape], body)
+  return shards.per_shard_module(arg_shapes, [result_shape], body)
 
 
 def _all_reduce(x, groups):
@@ -304,29 +305,27 @@ def _all_reduce(x, groups):
 def _infer_quantize(target, arg_shapes, arg_shardings, result_shape, backend_config):
   if arg_shardings[0] is None:
     return None
-  attrs = common._decode_config(target, backend_config)
+  attrs = shards.decode_config(target, backend_config)
   sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"], attrs["axis"])
   out = [sharding, sharding]
   if PACKED[target].device_stats:
-    out.append(common.device_rows(result_shape.tuple_shapes()[-1].dimensions()[0]))
+    out.append(device_rows.device_rows(result_shape.tuple_shapes()[-1].dimensions()[0]))
   return xc.HloSharding.tuple_sharding(result_shape, out)
 
 
 def _infer_gemm(arg_shapes, arg_shardings, result_shape, backend_config):
   a_shape, b_shape = list(arg_shapes[0].dimensions()), list(arg_shapes[2].dimensions())
   num = _num_devices(arg_shardings)
-  transposed = common._decode_config(targets.GEMM_PACKED.name, backend_config)["b_transposed"]
+  transposed = shards.decode_config(targets.GEMM_PACKED.name, backend_config)["b_transposed"]
   mm, nn, _ = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, b_transposed=transposed)
   return _grid([mm, nn], num)
 
 
-def callbacks():
-  """{target: the keyword arguments of xla_client.register_custom_call_partitioner}."""
+def callbacks(target):
+  """The keyword arguments of xla_client.register_custom_call_partitioner for a packed `target` (Target.packed)."""
   keep_user = lambda user_sharding, shape, backend_config: user_sharding  # noqa: E731
-  out = {targets.GEMM_PACKED.name: dict(partition=_partition_gemm, infer_sharding_from_operands=_infer_gemm,
-                                        prop_user_sharding=keep_user)}
-  for target in (targets.QUANTIZE_PACKED, targets.QUANTIZE_PACKED_STATS):
-    out[target.name] = dict(partition=functools.partial(_partition_quantize, target.name),
-                            infer_sharding_from_operands=functools.partial(_infer_quantize, target.name),
-                            prop_user_sharding=keep_user)
-  return out
+  if target.packed.kind == "gemm":
+    return dict(partition=_partition_gemm, infer_sharding_from_operands=_infer_gemm, prop_user_sharding=keep_user)
+  return dict(partition=functools.partial(_partition_quantize, target.name),
+              infer_sharding_from_operands=functools.partial(_infer_quantize, target.name),
+              prop_user_sharding=keep_user)

@@ -32,10 +32,10 @@ class FfiKernels:
 
   def __init__(self, partitioned=False, mesh=None):
     from xla_fp4 import kernels  # the compiled extension is only needed on this path
-    from xla_fp4.sharding import packed, partition
-    self._kernels, self._partition, self._packed = kernels, partition, packed
+    from xla_fp4.sharding import device_rows, packed, partition
+    self._kernels, self._partition, self._packed, self._rows = kernels, partition, packed, device_rows
     self.partitioned = partitioned  # block-local calls carry their Shardy rule
-    # The Shardy mesh over all partitions (partition.device_mesh): telemetry's per-device statistics rows are split
+    # The Shardy mesh over all partitions (device_rows.device_mesh): telemetry's per-device statistics rows are split
     # over it; without one (GSPMD) a partitioned program's statistics come from the twins (probes.py).
     self.mesh = mesh if partitioned else None
     self._configs = {}  # (target, attributes) -> backend_config, built once per pass run
@@ -63,14 +63,14 @@ class FfiKernels:
     if self.partitioned and target.device_stats:
       if self.mesh is None:
         raise ValueError(f"{target.name} in a partitioned program needs a Shardy mesh over all devices")
-      op.attributes["sdy.sharding"] = self._partition.device_stats_sharding(self.mesh, types)
+      op.attributes["sdy.sharding"] = self._rows.device_stats_sharding(self.mesh, types)
     if self.partitioned and target.side_effect:
       # XLA's partitioner requires a sharding on a side-effecting op: every device runs it on whole values, but a
       # record of parts on its own row of the statistics (partition.py).
       op.attributes["sdy.sharding"] = ir.Attribute.parse(
           "#sdy.sharding_per_value<[" + ", ".join("<mesh<[]>, []>" for _ in types) + "]>")
       if attrs.get("parts", 1) > 1:
-        op.attributes["sdy.sharding_rule"] = self._partition.parts_rule([o.type for o in operands], types)
+        op.attributes["sdy.sharding_rule"] = self._rows.parts_rule([o.type for o in operands], types)
     return list(op.results)
 
 

@@ -140,7 +140,7 @@ class Settings:
 
 
 def device_rows_type(mesh):
-  """f32[devices, FIELDS]: a partitioned call's statistics, one row per device of `mesh` (sharding/partition.py)."""
+  """f32[devices, FIELDS]: a partitioned call's statistics, one row per device of `mesh` (sharding/device_rows.py)."""
   return ir.RankedTensorType.get([mesh.devices, _ROW], f32())
 
 
@@ -183,10 +183,10 @@ class Probes:
     record = lambda table, **kw: self.kernels.call(  # noqa: E731
         targets.TELEMETRY_RECORD, [table, step, probe.block], dict(attrs, **kw))[0]
     if self.kernels.partitioned and self._per_device(measures):
-      from xla_fp4.sharding import partition  # with the compiled kernels, as FfiKernels
+      from xla_fp4.sharding import device_rows  # with the compiled kernels, as FfiKernels
       rows = self._device_rows(plan, measures, result, step)
       parts = self.kernels.mesh.devices if self.settings.one_process else 1
-      table = lambda: partition.device_rows_constraint(self.kernels.mesh, _stacked_rows(rows))  # noqa: E731
+      table = lambda: device_rows.device_rows_constraint(self.kernels.mesh, _stacked_rows(rows))  # noqa: E731
       if self.settings.record_in_case:  # the table made and recorded in recorded steps only
         _when_recorded(step, step.type, lambda: record(table(), parts=parts), lambda: step)
       else:
