@@ -3,23 +3,10 @@
 #define XLA_FP4_CPU_KERNELS_H_
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_fp4/ffi_targets.h"
 
-// qdq_kernels.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqWithScaleStatsCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4OutputStatsCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RhtCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4BlockAmaxCpu);
-// packed_kernels.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedStatsCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4DequantizePackedCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4GemmPackedCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RaggedGemmPackedCpu);
-// telemetry_kernels.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4TelemetryStepCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCpu);
+// Defined in qdq_kernels.cc, packed_kernels.cc and telemetry_kernels.cc: XlaFp4<stem>Cpu for every target of
+// ffi_targets.h.
+XLA_FP4_DECLARE_HANDLERS(Cpu)
 
 #endif  // XLA_FP4_CPU_KERNELS_H_

@@ -28,8 +28,8 @@ constexpr const char* AttributeTypeName() {
 
 #define XLA_FP4_REGISTRATION_ENTRY_(PLATFORM, constant, stem) \
   d[xla_fp4::constant] = xla_fp4::HandlerCapsule(XlaFp4##stem##PLATFORM);
-#define XLA_FP4_CPU_ENTRY_(constant, stem, attributes) XLA_FP4_REGISTRATION_ENTRY_(Cpu, constant, stem)
-#define XLA_FP4_CUDA_ENTRY_(constant, stem, attributes) XLA_FP4_REGISTRATION_ENTRY_(Cuda, constant, stem)
+#define XLA_FP4_CPU_ENTRY_(constant, stem, name, attributes) XLA_FP4_REGISTRATION_ENTRY_(Cpu, constant, stem)
+#define XLA_FP4_CUDA_ENTRY_(constant, stem, name, attributes) XLA_FP4_REGISTRATION_ENTRY_(Cuda, constant, stem)
 
 // A nanobind::dict of every target's handler on PLATFORM (CPU or CUDA).
 #define XLA_FP4_REGISTRATIONS(PLATFORM)                  \
@@ -40,7 +40,7 @@ constexpr const char* AttributeTypeName() {
   }()
 
 #define XLA_FP4_ATTRIBUTE_ENTRY_(type, name) a[#name] = xla_fp4::AttributeTypeName<type>();
-#define XLA_FP4_ATTRIBUTES_ENTRY_(constant, stem, attributes) \
+#define XLA_FP4_ATTRIBUTES_ENTRY_(constant, stem, name, attributes) \
   {                                                          \
     nanobind::dict a;                                        \
     attributes(XLA_FP4_ATTRIBUTE_ENTRY_)                     \

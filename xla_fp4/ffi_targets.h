@@ -35,23 +35,33 @@
   A(int64_t, module) A(int64_t, site) A(int64_t, strict_row) A(int64_t, parts)
 #define XLA_FP4_NO_ATTRIBUTES(A)
 
-// X(constant, handler stem, attribute list): every target. A platform's handler of target `stem` is
-// XlaFp4<stem><Platform> (XlaFp4QdqCpu, XlaFp4QdqCuda); ffi_registrations.h builds the Python dicts from this list.
-#define XLA_FP4_FOR_EACH_TARGET(X)                                               \
-  X(kQdqTarget, Qdq, XLA_FP4_QDQ_ATTRIBUTES)                                     \
-  X(kQdqWithScaleTarget, QdqWithScale, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)        \
-  X(kQdqWithScaleStatsTarget, QdqWithScaleStats, XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES) \
-  X(kQdqAndStatsTarget, QdqAndStats, XLA_FP4_QDQ_AND_STATS_ATTRIBUTES)           \
-  X(kOutputStatsTarget, OutputStats, XLA_FP4_NO_ATTRIBUTES)                      \
-  X(kRhtTarget, Rht, XLA_FP4_RHT_ATTRIBUTES)                                     \
-  X(kBlockAmaxTarget, BlockAmax, XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                  \
-  X(kQuantizePackedTarget, QuantizePacked, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)   \
-  X(kQuantizePackedStatsTarget, QuantizePackedStats, XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES) \
-  X(kDequantizePackedTarget, DequantizePacked, XLA_FP4_NO_ATTRIBUTES)            \
-  X(kGemmPackedTarget, GemmPacked, XLA_FP4_GEMM_PACKED_ATTRIBUTES)             \
-  X(kRaggedGemmPackedTarget, RaggedGemmPacked, XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES) \
-  X(kTelemetryStepTarget, TelemetryStep, XLA_FP4_TELEMETRY_STEP_ATTRIBUTES)      \
-  X(kTelemetryRecordTarget, TelemetryRecord, XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)
+// X(constant, handler stem, name, attribute list): every target, listed once. The name constants (kQdqTarget, ...) and
+// every platform's handler declarations (XLA_FP4_DECLARE_HANDLERS) come from it; a platform's handler of target `stem`
+// is XlaFp4<stem><Platform> (XlaFp4QdqCpu, XlaFp4QdqCuda); ffi_registrations.h builds the Python dicts from it.
+#define XLA_FP4_FOR_EACH_TARGET(X)                                                                             \
+  X(kQdqTarget, Qdq, "xla_fp4_qdq", XLA_FP4_QDQ_ATTRIBUTES)                                                    \
+  X(kQdqWithScaleTarget, QdqWithScale, "xla_fp4_qdq_with_scale", XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)            \
+  X(kQdqWithScaleStatsTarget, QdqWithScaleStats, "xla_fp4_qdq_with_scale_stats",                               \
+    XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES)                                                                         \
+  X(kQdqAndStatsTarget, QdqAndStats, "xla_fp4_qdq_and_stats", XLA_FP4_QDQ_AND_STATS_ATTRIBUTES)                \
+  X(kOutputStatsTarget, OutputStats, "xla_fp4_output_stats", XLA_FP4_NO_ATTRIBUTES)                            \
+  X(kRhtTarget, Rht, "xla_fp4_rht", XLA_FP4_RHT_ATTRIBUTES)                                                    \
+  X(kBlockAmaxTarget, BlockAmax, "xla_fp4_block_amax", XLA_FP4_BLOCK_AMAX_ATTRIBUTES)                          \
+  X(kQuantizePackedTarget, QuantizePacked, "xla_fp4_quantize_packed", XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)      \
+  X(kQuantizePackedStatsTarget, QuantizePackedStats, "xla_fp4_quantize_packed_stats",                          \
+    XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)                                                                        \
+  X(kDequantizePackedTarget, DequantizePacked, "xla_fp4_dequantize_packed", XLA_FP4_NO_ATTRIBUTES)             \
+  X(kGemmPackedTarget, GemmPacked, "xla_fp4_gemm_packed", XLA_FP4_GEMM_PACKED_ATTRIBUTES)                      \
+  X(kRaggedGemmPackedTarget, RaggedGemmPacked, "xla_fp4_ragged_gemm_packed",                                  \
+    XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES)                                                                     \
+  X(kTelemetryStepTarget, TelemetryStep, "xla_fp4_telemetry_step", XLA_FP4_TELEMETRY_STEP_ATTRIBUTES)          \
+  X(kTelemetryRecordTarget, TelemetryRecord, "xla_fp4_telemetry_record", XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)
+
+// XLA_FP4_DECLARE_HANDLERS(Cpu) / (Cuda): every target's handler on that platform (include xla/ffi/api/ffi.h first).
+#define XLA_FP4_DECLARE_HANDLER_Cpu_(constant, stem, name, attributes) XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4##stem##Cpu);
+#define XLA_FP4_DECLARE_HANDLER_Cuda_(constant, stem, name, attributes) \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4##stem##Cuda);
+#define XLA_FP4_DECLARE_HANDLERS(PLATFORM) XLA_FP4_FOR_EACH_TARGET(XLA_FP4_DECLARE_HANDLER_##PLATFORM##_)
 
 // Appends an attribute list to an `ffi::Ffi::Bind()` chain: `.Attr<int64_t>("axis").Attr<bool>("block_2d")...`.
 #define XLA_FP4_BIND_ATTRIBUTE_(type, name) .Attr<type>(#name)
@@ -59,20 +69,9 @@
 
 namespace xla_fp4 {
 
-inline constexpr char kQdqTarget[] = "xla_fp4_qdq";
-inline constexpr char kQdqWithScaleTarget[] = "xla_fp4_qdq_with_scale";
-inline constexpr char kQdqWithScaleStatsTarget[] = "xla_fp4_qdq_with_scale_stats";
-inline constexpr char kQdqAndStatsTarget[] = "xla_fp4_qdq_and_stats";
-inline constexpr char kOutputStatsTarget[] = "xla_fp4_output_stats";
-inline constexpr char kRhtTarget[] = "xla_fp4_rht";
-inline constexpr char kBlockAmaxTarget[] = "xla_fp4_block_amax";
-inline constexpr char kQuantizePackedTarget[] = "xla_fp4_quantize_packed";
-inline constexpr char kQuantizePackedStatsTarget[] = "xla_fp4_quantize_packed_stats";
-inline constexpr char kDequantizePackedTarget[] = "xla_fp4_dequantize_packed";
-inline constexpr char kGemmPackedTarget[] = "xla_fp4_gemm_packed";
-inline constexpr char kRaggedGemmPackedTarget[] = "xla_fp4_ragged_gemm_packed";
-inline constexpr char kTelemetryStepTarget[] = "xla_fp4_telemetry_step";
-inline constexpr char kTelemetryRecordTarget[] = "xla_fp4_telemetry_record";
+#define XLA_FP4_NAME_CONSTANT_(constant, stem, name, attributes) inline constexpr char constant[] = name;
+XLA_FP4_FOR_EACH_TARGET(XLA_FP4_NAME_CONSTANT_)
+#undef XLA_FP4_NAME_CONSTANT_
 
 }  // namespace xla_fp4
 

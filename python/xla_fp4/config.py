@@ -223,8 +223,8 @@ OPTIONS = (
            "Warn (once per GEMM operand) when an operand's quantization SNR falls below this many dB."),
     Option("packed_gathers", "XLA_FP4_PACKED_GATHERS", False, _parse_bool,
            "With the emulate backend in a sharded program, quantize on the shard and move packed operands (4.5 bits "
-           "an element), dequantizing on each device: FSDP's weight gathers shrink (0.57x the collective bytes of "
-           "a float32 MLP), but tensor parallelism holds 1.16x the temporary memory (float32). Dots whose weight every "
+           "an element), dequantizing on each device: FSDP's weight gathers shrink, but tensor parallelism holds more "
+           "temporary memory (docs/performance.md has the numbers). Dots whose weight every "
            "device holds whole (data parallelism) keep the emulated form: nothing is gathered. The native backend "
            "always moves packed operands."),
 )

@@ -2,8 +2,7 @@
 
 - kernel registration: the XLA platforms whose FFI targets are registered, those refused and why
   (kernels/registry.py), and the targets whose partitioners XLA has (sharding/register.py);
-- the lowered twins: a twin's StableHLO text per signature (lowering one costs 11-16 ms, parsing it back well under
-  one, so each signature is lowered once per process: passes/rewrite/kernel_sets.py `Twins`);
+- the lowered twins: a twin's StableHLO text per signature (lowering one costs far more than parsing it back, so each signature is lowered once per process: passes/rewrite/kernel_sets.py `Twins`);
 - the dump counter (passes/pipeline.py `dump`);
 - telemetry (telemetry.py): the probed GEMMs' names and where their records go, the writer thread;
 - what has been told the user, each thing once per process (`first_time`): a platform whose kernels cannot register

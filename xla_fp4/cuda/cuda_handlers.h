@@ -10,21 +10,9 @@
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_fp4/ffi_targets.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqWithScaleStatsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4OutputStatsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RhtCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4BlockAmaxCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4QuantizePackedStatsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4GemmPackedCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4RaggedGemmPackedCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4TelemetryStepCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4TelemetryRecordCuda);
+XLA_FP4_DECLARE_HANDLERS(Cuda)  // XlaFp4<stem>Cuda for every target of ffi_targets.h
 
 namespace xla_fp4::cuda {
 

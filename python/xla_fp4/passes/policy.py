@@ -88,8 +88,8 @@ class OperandPlan:
   # decides how K is sharded (Form.PARTITIONED; sharding/partition.py `k_follows_dot`).
   k_follows_dot: bool
   # Quantized anew, never reused: a dgrad's weight that every device holds whole (partitioned forms), rather than
-  # hold its fprop's q·scale across the step (1.35x the temporary memory under data parallelism, float32). A sharded
-  # weight reuses it: quantizing it anew would gather it again (FSDP: 1.44x the collective bytes, measured).
+  # hold its fprop's q·scale across the step. A sharded weight reuses it: quantizing it anew would gather it again
+  # (docs/design.md §8).
   fresh: bool
   # Quantized after the dot's gradient operand (whose decode scale orders it): a tensor the forward computed is then
   # quantized where the backward reads it, not held from the forward (docs/design.md §5).
@@ -331,7 +331,7 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
     elif (partitioned and packed and not grouped and native_ineligible(record.site, cuda) is None
           and (source is None or source.kind is BlockIndex.UNAVAILABLE) and not record.site.weight_replicated):
       # Packed operands pay where the partitioner gathers them; a weight every device holds whole is not gathered,
-      # and there the packed form only added its dequantized copies (data parallelism: 1.40x the temporary memory).
+      # and there the packed form only adds its dequantized copies (docs/design.md §8).
       form = Form.PACKED
     operands, order = _operand_plans(record.site, d, form)
     plans.append(Plan(record=record, decision=d, form=form, operands=operands, order=order, block_source=source,

@@ -12,7 +12,7 @@ extent along those dims keeps whole blocks. Both halves of XLA's sharding get wh
   so the dot, through the weight it contracts with, decides how K is sharded, and where that differs from x the
   reshard happens on x before the kernel: one per target sharding, shared by every reader of x that needs it, as
   without the pass, where otherwise each quantized version of x was gathered on its own (MaxText's FSDP x TP with the
-  activations' features sharded: 1.21x the collective bytes of a 4-layer MLP, 1.03x with K following the dot).
+  activations' features sharded; docs/design.md §8).
 - partitioning (XLA's SPMD partitioner): a custom-call partitioner per target (installed by register.py). It takes the
   result's sharding for the operand and result, replicates any dim whose shards would split blocks (XLA reshards),
   and returns a per-shard module that runs the same kernel on the shard. Stochastic rounding mixes the shard's index

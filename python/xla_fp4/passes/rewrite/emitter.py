@@ -12,7 +12,7 @@ Per-iteration select of a scanned stack with kept blocks (`block_value` is the i
 emulated forms a `stablehlo.select` per operand gives the GEMM the operand itself (and s_dec = 1) in kept iterations
 and its q·scale in the others: one GEMM per iteration, and a weight that a layout all-gathers is gathered once, after
 the select, for every dot that reads it (a case around the whole dot made each dot gather its weight in its own
-branch: docs/design.md §5). The packed and ragged forms hold the original dot and the FP4 pattern in the two branches
+branch: docs/design.md §8). The packed and ragged forms hold the original dot and the FP4 pattern in the two branches
 of a `stablehlo.case`:
 
   %kept = %block == b0 or %block == b1 ...

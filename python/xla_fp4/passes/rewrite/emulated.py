@@ -8,7 +8,7 @@
 One contracting dim per operand is quantized in place; several are merged first (dims.py): by a reshape where they
 are adjacent and in order, else by a transpose to (batch, free, K). With a kept-iteration `select` (emitter.py) each
 operand is selected between itself (s_dec = 1) and its q·scale: one GEMM per iteration, and a weight that a layout
-all-gathers is gathered once, after the select, for every dot that reads it (docs/design.md §5).
+all-gathers is gathered once, after the select, for every dot that reads it (docs/design.md §8).
 """
 
 from jax._src.lib.mlir import ir
@@ -83,7 +83,7 @@ def f32_dot(ctx, dot, qa, qb, dimension_numbers, shape, shared=False):
     # Not matrices without moving data (batch dims not leading, K inside or several K dims), or shared: the operands in
     # f32 (exact: q·scale fits), which XLA CPU multiplies in any layout. Transposing them to matrices would merge
     # contracting dims, and a merged K keeps only its outer dim's sharding (the inner one's was gathered); a shared
-    # weight read as bf16 by one dot and in f32 by another was all-gathered twice under FSDP (docs/design.md §5).
+    # weight read as bf16 by one dot and in f32 by another was all-gathered twice under FSDP (docs/design.md §8).
     qa, qb = ctx.reuse.converted(qa, f32(), dot), ctx.reuse.converted(qb, f32(), dot)
     return hlo.DotGeneralOp(acc_type, qa, qb, dimension_numbers, **kwargs).result
   qa, qb, dimension_numbers, matrix_shape = matrices

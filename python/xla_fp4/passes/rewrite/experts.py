@@ -94,7 +94,7 @@ def slices(ctx, probe, plan, select):
 def _slice_qdq(ctx, x, operand, group_dims, contracting, select, user):
   """(q·scale, per-slice s_dec, whether shared) of x quantized slice by slice along `contracting`. A 16x16-tiled
   matrix per slice quantizes alike along either of its dims: a dgrad reuses its fprop's expert weights (a second
-  quantization was a second all-gather of the weights under FSDP: docs/design.md §5)."""
+  quantization was a second all-gather of the weights under FSDP: docs/design.md §8)."""
   shape, recipe = tensor_type(x).shape, operand.recipe
   scale_type = ir.RankedTensorType.get([shape[d] for d in group_dims], f32())
   tiled = operand.tiles_alike and len(shape) - len(group_dims) == 2

@@ -41,7 +41,7 @@ def fp4_gemm(ctx, probe, lhs, rhs, lc, rc, plan, element_type):
   operands = [dims.as_read(v, c, reshape) for v, c in ((lhs, lc), (rhs, rc))]  # (M, K) or (K, M); (N, K) or (K, N)
   # The decode scale and key read the operand as the program has it where K is one dim (the same blocks; the digest is
   # order-free): only the quantizer reads a K-major copy where one is made, which XLA then need not hold for them
-  # (less temporary memory in every layout but tensor parallelism: docs/design.md §5).
+  # (less temporary memory in every layout but tensor parallelism: docs/design.md §8).
   measured = [(v, c[0]) if len(c) == 1 else read for v, c, read in ((lhs, lc, operands[0]), (rhs, rc, operands[1]))]
   (pa, sa, ka), _ = _packed_tiles(ctx, probe, *operands[0], measured[0], plan.operands[0], plan.record.op, False)
   (pb, sb, kb), b_transposed = _packed_tiles(ctx, probe, *operands[1], measured[1], plan.operands[1], plan.record.op,

@@ -30,8 +30,8 @@ instead (parts = 1; the record adds the gathered rows).
 A chlo.ragged_dot's operands exist only inside its twin: twins of the grouped quantizers measure them
 (numerics/telemetry.py ragged_rows_stats, ragged_contracting_stats), inside a case on the step.
 Per-slice expert operands (and partitioned programs without a Shardy mesh) take the twins instead, inside a
-stablehlo.case on the step: plain JAX reductions, which XLA partitions. (On XLA CPU such a case costs about 5% of an
-unrecorded step, as it holds the tensors it reads; the kernels' paths have none.)
+stablehlo.case on the step: plain JAX reductions, which XLA partitions. (On XLA CPU such a case slows an unrecorded
+step, as it holds the tensors it reads; the kernels' paths have none: docs/design.md §8.)
 
 Nothing the program computes reads the statistics or either call: its values are those of the run without
 telemetry, bit for bit. The rows reach the host through the record call, with no synchronisation on CUDA
@@ -133,9 +133,9 @@ class Settings:
   # A partitioned program's per-device rows: where all devices are this process's, each device records its own and
   # the sink adds them (no collective); else they are gathered for the record.
   one_process: bool = True
-  # ... and its record sits in a conditional on the step: on CPU, where an unconditional record after each GEMM cost
-  # an unrecorded FSDP step 4% (measured; XLA orders side-effecting calls) and a collective among 8 host devices
-  # costs ~1 ms; not on GPU, where a conditional's predicate is read on the host, a synchronisation per GEMM and step.
+  # ... and its record sits in a conditional on the step: on CPU, where XLA orders side-effecting calls and an
+  # unconditional record after each GEMM slowed unrecorded steps (docs/design.md §8); not on GPU, where a
+  # conditional's predicate is read on the host, a synchronisation per GEMM and step.
   record_in_case: bool = True
 
 
@@ -175,7 +175,7 @@ class Probes:
     (probe.measures: [lhs Measures], [rhs Measures]) and, for an emulated GEMM, its (f32 accumulator, alpha), from
     which the statistics make its output (so that the result itself is not held for them, where XLA would otherwise
     fuse it into its readers); else its `result`. A partitioned program measures `result` itself: made again from the
-    accumulator, XLA computed it a second time in every step, recorded or not (docs/design.md §7)."""
+    accumulator, XLA computed it a second time in every step, recorded or not (docs/design.md §8)."""
     site, step, measures, output = plan.site, probe.step, probe.measures, probe.output or result
     gradients = [i for i, o in enumerate(plan.operands) if o.kind is Operand.GRADIENT]
     strict_row = gradients[0] if self.settings.strict and gradients else -1
@@ -237,7 +237,7 @@ class Probes:
   def _computed_in_case(self, plan, measures, output, step):
     """The rows from the twins (plain JAX reductions, which XLA partitions: a sharded tensor's statistics are the
     whole tensor's), inside a stablehlo.case on the step, which computes nothing in an unrecorded step. (Its captures
-    cost XLA CPU 5% of an unrecorded step, measured: the kernels' path has no case.)"""
+    slow XLA CPU's unrecorded steps: the kernels' path has no case.)"""
     table_type = ir.RankedTensorType.get([len(measures) + 1, _ROW], f32())
     return _when_recorded(step, table_type, lambda: self._twin_table(plan, measures, output),
                           lambda: _zeros(table_type))

@@ -38,7 +38,7 @@ def scale_and_key(ctx, x, axis, operand, user):
   recipe = operand.recipe
   digest = ctx.reuse.digest(x, user) if recipe.stochastic else None
   # The key's digest comes from the same pass over x (the kernel's per-block digests): as a reduction of its own, XLA
-  # CPU materialized x's bits as uint32 for it, and a GPU would read x once more (docs/design.md §5).
+  # CPU materialized x's bits as uint32 for it, and a GPU would read x once more (docs/design.md §8).
   measured = ctx.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=ctx.seed,
                                                              digest=recipe.stochastic and digest is None))
   s_dec = ctx.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())], **peers(operand))[0]
@@ -83,7 +83,7 @@ def _quantize(ctx, probe, x, axis, plan, form, after, user):
     return q, s_dec
   s_dec, key = scale_and_key(ctx, x, axis, plan, user)
   if after is not None and not recipe.stochastic:
-    # Quantized where the backward reads it rather than held from the forward (docs/design.md §5).
+    # Quantized where the backward reads it rather than held from the forward (docs/design.md §8).
     key = hlo.BitcastConvertOp(scalar_type(u32()), after).result
   if probe.step is not None and ctx.mesh is not None:
     # Each device's row of what the quantizer did to its shard, from the same pass (probes.py).

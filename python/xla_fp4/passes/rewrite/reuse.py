@@ -7,11 +7,10 @@
   dims (attention's (D, heads, head_dim) projections).
 - reshapes: one per source value and shape. The q, k and v wgrads then see the same merged activation, and XLA sees
   one value where two dots read a weight alike, which a layout then gathers once (an all-gather per reshape
-  otherwise: MaxText's attention weights under FSDP, measured).
+  otherwise: MaxText's attention weights under FSDP).
 - packed 16x16 tiles: a weight the FP4 GEMM reads in 2D blocks with nearest rounding is packed once, and a dgrad
   that reads it along the other axis takes the forward's codes as Bᵀ (xla_fp4_gemm_packed's b_transposed): one copy
-  is quantized and, under FSDP, gathered (a second, per reader, otherwise: 0.26x of the float32 weight gathers
-  instead of 0.14x, measured).
+  is quantized and, under FSDP, gathered (a second, per reader, otherwise: docs/design.md §8).
 - digests: the stochastic-rounding key's digest of a value's elements (order-free, so reshapes share it), summed once
   from the per-block digests of the first block-amax call that measures it: a gradient's dgrad and wgrad then mix one
   digest (one all-reduce) into their keys.
