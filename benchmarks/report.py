@@ -181,7 +181,7 @@ def packed_operands(d):
     lines.append([r["layout"], r["dtype"], r["backend"], r["packed_gemms"], r["qdq_calls"],
                   f"{r['dot_flops']['ratio']:.3f}", f"{c['ratio_excluding_scalar']:.3f}", kind("weight_gathers"),
                   kind("activation_gathers"), kind("reductions"), x(t["sharded_ratio"]),
-                  f"{r['sharded_minus_emulate']['max_abs']:.1e}"])
+                  f"{r['sharded_minus_emulate']['rel_l2']:.1e}"])
   native = [r for r in rows if r["backend"] == "native"]
   fsdp = [r["collective_bytes"]["by_kind"]["weight_gathers"]["ratio"] for r in rows if r["layout"] == "fsdp"]
   text = f"""
@@ -193,12 +193,12 @@ backend's FP4 GEMM is the C++ reference, whose speed says nothing of a GPU's). `
 `XLA_FP4_PACKED_GATHERS=1` (quantize on the shard, move packed, dequantize on the device, XLA's dot). Collective bytes
 are split by what moves (sharding/cost.py, from dataflow; scalar all-reduces aside): gathers of values that depend on
 no data input (the weights), other gathers (activations), and reductions (gradients and the partial sums of a split
-contraction), each pass / none, "-" where neither program has any. The last column is the largest difference of the
+contraction), each pass / none, "-" where neither program has any. The last column is the relative L2 distance of the
 sharded gradients from the emulate backend's (nearest rounding).
 
 {table(["layout", "dtype", "backend", "FP4 GEMMs", "emulated quantizations (qdq)", "dot FLOPs pass / none",
         "collective bytes pass / none", "weight gathers", "activation gathers", "reductions",
-        "temp memory pass / none", "max abs vs emulate"], lines)}
+        "temp memory pass / none", "rel L2 vs emulate"], lines)}
 
 Native: the FP4 GEMM ran in every layout and dtype ({min(r['packed_gemms'] for r in native)} to
 {max(r['packed_gemms'] for r in native)} per step, no emulated quantization left in

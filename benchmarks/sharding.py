@@ -326,7 +326,7 @@ def main(argv=None):
             f"{r['qdq_calls']} dot flops x{r['dot_flops']['ratio']:.3f} collective bytes "
             f"x{r['collective_bytes']['ratio_excluding_scalar']:.3f} (weight gathers "
             f"x{kinds['weight_gathers']['ratio']:.3f}) temp memory x{r['temp_bytes_per_device']['sharded_ratio']:.2f}"
-            f" |- emulate| {r['sharded_minus_emulate']['max_abs']:.1e}", file=sys.stderr)
+            f" rel L2 vs emulate {r['sharded_minus_emulate']['rel_l2']:.1e}", file=sys.stderr)
       continue
     print(f"{r['layout']:22s} {r['dtype']:9s} dot flops x{r['dot_flops']['ratio']:.3f}  collective bytes "
           f"x{r['collective_bytes']['ratio_excluding_scalar']:.3f} (+{r['collective_bytes']['scalar_pass']} B scalar)  "

@@ -264,13 +264,17 @@ def _partition_gemm(arg_shapes, arg_shardings, result_shape, result_sharding, ba
 
 
 def _gemm_module(attrs, arg_shapes, result_shape, groups):
-  """@main(the device's shards) -> its tile of C; `groups`: the all-reduce groups of a split K, or None."""
+  """@main(the device's shards) -> its tile of C; `groups`: the all-reduce groups of a split K, or None. A split K's
+  partial sums are added unscaled and alpha multiplies their sum, as one device multiplies its whole sum: sums of
+  q·scale products are exact in f32 wherever one device's sum is, so the shards' sum equals it bit for bit, where
+  partial sums each multiplied by alpha round apart (docs/design.md §5)."""
   def body(operands):
     out_type = shards.ir_type(result_shape)
     f32 = ir.F32Type.get()
     acc_type = ir.RankedTensorType.get(out_type.shape, f32)
+    alpha = operands[4]
+    one = hlo.ConstantOp(ir.DenseElementsAttr.get(np.array(1.0, np.float32))).result
     if attrs["emulate"]:
-      one = hlo.ConstantOp(ir.DenseElementsAttr.get(np.array(1.0, np.float32))).result
       dtype = out_type.element_type
       a, b = (kernels.custom_call(targets.DEQUANTIZE_PACKED.name, [ir.RankedTensorType.get(
           [ir.RankedTensorType(codes.type).shape[0], 2 * ir.RankedTensorType(codes.type).shape[1]], dtype)],
@@ -279,16 +283,17 @@ def _gemm_module(attrs, arg_shapes, result_shape, groups):
       numbers = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=[], rhs_batching_dimensions=[],
                                             lhs_contracting_dimensions=[1],
                                             rhs_contracting_dimensions=[0 if attrs["b_transposed"] else 1])
-      y = hlo.DotGeneralOp(acc_type, a, b, numbers).result
-      if groups is not None:
-        y = _all_reduce(y, groups)
-      y = hlo.MulOp(y, hlo.BroadcastInDimOp(acc_type, operands[4], ir.DenseI64ArrayAttr.get([])).result).result
+      y, scale_after = hlo.DotGeneralOp(acc_type, a, b, numbers).result, True
     else:
-      gemm_type = acc_type if groups is not None else out_type
-      y = kernels.custom_call(targets.GEMM_PACKED.name, [gemm_type], operands,
+      split = groups is not None
+      y = kernels.custom_call(targets.GEMM_PACKED.name, [acc_type if split else out_type],
+                              operands[:4] + [one if split else alpha],
                               kernels.backend_config_attributes(targets.GEMM_PACKED.name, attrs)).results[0]
-      if groups is not None:
-        y = _all_reduce(y, groups)
+      scale_after = split
+    if groups is not None:
+      y = _all_reduce(y, groups)
+    if scale_after:
+      y = hlo.MulOp(y, hlo.BroadcastInDimOp(acc_type, alpha, ir.DenseI64ArrayAttr.get([])).result).result
     if ir.RankedTensorType(y.type).element_type != out_type.element_type:
       y = hlo.ConvertOp(out_type, y).result
     return [y]
