@@ -1,9 +1,12 @@
-"""The NVFP4 number formats: E2M1 elements, E4M3 block scales, FP32 tensor scales.
+"""The number formats: NVFP4's E2M1 elements, E4M3 block scales and FP32 tensor scales, and the Format records of
+NVFP4 and the OCP MX formats (numerics/mx.py).
 
 Constants and the element-wise rounding rules of the recipe (docs/design.md §2, arXiv 2509.25149 §2). Everything is
 computed in float32 with operations whose results are exact or correctly rounded, so the C++ kernels
 (`xla_fp4/nvfp4_format.h`) reproduce them bit for bit.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -119,17 +122,42 @@ def key_to_u32(key):
   raise TypeError(f"key must be a jax PRNG key or an integer scalar, got {key.dtype}{list(key.shape)}")
 
 
-def canonical_axis(shape, axis):
-  """Normalize `axis` and check that blocks of 16 fit along it; returns (axis, outer, K, inner)."""
+def canonical_axis(shape, axis, block=BLOCK):
+  """Normalize `axis` and check that blocks of `block` fit along it; returns (axis, outer, K, inner)."""
   rank = len(shape)
   if not -rank <= axis < rank:
     raise ValueError(f"axis {axis} is out of range for a tensor of rank {rank}")
   axis %= rank
   k = shape[axis]
-  if k % BLOCK:
-    raise ValueError(f"NVFP4 quantizes blocks of {BLOCK} along the contraction axis, but axis {axis} of shape "
-                     f"{tuple(shape)} has size {k}; pad it to a multiple of {BLOCK} or keep this tensor in high "
-                     "precision")
+  if k % block:
+    raise ValueError(f"{'NVFP4 quantizes' if block == BLOCK else 'The MX formats quantize'} blocks of {block} along "
+                     f"the contraction axis, but axis {axis} of shape {tuple(shape)} has size {k}; pad it to a multiple "
+                     f"of {block} or keep this tensor in high precision")
   outer = int(np.prod(shape[:axis], dtype=np.int64))
   inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
   return axis, outer, k, inner
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """A block-scaled number format, and which parts of the NVFP4 recipe (arXiv 2509.25149 §4) it takes."""
+  name: str
+  element: str  # "e2m1" | "e4m3"
+  elem_max: float
+  block: int  # elements along the contraction that share a scale
+  scale: str  # "e4m3" (NVFP4's, under a tensor scale) | "e8m0" (a power of two)
+  tensor_scale: bool  # an FP32 scale per tensor (NVFP4's s_dec)
+  rht: bool  # the wgrad operands may take the 16x16 random Hadamard transform
+  stochastic: bool  # gradients may be rounded stochastically
+  tiles_2d: bool  # weights may take block x block tiles, shared by a weight and its transpose
+  bits: float  # per element, scales included (what a packed operand moves)
+
+
+# NVFP4 (the recipe's); MXFP4 and MXFP8 as OCP MX v1.0 defines them. MXFP4 takes the recipe's parts as NVFP4 does (its
+# E2M1 elements need them as much); MXFP8 follows Transformer Engine's MXFP8 recipe: nearest rounding, no RHT, 1x32
+# blocks for weights too (its 8-bit elements lose little to either).
+FORMATS = {
+    "nvfp4": Format("nvfp4", "e2m1", E2M1_MAX, BLOCK, "e4m3", True, True, True, True, 4 + 8 / BLOCK),
+    "mxfp4": Format("mxfp4", "e2m1", E2M1_MAX, 32, "e8m0", False, True, True, True, 4 + 8 / 32),
+    "mxfp8": Format("mxfp8", "e4m3", E4M3_MAX, 32, "e8m0", False, False, False, False, 8 + 8 / 32),
+}

@@ -1,0 +1,101 @@
+"""The OCP MX formats beside NVFP4 (OCP Microscaling Formats v1.0): MXFP4 (E2M1 elements) and MXFP8 (E4M3 elements),
+each block of 32 consecutive elements along the contraction axis with one E8M0 scale (a power of two, 2^-127 ..
+2^127), and no tensor scale.
+
+The block scale (docs/design.md §2): 2^s with s the smallest integer such that the block's amax <= elem_max * 2^s,
+i.e. s = ceil(log2(amax / elem_max)), clamped to [-127, 127]. The scale is rounded up, as Transformer Engine's MXFP8
+quantizer does, so that no element of the block saturates; OCP's example rule, floor(log2(amax)) - emax_elem, leaves
+the block's largest magnitudes up to 8 / 6 (E2M1) or 512 / 448 (E4M3) times the largest element and clips them, and
+the largest values of a block are the ones a GEMM feels most. The price is up to one binade of unused range.
+
+An element is v / 2^s rounded to the element grid (E2M1: nearest-even or stochastic, as NVFP4's elements; E4M3:
+nearest-even); dividing by a power of two is exact, and so is q * 2^s, so q·scale, the operand of the emulated GEMM,
+is exact in float32 and the GEMM needs no alpha (1). A zero block has scale 2^-127 and zero elements; a block with a
+NaN or an infinity has a NaN scale (E8M0's 0xFF), and decodes to NaN. 2D blocks (`block_2d`) are 32x32 tiles, the
+largest magnitude of the tile deciding its one scale, so that a weight and its transpose share them (as NVFP4's 16x16).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+from xla_fp4.numerics import formats
+
+MX_BLOCK = 32
+E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
+
+
+def scale_exponent(amax, elem_max):
+  """int32 s, the smallest integer with amax <= elem_max * 2^s, clamped to [-127, 127] (amax > 0 finite); amax == 0
+  gives -127. Exact: amax = m * 2^e (frexp, m in [0.5, 1)) and elem_max = m_max * 2^e_max, so s is e - e_max, or one
+  more where m > m_max."""
+  m, e = jnp.frexp(jnp.asarray(amax, jnp.float32))
+  m_max, e_max = np.frexp(np.float32(elem_max))
+  s = e - int(e_max) + jnp.where(m > jnp.float32(m_max), 1, 0)
+  return jnp.clip(jnp.where(amax > 0, s, E8M0_MIN_EXP), E8M0_MIN_EXP, E8M0_MAX_EXP).astype(jnp.int32)
+
+
+def _pow2(s):
+  """2^s as float32 for s in [-127, 127] (2^-127 is subnormal: made as 2^-63 * 2^-64, both normal)."""
+  half = s // 2
+  return jnp.ldexp(jnp.float32(1), half) * jnp.ldexp(jnp.float32(1), s - half)
+
+
+def _blocked(x32, axis):
+  """x32 as (outer, K/32, 32, inner), and (axis, outer, K, inner)."""
+  axis, outer, k, inner = formats.canonical_axis(x32.shape, axis, block=MX_BLOCK)
+  return x32.reshape(outer, k // MX_BLOCK, MX_BLOCK, inner), (axis, outer, k, inner)
+
+
+def _block_amax(xb, block_2d):
+  """Each block's max |x| (NaN and infinities as NaN), (outer, K/32, inner); with block_2d its 32x32 tile's."""
+  a = jnp.abs(xb)
+  a = jnp.where(jnp.isinf(a), jnp.float32(jnp.nan), a)
+  amax = jnp.max(jnp.where(jnp.isnan(a), jnp.float32(jnp.inf), a), axis=2)
+  amax = jnp.where(jnp.isinf(amax), jnp.float32(jnp.nan), amax)
+  if block_2d:
+    outer, nk, inner = amax.shape
+    axis = 2 if inner > 1 else 0
+    n = amax.shape[axis]
+    if n % MX_BLOCK:
+      raise ValueError(f"32x32 tiles need the partner dims to be a multiple of 32, got {n}")
+    moved = jnp.moveaxis(amax, axis, -1)
+    g = moved.reshape(moved.shape[:-1] + (n // MX_BLOCK, MX_BLOCK))
+    g = jnp.where(jnp.isnan(g), jnp.float32(jnp.inf), g).max(axis=-1, keepdims=True)
+    g = jnp.where(jnp.isinf(g), jnp.float32(jnp.nan), g)
+    amax = jnp.moveaxis(jnp.broadcast_to(g, g.shape[:-1] + (MX_BLOCK,)).reshape(moved.shape), -1, axis)
+  return amax
+
+
+def _round_elements(v, fmt, stochastic, bits):
+  if fmt.element == "e4m3":
+    return formats.round_e4m3(v).astype(jnp.float32)
+  if stochastic:
+    return formats.round_e2m1_stochastic(v, formats.uniform_from_bits(bits))
+  return formats.round_e2m1_nearest(v)
+
+
+def unscaled_values(x32, axis, fmt, block_2d=False, stochastic=False, key=None, bits=None):
+  """q * 2^s of float32 `x32` in its own shape (exact), the operand of the emulated GEMM; `fmt` a formats.Format of
+  the MX kind; stochastic rounding (E2M1 only) draws formats.random_bits(key) in row-major order, or `bits`."""
+  xb, _ = _blocked(x32, axis)
+  amax = _block_amax(xb, block_2d)
+  s = scale_exponent(jnp.where(jnp.isnan(amax), jnp.float32(0), amax), fmt.elem_max)
+  nan = jnp.isnan(amax)[:, :, None, :]
+  # x * 2^-s rather than x / 2^s: 2^-s is a normal float32 for every s a finite float32 amax gives (s <= 126), where
+  # 2^s is subnormal at s = -127 (a zero block's), which XLA CPU flushes to zero.
+  inverse = jnp.where(nan, jnp.float32(jnp.nan), _pow2(-s)[:, :, None, :])
+  if stochastic and bits is None:
+    bits = formats.random_bits(key, x32.shape)
+  q = _round_elements(xb * inverse, fmt, stochastic, None if bits is None else bits.reshape(xb.shape))
+  return jnp.where(nan, jnp.float32(jnp.nan), q * _pow2(s)[:, :, None, :]).reshape(x32.shape)
+
+
+def qdq(x, fmt, *, axis=-1, block_2d=False, rounding="nearest", key=None):
+  """Quantize `x` to the MX format `fmt` ("mxfp4", "mxfp8" or a formats.Format) along `axis` and decode it, in x's
+  dtype (no gradient rule: a reference, not a training op)."""
+  fmt = formats.FORMATS[fmt] if isinstance(fmt, str) else fmt
+  if fmt.tensor_scale:
+    raise ValueError(f"{fmt.name} is not an MX format (it has a tensor scale): use xla_fp4.numerics.qdq")
+  x = jnp.asarray(x)
+  key = formats.key_to_u32(key) if rounding == "stochastic" else None
+  return unscaled_values(x.astype(jnp.float32), axis, fmt, block_2d, rounding == "stochastic", key).astype(x.dtype)
