@@ -93,14 +93,17 @@ class UserRule:
   path, `roles` and `blocks` by membership (empty: any). A dot of a scanned stack serves several blocks and has no
   single block number, so a rule with `blocks` never matches it (keep_first/keep_last select those blocks)."""
   name: str
-  decision: str  # keep | nvfp4
+  decision: str  # keep | nvfp4 | mxfp4 | mxfp8 (a format: quantized in it)
   reason: str
   layer: str = ""
   roles: tuple = ()
   blocks: tuple = ()
 
 
-_RULE_KEYS = ("decision", "layer", "role", "block", "name", "reason")
+_RULE_KEYS = ("decision", "format", "layer", "role", "block", "name", "reason")
+# The number formats by name, as numerics/formats.py FORMATS has them (a test checks): a rule's decision is keep or the
+# format it quantizes in.
+FORMATS = ("nvfp4", "mxfp4", "mxfp8")
 
 
 def _as_tuple(value):
@@ -110,13 +113,19 @@ def _as_tuple(value):
 def _parse_rule(i, entry):
   if not isinstance(entry, dict):
     raise ValueError(f"rule {i} is {entry!r}; each rule is a dict such as "
-                     '{"layer": "attention", "role": "wgrad", "decision": "keep"}')
+                     '{"layer": "attention", "role": "wgrad", "decision": "keep"} or {"layer": "attn", "format": "mxfp8"}')
   unknown = sorted(set(entry) - set(_RULE_KEYS))
   if unknown:
     raise ValueError(f"rule {i} has unknown key(s) {unknown}; the keys are {list(_RULE_KEYS)}")
-  decision = entry.get("decision")
-  if decision not in ("keep", "nvfp4"):
-    raise ValueError(f"rule {i}: 'decision' must be 'keep' or 'nvfp4', got {decision!r}")
+  decision, fmt = entry.get("decision"), entry.get("format")
+  if fmt is not None and fmt not in FORMATS:
+    raise ValueError(f"rule {i}: 'format' must be one of {list(FORMATS)}, got {fmt!r}")
+  if fmt is not None and decision not in (None, "nvfp4", fmt):
+    raise ValueError(f"rule {i}: 'format' {fmt!r} quantizes; it cannot go with 'decision' {decision!r}")
+  decision = fmt or decision
+  if decision not in ("keep", "nvfp4", *FORMATS):
+    raise ValueError(f"rule {i}: 'decision' must be 'keep' or a format ({', '.join(FORMATS)}), or give 'format', "
+                     f"got {decision!r}")
   layer = entry.get("layer", "")
   if not isinstance(layer, str):
     raise ValueError(f"rule {i}: 'layer' must be a regular expression string, got {layer!r}")
@@ -180,6 +189,13 @@ OPTIONS = (
            "emulate: exact NVFP4 numerics with high-precision GEMMs (any platform); native: packed FP4 operands and an "
            "FP4 GEMM (cuBLASLt on sm_100+, a C++ reference GEMM on CPU); auto: native where an FP4 GEMM runs, else "
            "emulate."),
+    Option("format", "XLA_FP4_FORMAT", "nvfp4", _parse_choice(*FORMATS),
+           "The number format of every rewritten GEMM: nvfp4 (E2M1, an E4M3 scale per 16, an FP32 tensor scale), "
+           "mxfp4 (E2M1, an E8M0 scale per 32) or mxfp8 (E4M3, an E8M0 scale per 32). Rules can choose per layer. The MX "
+           "formats run the emulated GEMM (docs/design.md §2)."),
+    Option("kept_format", "XLA_FP4_KEPT_FORMAT", "high", _parse_choice("high", "mxfp8"),
+           "What the policy's kept layers (the kept blocks and the output head) run in: high (the program's "
+           "precision) or mxfp8."),
     Option("rht", "XLA_FP4_RHT", True, _parse_bool,
            "16x16 random Hadamard transform on both wgrad operands."),
     Option("stochastic_rounding", "XLA_FP4_STOCHASTIC_ROUNDING", True, _parse_bool,
@@ -235,6 +251,8 @@ _BY_NAME = {o.name: o for o in OPTIONS}
 class Config:
   enabled: bool
   backend: str
+  format: str  # noqa: A003
+  kept_format: str
   rht: bool
   stochastic_rounding: bool
   weights_2d: bool

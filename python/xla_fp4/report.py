@@ -1,6 +1,7 @@
 """Decision rows and tables: what the pass decided for each dot, and why.
 
-A row is a dict: index, layer, role, phase, block, lhs_shape, rhs_shape, dtype, flops, decision, rule, reason, recipe,
+A row is a dict: index, layer, role, phase, block, lhs_shape, rhs_shape, dtype, flops, decision (keep, or the format it
+is quantized in: nvfp4, mxfp4, mxfp8), rule, reason, recipe,
 groups (an expert GEMM's analysis.Grouping: one decode scale per expert or group of tokens; else None), keep_blocks,
 num_stacked, block_offset, block_stride (`flops` count every iteration of a scanned stack; `keep_blocks` of its
 `num_stacked` iterations run the high-precision dot; iteration i is block block_offset + i * block_stride). Dump directories hold `{n:04d}_{module}.decisions.json` (the backend: which kernels and
@@ -50,8 +51,7 @@ def table(rows, unmatched_rules=(), title="", backend=None, blocks=()):
   widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
   fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
   lines = [f"== {title}" if title else "", fmt(header), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
-  lines.append(f"{sum(r['decision'] == 'nvfp4' for r in rows)}/{len(rows)} dots in NVFP4, "
-               f"{100 * flop_share(rows):.1f}% of dot FLOPs")
+  lines.append(summary(rows))
   if backend:
     lines.append(f"kernels: {backend['kernels']}; GEMM: {backend['gemm']} ({backend['gemm_reason']})")
   if unmatched_rules:
@@ -77,17 +77,36 @@ def load_decisions(dump_dir):
   return [dict(row, module=name) for name, payload in load(dump_dir) for row in payload["decisions"]]
 
 
-def nvfp4_flops(row):
-  """The dot FLOPs a row runs in NVFP4: a scanned dot's kept layers run the high-precision dot."""
-  if row["decision"] != "nvfp4":
+def quantized_flops(row):
+  """The dot FLOPs a row runs quantized (in any format): a scanned dot's kept layers run the high-precision dot."""
+  if row["decision"] == "keep":
     return 0
   return row["flops"] * (1 - len(row.get("keep_blocks") or ()) / (row.get("num_stacked") or 1))
 
 
 def flop_share(rows):
-  """Share of the rows' dot FLOPs that run in NVFP4 (0 without FLOPs)."""
+  """Share of the rows' dot FLOPs that run quantized (0 without FLOPs)."""
   total = sum(r["flops"] for r in rows)
-  return sum(map(nvfp4_flops, rows)) / total if total else 0.0
+  return sum(map(quantized_flops, rows)) / total if total else 0.0
+
+
+def formats_named(rows):
+  """The formats the rows quantize in, as text: "NVFP4", or e.g. "NVFP4/MXFP8"."""
+  names = sorted({r["decision"] for r in rows if r["decision"] != "keep"}, key=lambda f: (f != "nvfp4", f))
+  return "/".join(n.upper() for n in names) or "NVFP4"
+
+
+def summary(rows):
+  """The table's last line: how many dots are quantized, in which formats, and their share of the dot FLOPs."""
+  counts = {}
+  for r in rows:
+    if r["decision"] != "keep":
+      counts[r["decision"]] = counts.get(r["decision"], 0) + 1
+  share = f"{100 * flop_share(rows):.1f}% of dot FLOPs"
+  if set(counts) <= {"nvfp4"}:
+    return f"{counts.get('nvfp4', 0)}/{len(rows)} dots in NVFP4, {share}"
+  each = ", ".join(f"{n} {f}" for f, n in sorted(counts.items()))
+  return f"{sum(counts.values())}/{len(rows)} dots quantized ({each}), {share}"
 
 
 def nvfp4_flop_share(dump_dir, module_filter=None):

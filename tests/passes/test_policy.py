@@ -134,7 +134,7 @@ def test_user_rules_from_the_environment_are_json():
     ("[{", "not a JSON list"),
     ({"decision": "keep"}, "a list of rules"),
     (["keep"], "each rule is a dict"),
-    ([{"decision": "drop"}], "'decision' must be 'keep' or 'nvfp4'"),
+    ([{"decision": "drop"}], "'decision' must be 'keep' or a format \(nvfp4, mxfp4, mxfp8\)"),
     ([{"decision": "keep", "layers": "x"}], "unknown key"),
     ([{"decision": "keep", "layer": "("}], "not a valid regular expression"),
     ([{"decision": "keep", "role": "forward"}], "'role' must be one or a list of"),
@@ -233,8 +233,8 @@ def test_dumps_round_trip(tmp_path):
 
 def test_flop_share_counts_the_kept_layers_of_a_scanned_stack_as_high_precision():
   row = dict(decision="nvfp4", flops=800, keep_blocks=[6, 7], num_stacked=8)
-  assert report.nvfp4_flops(row) == 600
-  assert report.nvfp4_flops(dict(row, decision="keep")) == 0 and report.nvfp4_flops(dict(row, keep_blocks=[])) == 800
+  assert report.quantized_flops(row) == 600
+  assert report.quantized_flops(dict(row, decision="keep")) == 0 and report.quantized_flops(dict(row, keep_blocks=[])) == 800
 
 
 def test_plan_gives_each_nvfp4_dot_its_form_and_block_index():

@@ -10,6 +10,7 @@ import pytest
 
 import xla_fp4
 from xla_fp4.numerics import kernel_twins
+from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.passes import pipeline, rewrite
 from xla_fp4.passes.rewrite import reuse
 
@@ -20,24 +21,36 @@ VIEWS = [((D, H, K), a) for a in range(3)] + [((D, H * K), a) for a in range(2)]
     [((D * H, K), a) for a in range(2)] + [((H, K, D), a) for a in range(3)] + [((H * K, D), a) for a in range(2)]
 
 
-@pytest.mark.parametrize("block_2d,rht", [(False, False), (True, False), (False, True)])
-def test_equal_blocking_means_the_same_quantized_values(block_2d, rht):
+@pytest.mark.parametrize("fmt,block_2d,rht", [("nvfp4", False, False), ("nvfp4", True, False), ("nvfp4", False, True),
+                                              ("mxfp8", False, False), ("mxfp4", True, False)])
+def test_equal_blocking_means_the_same_quantized_values(fmt, block_2d, rht):
   """The reuse rule against the kernels' twins: views with equal blocking quantize to the same values in row-major
   order, and views with different blocking do not (random data: some block's scale, or RHT, differs)."""
   x = np.asarray(jax.random.normal(jax.random.key(0), (D * H * K,)) * jnp.exp(jax.random.normal(jax.random.key(1),
                                                                                                   (D * H * K,))))
   q = {}
+  block = 16 if fmt == "nvfp4" else 32
   for shape, axis in VIEWS:
-    if shape[axis] % 16 == 0:
-      y, _ = kernel_twins.qdq_with_scale(jnp.asarray(x.reshape(shape)), jnp.uint32(0), axis=axis, block_2d=block_2d,
-                                         stochastic=False, rht=rht, rht_seed=7)
+    if shape[axis] % block == 0 and not (block_2d and _partner(shape, axis) % block):
+      params = dict(axis=axis, block_2d=block_2d, stochastic=False, rht=rht, rht_seed=7)
+      if fmt == "nvfp4":
+        y, _ = kernel_twins.qdq_with_scale(jnp.asarray(x.reshape(shape)), jnp.uint32(0), **params)
+      else:
+        y = kernel_twins.mx_qdq(jnp.asarray(x.reshape(shape)), jnp.uint32(0), format=fmt, **params)
       q[shape, axis] = np.asarray(y).reshape(-1)
   pairs = 0
+  recipe = OperandRecipe(block_2d=block_2d, rht=rht, format=fmt)
   for (a, qa), (b, qb) in itertools.combinations(q.items(), 2):
-    same = reuse.blocking(a[0], a[1], block_2d, rht) == reuse.blocking(b[0], b[1], block_2d, rht)
+    same = reuse.blocking(a[0], a[1], recipe) == reuse.blocking(b[0], b[1], recipe)
     assert np.array_equal(qa, qb) == same, (a, b)
     pairs += same
-  assert pairs >= 3
+  assert pairs >= (3 if fmt == "nvfp4" else 2)
+
+
+def _partner(shape, axis):
+  """The size of the dims a 2D tile pairs with the axis (the flattened trailing dims, or the leading ones)."""
+  trailing = int(np.prod(shape[axis + 1:]))
+  return trailing if trailing > 1 else int(np.prod(shape[:axis]))
 
 
 def _attention_like(wq, wo, x):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xla_fp4.numerics import formats, nvfp4 as qz
+from xla_fp4.numerics import formats, mx, nvfp4 as qz
 from xla_fp4.numerics.nvfp4 import Rounding
 from xla_fp4.numerics.rht import rht_f32
 
@@ -20,6 +20,7 @@ class OperandRecipe:
   block_2d: bool = False
   rounding: Rounding = Rounding.NEAREST
   rht: bool = False
+  format: str = "nvfp4"  # noqa: A003 (formats.FORMATS: nvfp4, mxfp4, mxfp8)
 
   @property
   def stochastic(self):
@@ -40,10 +41,13 @@ def _canonical_dimension_numbers(num_batch, a, b):
 
 
 def _scaled_operand(x, recipe, key, rht_seed):
-  """Canonical operand -> (q·scale in float32, s_dec)."""
+  """Canonical operand -> (q·scale in float32, s_dec); an MX format's s_dec is 1 (numerics/mx.py)."""
   x32 = x.astype(jnp.float32)
   if recipe.rht:
     x32 = rht_f32(x32, -1, rht_seed)
+  if recipe.format != "nvfp4":
+    fmt = formats.FORMATS[recipe.format]
+    return mx.unscaled_values(x32, -1, fmt, recipe.block_2d, recipe.stochastic, key), jnp.float32(1)
   s_dec = qz.global_decode_scale(qz.amax(x32))
   return qz.unscaled_values(x32, -1, recipe.block_2d, recipe.rounding, key, s_dec), s_dec
 
@@ -62,17 +66,18 @@ def _emulated(a, b, dimension_numbers, a_recipe, b_recipe, rht_seed, out_dtype, 
 
 def dot_general(a, b, dimension_numbers, *, a_recipe=OperandRecipe(), b_recipe=OperandRecipe(), key=None,
                 rht_seed=0, preferred_element_type=None):
-  """`jax.lax.dot_general` with both operands in NVFP4, emulated exactly.
+  """`jax.lax.dot_general` with both operands in NVFP4 (or the format their recipes name), emulated exactly.
 
-  The contraction (all contracting dims together) must be a multiple of 16. With RHT on an operand, both operands
+  The contraction (all contracting dims together) must be a multiple of 16 (32 for the MX formats). With RHT on an operand, both operands
   should use it (the transforms cancel only in pairs). Gradients are straight-through: d/da uses the quantized b and
   vice versa, as the forward does. `key` (PRNG key or integer) is required when an operand rounds stochastically.
   """
   a, b = jnp.asarray(a), jnp.asarray(b)
   (ca, cb), (ba, bb) = dimension_numbers
   ka_size = int(np.prod([a.shape[d] for d in ca], dtype=np.int64))
-  if ka_size % formats.BLOCK:
-    raise ValueError(f"NVFP4 GEMMs need a contraction size that is a multiple of {formats.BLOCK}; got {ka_size} "
+  block = max(formats.FORMATS[r.format].block for r in (a_recipe, b_recipe))
+  if ka_size % block:
+    raise ValueError(f"these GEMMs need a contraction size that is a multiple of {block}; got {ka_size} "
                      f"(lhs shape {a.shape}, contracting dims {tuple(ca)}). Keep this GEMM in high precision.")
   for r in (a_recipe, b_recipe):
     qz._check_rounding(r.rounding)

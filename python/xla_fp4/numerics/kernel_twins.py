@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from xla_fp4.numerics import collective
+from xla_fp4.numerics import formats
+from xla_fp4.numerics import mx
 from xla_fp4.numerics import nvfp4
 from xla_fp4.numerics.rht import rht_f32
 
@@ -49,6 +51,17 @@ def digest_of_blocks(block_digests):
   """x's digest (stochastic_key's) from xla_fp4_block_amax's per-block digests: their wrapping sum. The pass lowers
   this twin into partitioned programs, where the sum is a plain reduce that XLA turns into an all-reduce."""
   return jnp.sum(block_digests, dtype=jnp.uint32)
+
+
+def mx_qdq(x, salt, *, format, axis, block_2d, stochastic, rht, rht_seed):  # noqa: A002 (the recipe's name)
+  """An MX format's q·scale of (rht(x) if rht else x) in x's dtype (numerics/mx.py): block-local, no tensor scale, so
+  the emulated GEMM's alpha is 1; the stochastic-rounding key is the salt mixed with x's digest, as
+  xla_fp4_qdq_with_scale's. The MX formats have twins only: every platform runs this StableHLO."""
+  x32 = x.astype(jnp.float32)
+  if rht:
+    x32 = rht_f32(x32, axis, rht_seed)
+  key = stochastic_key(x, salt) if stochastic else None
+  return mx.unscaled_values(x32, axis, formats.FORMATS[format], block_2d, stochastic, key).astype(x.dtype)
 
 
 def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):

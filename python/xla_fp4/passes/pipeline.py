@@ -80,7 +80,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
   new = clone_module(module)
   with new.context, ir.Location.unknown():
     analysis, decided, unmatched = _analyze_and_decide(new, config)
-    changed = any(d.decision is policy.Verdict.NVFP4 for d in decided)
+    changed = any(d.decision is not policy.Verdict.KEEP for d in decided)
     plans, backend = [], None
     if changed:
       partitions = num_partitions(new)

@@ -24,14 +24,18 @@ import re
 from typing import Callable, Optional
 
 from xla_fp4.config import Config, UserRule
+from xla_fp4.numerics.formats import FORMATS
 from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.numerics.nvfp4 import Rounding
 from xla_fp4.passes.analysis import Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Grouping, Role
 
 
 class Verdict(enum.StrEnum):
+  """Keep the dot, or quantize its operands per the recipe in a number format (numerics/formats.py FORMATS)."""
   KEEP = "keep"  # the original dot, in the program's precision
-  NVFP4 = "nvfp4"  # quantized operands per the recipe
+  NVFP4 = "nvfp4"
+  MXFP4 = "mxfp4"
+  MXFP8 = "mxfp8"
 
 
 class Form(enum.StrEnum):
@@ -44,6 +48,10 @@ class Form(enum.StrEnum):
   PACKED_GROUPED = "packed_grouped"
 
 
+# The forms of the emulated dense GEMM (rewrite/emulated.py), the one every format runs.
+DENSE = (Form.WHOLE_TENSOR, Form.PARTITIONED)
+
+
 class Operand(enum.StrEnum):
   """What a GEMM operand is, which decides its recipe (docs/design.md §2)."""
   ACTIVATION = "activation"
@@ -54,7 +62,7 @@ class Operand(enum.StrEnum):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rule:
   name: str
-  decision: Verdict
+  decision: Optional[Verdict]  # None: quantize in the `format` option's format
   reason: str
   when: Callable[[DotSite, "Context"], bool]
 
@@ -76,6 +84,8 @@ class Decision:
   lhs: Optional[OperandRecipe] = None
   rhs: Optional[OperandRecipe] = None
   keep_blocks: tuple = ()  # scanned stacks: block indices that run the high-precision dot
+  # ... or, with XLA_FP4_KEPT_FORMAT=mxfp8, their (lhs, rhs) recipes in MXFP8; None: high precision
+  kept_recipes: Optional[tuple] = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +106,9 @@ class OperandPlan:
   after_gradient: bool
   # In a shard_map body: the replica groups its decode scales are max-reduced over (analysis/peers.py), else ().
   peers: tuple = ()
+  # A scanned stack's kept iterations quantize with this recipe (MXFP8, XLA_FP4_KEPT_FORMAT) instead of taking the
+  # operand itself; None: high precision.
+  kept_recipe: Optional[OperandRecipe] = None
 
   @property
   def reusable(self):
@@ -184,7 +197,7 @@ def default_rules(config: Config):
       Rule(name="high_precision_block", decision=Verdict.KEEP,
            reason="block kept in high precision (XLA_FP4_KEEP_FIRST/LAST)",
            when=lambda s, c: s.block is not None and s.block in c.kept_blocks),
-      Rule(name="nvfp4", decision=Verdict.NVFP4, reason="linear layer", when=lambda s, c: True),
+      Rule(name="nvfp4", decision=None, reason="linear layer", when=lambda s, c: True),
   )
 
 
@@ -198,18 +211,36 @@ def operand_kinds(site: DotSite):
   return (Operand.WEIGHT, other) if site.weight_operand == 0 else (other, Operand.WEIGHT)
 
 
-def recipe_for(site: DotSite, config: Config):
-  """Per-operand (lhs, rhs) recipes of docs/design.md §2's table (arXiv 2509.25149 §4): weights in 16x16 blocks,
-  gradients stochastically rounded, both wgrad operands through the RHT."""
-  sr = Rounding.STOCHASTIC if config.stochastic_rounding else Rounding.NEAREST
+def recipe_for(site: DotSite, config: Config, fmt: str = "nvfp4"):
+  """Per-operand (lhs, rhs) recipes of docs/design.md §2's table (arXiv 2509.25149 §4) in the format `fmt`: weights in
+  2D tiles, gradients stochastically rounded, both wgrad operands through the RHT, each where the format takes that
+  part of the recipe (formats.Format) and the config leaves it on."""
+  f = FORMATS[fmt]
+  sr = Rounding.STOCHASTIC if config.stochastic_rounding and f.stochastic else Rounding.NEAREST
   wgrad = site.role is Role.WGRAD
 
   def recipe(kind):
     if kind is Operand.WEIGHT:
-      return OperandRecipe(block_2d=config.weights_2d)
+      return OperandRecipe(block_2d=config.weights_2d and f.tiles_2d, format=fmt)
     rounding = sr if kind is Operand.GRADIENT else Rounding.NEAREST
-    return OperandRecipe(rounding=rounding, rht=config.rht and wgrad)
+    return OperandRecipe(rounding=rounding, rht=config.rht and wgrad and f.rht, format=fmt)
   return tuple(recipe(k) for k in operand_kinds(site))
+
+
+# The policy's kept layers (what XLA_FP4_KEPT_FORMAT decides for): the output head and the kept blocks.
+KEPT_LAYER_RULES = ("head", "high_precision_block")
+
+
+def format_cannot_take(site: DotSite, fmt: str) -> Optional[str]:
+  """Why `site` cannot run in the format `fmt`, or None: its blocks must fit the contraction, and the MX formats run
+  the emulated dense GEMM, which a chlo.ragged_dot (an expert GEMM on GPU) is not."""
+  f = FORMATS[fmt]
+  k = site.groups.k if site.groups else site.gemm.k
+  if k % f.block:
+    return f"contraction size {k} is not a multiple of {f.block} ({fmt}'s block): high precision"
+  if not f.tensor_scale and site.groups is not None and site.groups.kind is not Grouping.SLICES:
+    return f"a chlo.ragged_dot has no {fmt} form ({fmt} runs the emulated dense GEMM): high precision"
+  return None
 
 
 def decide(analysis: Analysis, config: Config, rules=None):
@@ -222,13 +253,18 @@ def decide(analysis: Analysis, config: Config, rules=None):
     site = record.site
     rule = next(r for r in rules if r.when(site, ctx))
     used.add(rule.name)
-    if rule.decision is Verdict.KEEP:
-      reason = rule.reason + (f": {site.head_reason}" if rule.name == "head" and site.head_reason else "")
+    verdict = rule.decision or Verdict(config.format)
+    reason = rule.reason + (f": {site.head_reason}" if rule.name == "head" and site.head_reason else "")
+    if rule.name in KEPT_LAYER_RULES and config.kept_format == "mxfp8":
+      verdict, reason = Verdict.MXFP8, reason + "; in MXFP8 (XLA_FP4_KEPT_FORMAT)"
+    why = format_cannot_take(site, verdict) if verdict is not Verdict.KEEP else None
+    if why:
+      verdict, reason = Verdict.KEEP, f"{reason}; {why}"
+    if verdict is Verdict.KEEP:
       decisions.append(Decision(index=site.index, decision=Verdict.KEEP, rule=rule.name, reason=reason))
       continue
-    lhs, rhs = recipe_for(site, config)
-    keep_blocks = ()
-    reason = rule.reason
+    lhs, rhs = recipe_for(site, config, verdict)
+    keep_blocks, kept_recipes = (), None
     # Kept blocks select per iteration under the built-in rule only: a user's nvfp4 rule comes before the kept blocks'
     # rule, so every iteration runs in NVFP4, as the same blocks would unscanned.
     builtin = rule.name == "nvfp4"
@@ -236,13 +272,15 @@ def decide(analysis: Analysis, config: Config, rules=None):
       # the iterations whose layer is a kept block (iteration i runs block block_offset + i * block_stride)
       layers = {i: (site.block_offset or 0) + i * site.block_stride for i in range(site.num_stacked or 0)}
       keep_blocks = tuple(i for i, b in layers.items() if b in ctx.kept_blocks)
+      kept_mx = config.kept_format == "mxfp8" and keep_blocks and format_cannot_take(site, "mxfp8") is None
+      kept_recipes = recipe_for(site, config, "mxfp8") if kept_mx else None
       if keep_blocks:
         reason += (f"; scanned stack: iterations {list(keep_blocks)} (blocks {[layers[i] for i in keep_blocks]}) run "
-                   "the high-precision dot")
+                   + ("in MXFP8 (XLA_FP4_KEPT_FORMAT)" if kept_mx else "the high-precision dot"))
     elif builtin and site.num_stacked and ctx.kept_blocks:
       reason += "; nested scanned stack without a per-iteration block index: every iteration runs in NVFP4"
-    decisions.append(Decision(index=site.index, decision=Verdict.NVFP4, rule=rule.name, reason=reason, lhs=lhs, rhs=rhs,
-                              keep_blocks=keep_blocks))
+    decisions.append(Decision(index=site.index, decision=verdict, rule=rule.name, reason=reason, lhs=lhs, rhs=rhs,
+                              keep_blocks=keep_blocks, kept_recipes=kept_recipes))
   unmatched = [r.name for r in rules if r.name not in used]
   return decisions, unmatched
 
@@ -297,9 +335,18 @@ def _operand_plans(site: DotSite, decision: Decision, form: Form):
       k_follows_dot=site.role is not Role.WGRAD and kind is not Operand.WEIGHT,
       fresh=(site.role is Role.DGRAD and kind is Operand.WEIGHT and site.weight_replicated
              and form is not Form.WHOLE_TENSOR),
-      after_gradient=backward and kind is not Operand.GRADIENT, peers=site.peers) for i, kind in enumerate(kinds))
+      after_gradient=backward and kind is not Operand.GRADIENT, peers=site.peers,
+      kept_recipe=decision.kept_recipes[i] if decision.kept_recipes and form in DENSE else None)
+      for i, kind in enumerate(kinds))
   order = (1, 0) if backward and kinds[1] is Operand.GRADIENT else (0, 1)
   return plans, order
+
+
+def _dense_only(d: Decision) -> Optional[str]:
+  """Why a decision runs the emulated dense GEMM whatever the backend, or None."""
+  if d.decision is not Verdict.NVFP4:
+    return f"{d.decision} runs the emulated GEMM (the FP4 GEMM and the packed forms are NVFP4's)"
+  return None
 
 
 def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda: bool, packed: bool = False):
@@ -311,7 +358,7 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
   on every device (nothing to gather)."""
   plans = []
   for d in decisions:
-    if d.decision is not Verdict.NVFP4:
+    if d.decision is Verdict.KEEP:
       continue
     record, notes = analysis.records[d.index], []
     source = record.block_source if d.keep_blocks else None
@@ -319,7 +366,14 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
       notes.append("block index unavailable per iteration: every iteration runs in NVFP4")
     grouped = record.site.groups is not None
     form = Form.GROUPED if grouped else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
-    if native:
+    dense_only = _dense_only(d)
+    if dense_only:
+      # The MX formats, and kept iterations in MXFP8, run the emulated dense GEMM: block-local scales need no
+      # per-expert form; the FP4 GEMM and the packed forms are NVFP4's.
+      form = Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
+      if native:
+        notes.append(dense_only)
+    elif native:
       ineligible = native_grouped_ineligible if grouped else native_ineligible
       why = ineligible(record.site, cuda)
       if grouped and partitioned:
@@ -333,6 +387,8 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
       # Packed operands pay where the partitioner gathers them; a weight every device holds whole is not gathered,
       # and there the packed form only adds its dequantized copies (docs/design.md §8).
       form = Form.PACKED
+    if d.kept_recipes is not None and form not in DENSE:
+      notes.append("kept iterations run in high precision (MXFP8 kept iterations take the emulated dense GEMM)")
     operands, order = _operand_plans(record.site, d, form)
     plans.append(Plan(record=record, decision=d, form=form, operands=operands, order=order, block_source=source,
                       notes=tuple(notes)))

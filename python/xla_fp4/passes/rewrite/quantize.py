@@ -8,6 +8,10 @@
                                                                  (reuse.py), or the salt where rounding is nearest
                       %q = xla_fp4_qdq(%x, %s, %key) {apply_global_scale = false}
 
+An MX format (mxfp4, mxfp8) has no tensor scale: its q·scale comes from one twin (numerics/mx.py) in either form, and
+its decode scale is 1:
+                      %q = mx_qdq twin(%x, %salt) {format, axis, block_2d, stochastic, rht}
+
 Operands follow their OperandPlan: a `reusable` one (nearest rounding, not `fresh`) takes an earlier quantization of
 the same elements in the same blocks (reuse.py); an `after_gradient` operand takes the gradient's decode scale,
 bitcast to uint32, as its key: a nearest-rounded qdq never reads its key, so this orders the call after the gradient
@@ -55,7 +59,7 @@ def operand(ctx, probe, x, axis, plan, user, form, select, after):
   """-> (q·scale in x's dtype, s_dec f32 scalar) of x quantized along `axis` per `plan` (an OperandPlan); with
   `select`, `stablehlo.select`s that give (x, 1.0) in kept iterations instead. `after`: the gradient's decode scale
   where the plan orders this operand after it."""
-  blocks = blocking(tensor_type(x).shape, axis, plan.recipe.block_2d, plan.recipe.rht)
+  blocks = blocking(tensor_type(x).shape, axis, plan.recipe)
   if plan.reusable:
     found = ctx.reuse.quantized(x, blocks, select, user)
     if found is not None:
@@ -63,7 +67,9 @@ def operand(ctx, probe, x, axis, plan, user, form, select, after):
   q, s_dec = _quantize(ctx, probe, x, axis, plan, form, after, user)
   if select is not None:
     measured = probe.row(q)
-    q = hlo.SelectOp(select, x, q).result
+    # kept iterations: the operand itself, or its MXFP8 quantization (XLA_FP4_KEPT_FORMAT), whose scale is 1
+    kept = x if plan.kept_recipe is None else _mx(ctx, x, axis, plan.kept_recipe, plan)
+    q = hlo.SelectOp(select, kept, q).result
     probe.keep_row(q, measured)  # telemetry measures the quantization, in the iterations that run it
     s_dec = hlo.SelectOp(select, const(1.0, f32()), s_dec).result
   if plan.reusable:
@@ -71,8 +77,16 @@ def operand(ctx, probe, x, axis, plan, user, form, select, after):
   return q, s_dec
 
 
+def _mx(ctx, x, axis, recipe, plan):
+  """q·scale of x in an MX format (numerics/mx.py, a twin on every platform): no tensor scale."""
+  return ctx.twins.call(kernel_twins.mx_qdq, [x, ctx.salt(plan)], [x.type], format=recipe.format, axis=axis,
+                        block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)[0]
+
+
 def _quantize(ctx, probe, x, axis, plan, form, after, user):
   recipe = plan.recipe
+  if recipe.format != "nvfp4":
+    return _mx(ctx, x, axis, recipe, plan), const(1.0, f32())
   attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)
   if form is Form.WHOLE_TENSOR:
     target, operands = targets.QDQ_WITH_SCALE, [x]

@@ -98,14 +98,16 @@ class Reuse:
     return value
 
 
-def blocking(shape, axis, block_2d, rht):
+def blocking(shape, axis, recipe):
   """Which elements, in row-major order, share a scale (and an RHT) when a tensor of `shape` is quantized along `axis`
-  (numerics/nvfp4.py _encode): viewed as the matrix (outer * K, inner), a 1x16 block is 16 consecutive rows of one
-  column (K % 16 == 0: no block straddles two outer indices) and the RHT mixes the same 16 values; a 16x16 tile is 16
-  rows by 16 columns of that matrix, or of (outer, K) when inner is 1. Two quantizations with equal blocking, of a
-  tensor and of a reshape of it, give the same q in row-major order (tests/passes/test_reuse.py)."""
+  per `recipe` (numerics/nvfp4.py _encode, numerics/mx.py): viewed as the matrix (outer * K, inner), a 1xB block is B
+  consecutive rows of one column (K % B == 0: no block straddles two outer indices) and the RHT mixes 16 of them; a 2D
+  tile is B rows by B columns of that matrix, or of (outer, K) when inner is 1; B is the format's block. Two
+  quantizations with equal blocking, of a tensor and of a reshape of it, give the same q in row-major order
+  (tests/passes/test_reuse.py)."""
   outer, k, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
-  return (block_2d, rht) + ((outer, k) if block_2d and inner == 1 else (outer * k, inner))
+  view = (outer, k) if recipe.block_2d and inner == 1 else (outer * k, inner)
+  return (recipe.block_2d, recipe.rht) + view + (() if recipe.format == "nvfp4" else (recipe.format,))
 
 
 def same_selector(a, b):
