@@ -153,3 +153,29 @@ def test_sharded_mx_steps_compute_what_one_device_computes():
   under either): the twins' block-local scales are XLA's to partition."""
   out = json.loads(run_python(["-c", SHARDED]).strip().splitlines()[-1])
   assert all(v <= 1e-5 for v in out.values()), out
+
+
+def test_a_scanned_stacks_kept_iterations_run_in_mxfp8():
+  """In a scanned stack the kept iterations select, per operand, an MXFP8 quantization instead of the operand itself
+  (the emulated GEMM): the decision says so, the step runs, and its gradients differ from kept iterations in high
+  precision only in the kept layer's reach."""
+  from tests.passes import models
+  fn, args = models.jax_scan_mlp(num_layers=4, batch=64)
+  options = dict(keep_first=0, keep_last=1, stochastic_rounding=False, strict=True)
+  grads = {}
+  for kept in ("high", "mxfp8"):
+    xla_fp4.enable(kept_format=kept, **options)
+    try:
+      step = jax.jit(fn)
+      rows = xla_fp4.explain(step, *args)
+      grads[kept] = step(*args)
+    finally:
+      xla_fp4.disable()
+    scanned = [r for r in rows if r["block"] == "scan" and r["decision"] == "nvfp4"]
+    assert scanned and all(r["keep_blocks"] == [3] for r in scanned), rows
+    assert all(("in MXFP8" in r["reason"]) == (kept == "mxfp8") for r in scanned), rows
+  last = [np.asarray(g) for g in jax.tree.leaves(grads["mxfp8"])]
+  high = [np.asarray(g) for g in jax.tree.leaves(grads["high"])]
+  # w1, w2 stacked [layers, ...]: the kept (last) layer's gradients change with its format
+  assert all(not np.array_equal(a[3], b[3]) for a, b in zip(last, high))
+  assert all(np.isfinite(a).all() for a in last)
