@@ -125,7 +125,7 @@ def setup():
 
 
 def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, small=SMALL, telemetry=None,
-          backend=None, nearest=False, exact=False):
+          backend=None, nearest=False, exact=False, fmt=None):
   config = subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
                            "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
   env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
@@ -135,6 +135,8 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
     env["XLA_FP4_TELEMETRY"] = str(telemetry)
   if backend:
     env["XLA_FP4_BACKEND"] = backend
+  if fmt:
+    env["XLA_FP4_FORMAT"] = fmt
   if nearest:
     env["XLA_FP4_STOCHASTIC_ROUNDING"] = "0"
   if sharded:
@@ -339,8 +341,9 @@ EXPERTS = re.compile(r"(^|/)(MoeBlock_\d+|moe_block|GptOssMlp|routed_experts)/")
 ROUTER = re.compile(r"/gate$")
 
 
-def check_policy(dump_dir):
-  """The pass's decisions over every dumped train step, against the paper's policy; (summary, [violations])."""
+def check_policy(dump_dir, fmt="nvfp4"):
+  """The pass's decisions over every dumped train step, against the paper's policy in the format `fmt` (XLA_FP4_FORMAT);
+  (summary, [violations])."""
   rows, num_blocks, found = [], set(), set()
   for path in sorted(glob.glob(str(dump_dir / "*.decisions.json"))):  # the format of xla_fp4/report.py
     payload = json.loads(Path(path).read_text())
@@ -360,11 +363,11 @@ def check_policy(dump_dir):
     if DECODER_LAYER.search(layer) and r["role"] != "other" and r["decision"] == "keep" and \
         r["rule"] not in ("high_precision_block", "tiny", "contraction_not_16"):
       bad.append("decoder linear layers run in NVFP4: " + what)
-    if EXPERTS.search(layer) and not ROUTER.search(layer) and r["decision"] == "nvfp4" and not r.get("groups"):
+    if EXPERTS.search(layer) and not ROUTER.search(layer) and r["decision"] == fmt and not r.get("groups"):
       bad.append("expert GEMMs take one decode scale per expert: " + what)
   if not any(r["rule"] == "head" for r in rows):
     bad.append("no dot kept as the output head (logits_dense, or the embedding where logits_via_embedding)")
-  scanned = [r for r in rows if r["block"] == "scan" and r["decision"] == "nvfp4"]
+  scanned = [r for r in rows if r["block"] == "scan" and r["decision"] == fmt]
   kept_blocks = sorted({r["block_offset"] + i * r["block_stride"] for r in scanned for i in r["keep_blocks"]} |
                        {r["block"] for r in rows if r["rule"] == "high_precision_block"})
   if len(num_blocks) != 1:
@@ -375,13 +378,13 @@ def check_policy(dump_dir):
   total = sum(r["flops"] for r in rows)
   # A scanned dot's FLOPs cover every layer of the stack; its kept layers run the high-precision dot.
   fp4 = sum(r["flops"] * (1 - len(r["keep_blocks"]) / (r.get("num_stacked") or 1)) for r in rows
-            if r["decision"] == "nvfp4")
+            if r["decision"] == fmt)
   experts = [r for r in rows if r.get("groups")]
-  if experts and {r["role"] for r in experts if r["decision"] == "nvfp4"} != {"fprop", "dgrad", "wgrad"}:
+  if experts and {r["role"] for r in experts if r["decision"] == fmt} != {"fprop", "dgrad", "wgrad"}:
     bad.append("expert GEMMs run in NVFP4 in all three roles: " + str(sorted({(r["layer"], r["role"], r["decision"])
                                                                             for r in experts})))
-  summary = dict(dots=len(rows), nvfp4_dots=sum(r["decision"] == "nvfp4" for r in rows),
-                 expert_dots=len(experts), expert_nvfp4_dots=sum(r["decision"] == "nvfp4" for r in experts),
+  summary = dict(dots=len(rows), nvfp4_dots=sum(r["decision"] == fmt for r in rows),
+                 expert_dots=len(experts), expert_nvfp4_dots=sum(r["decision"] == fmt for r in experts),
                  nvfp4_flop_share=round(fp4 / total, 4) if total else 0.0, kept_blocks=kept_blocks,
                  num_blocks=max(num_blocks) if len(num_blocks) == 1 else sorted(num_blocks, key=str),
                  blocks_found=sorted(found),
@@ -403,6 +406,8 @@ def main(argv=None):
                  help="train the NVFP4 run with XLA_FP4_BACKEND=native (on CPU the C++ reference FP4 GEMM) and with the "
                       "emulate backend, both with nearest rounding: their losses must match, and sharded, the native "
                       "step's GEMMs run packed")
+  p.add_argument("--format", default=None, choices=("nvfp4", "mxfp4", "mxfp8"),
+                 help="train the quantized run with XLA_FP4_FORMAT (and check the policy's decisions in it)")
   p.add_argument("--telemetry", action="store_true",
                  help="train the NVFP4 run once more with XLA_FP4_TELEMETRY: same losses, records of every GEMM")
   args = p.parse_args(argv)
@@ -418,11 +423,12 @@ def main(argv=None):
     (work / "dump").mkdir(parents=True)
     sharded = name in SHARDED
     base = train(python, f"{name}_base", CONFIGS[name], args.steps, False, work / "dump", work / "base.log", sharded)
-    nvfp4 = train(python, f"{name}_fp4", CONFIGS[name], args.steps, True, work / "dump", work / "fp4.log", sharded)
+    nvfp4 = train(python, f"{name}_fp4", CONFIGS[name], args.steps, True, work / "dump", work / "fp4.log", sharded,
+                  fmt=args.format)
     entry = dict(overrides=CONFIGS[name], baseline=base, nvfp4=nvfp4)
     ok = base["returncode"] == 0 and nvfp4["returncode"] == 0 and len(nvfp4["losses"]) == args.steps
     if ok:
-      entry["decisions"], entry["policy_violations"] = check_policy(work / "dump")
+      entry["decisions"], entry["policy_violations"] = check_policy(work / "dump", args.format or "nvfp4")
       if sharded:
         entry["per_device_cost"], bad = sharded_cost(python, work / "dump")
         entry["policy_violations"] += bad
@@ -445,7 +451,7 @@ def main(argv=None):
           f"step {base['step_s']} -> {nvfp4['step_s']} s, {entry.get('decisions')}, "
           f"violations {entry.get('policy_violations', [])[:3]}, warnings {nvfp4['warnings'][:2]}", flush=True)
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  summary = dict(maxtext=MAXTEXT, steps=args.steps, small=SMALL, results=results)
+  summary = dict(maxtext=MAXTEXT, steps=args.steps, small=SMALL, format=args.format or "nvfp4", results=results)
   args.out.write_text(json.dumps(summary, indent=1) + "\n")
   print(f"wrote {args.out}")
   return 1 if failed else 0
