@@ -5,10 +5,11 @@ With `XLA_FP4_TELEMETRY=DIR` every NVFP4 GEMM the pass rewrites gets probes; the
 a daemon thread, and at exit) drains them and appends one JSON line per operand and recorded step to
 DIR/telemetry.jsonl:
 
-  {"step", "module", "dot", "layer", "role", "operand", "block", "amax", "s_dec", "elements", "underflow", "all_zero",
-   "scale_underflow", "scale_saturated", "snr_db", "output_zeros", "alerts"}
+  {"step", "module", "dot", "layer", "role", "operand", "format", "block", "amax", "s_dec", "elements", "underflow",
+   "all_zero", "scale_underflow", "scale_saturated", "snr_db", "output_zeros", "alerts"}
 
-`dot` is the GEMM's index in the module's program order (the decision report's `#`); `operand` is activation,
+`dot` is the GEMM's index in the module's program order (the decision report's `#`); `format` its number format (only
+NVFP4 dots are probed so far); `operand` is activation,
 weight or gradient; `block` the block (a scanned stack's iteration counts) or null;
 `output_zeros` a wgrad's fraction of exact zeros in the weight gradient (null for fprop and dgrad); `snr_db` null for
 an all-zero operand, "inf" for an exact one. Alerts (once per GEMM operand and kind, in a warning per drain and in
@@ -46,6 +47,7 @@ class Site:
   operands: tuple  # (lhs kind, rhs kind): activation, weight, gradient
   underflow: float  # alert thresholds
   snr_db: float
+  format: str = "nvfp4"  # noqa: A003 (the dot's number format; only NVFP4 dots are probed so far)
 
 
 _module_keys = itertools.count(1)  # process-wide, like the sinks' step counters
@@ -114,6 +116,7 @@ def records(raw, sites):
     for kind, row in zip(site.operands, rows):
       summary = stats.summary(row)
       record = dict(step=step, module=site.module, dot=site_index, layer=site.layer, role=site.role, operand=kind,
+                    format=site.format,
                     block=block if block >= 0 else None, **summary, output_zeros=zeros)
       record["alerts"] = _alerts(record, site)
       out.append((site, record))

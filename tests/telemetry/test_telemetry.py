@@ -286,8 +286,9 @@ def test_command_line(tmp_path):
   r = run("--json")
   assert r.returncode == 0, r.stderr
   listed = json.loads(r.stdout)
-  assert len(listed) == 12 and {"step", "layer", "role", "operand", "block", "amax", "underflow",
+  assert len(listed) == 12 and {"step", "layer", "role", "operand", "format", "block", "amax", "underflow",
                                 "snr_db"} <= set(listed[0])
+  assert {r["format"] for r in listed} == {"nvfp4"}
   r = run()
   assert r.returncode == 0, r.stderr
   assert "most underflow" in r.stdout and "lowest quantization SNR" in r.stdout and "wgrad gradient" in r.stdout
