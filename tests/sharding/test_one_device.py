@@ -1,4 +1,5 @@
-"""Every layout of benchmarks/sharding.py computes what one device computes, with both backends (nearest rounding).
+"""Every layout of benchmarks/sharding.py computes what one device computes, with both backends and every format
+(nearest rounding).
 
 Shards quantize exactly what one device does; a split contraction adds f32 partial sums. Sums of q·scale products are
 exact in f32 wherever one device's sum is, so a sharded step equals one device bit for bit where its partial sums are
@@ -26,9 +27,9 @@ SCRIPT = textwrap.dedent("""
     import xla_fp4
     import sharding as bench
     rows = []
-    for backend in ("emulate", "native"):
-      xla_fp4.enable(strict=True, backend=backend, stochastic_rounding=False, keep_head=False, keep_first=0,
-                     keep_last=0)
+    for backend, fmt in (("emulate", "nvfp4"), ("native", "nvfp4"), ("emulate", "mxfp4"), ("emulate", "mxfp8")):
+      xla_fp4.enable(strict=True, backend=backend, format=fmt, stochastic_rounding=False, keep_head=False,
+                     keep_first=0, keep_last=0)
       for layout, spec in bench.LAYOUTS.items():
         params, x = bench.make(4, 64, 256, 8, 32, jnp.float32, spec.scanned)
         mesh = jax.make_mesh(spec.mesh, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -38,7 +39,8 @@ SCRIPT = textwrap.dedent("""
         a = [np.asarray(v, np.float64) for v in jax.tree.leaves(sharded)]
         b = [np.asarray(v, np.float64) for v in jax.tree.leaves(one)]
         rel = float(np.sqrt(sum(np.sum((u - v) ** 2) for u, v in zip(a, b)) / sum(np.sum(v ** 2) for v in b)))
-        rows.append(dict(layout=layout, backend=backend, rel_l2=rel, equal=all(np.array_equal(u, v) for u, v in zip(a, b))))
+        rows.append(dict(layout=layout, backend=backend if fmt == "nvfp4" else fmt, rel_l2=rel,
+                         equal=all(np.array_equal(u, v) for u, v in zip(a, b))))
     # The program the deviation was seen on: 4 layers, D 256, F 1024, 2048 tokens, w1 split along F and w2 along K over
     # "model" of a 2x4 mesh, the tokens over "data"; the native backend.
     xla_fp4.enable(strict=True, backend="native", stochastic_rounding=False, keep_head=False, keep_first=0,
@@ -75,17 +77,18 @@ def rows(measured):
   return {(r["layout"], r["backend"]): r for r in measured["rows"]}
 
 
-@pytest.mark.parametrize("backend", ["emulate", "native"])
+@pytest.mark.parametrize("backend", ["emulate", "native", "mxfp4", "mxfp8"])  # the MX formats: the emulated GEMM
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_computes_what_one_device_computes(rows, layout, backend):
   row = rows[(layout, backend)]
   assert row["rel_l2"] <= 1e-5, row
-  if layout in EXACT:
+  if layout in EXACT and backend in ("emulate", "native"):
     assert row["equal"], row
 
 
-# Layouts whose only split contractions are the wgrads' over tokens, whose partial sums are exact at this size: one
-# device's gradients bit for bit (the native GEMM's alpha on each partial sum made them differ: 5.6e-8).
+# Layouts whose only split contractions are the wgrads' over tokens, whose partial sums are exact in NVFP4 at this size:
+# one device's gradients bit for bit (the native GEMM's alpha on each partial sum made them differ: 5.6e-8). MXFP8's
+# products carry more bits under block scales of any power of two: its partial sums round (1.6e-8).
 EXACT = ("data_parallel", "fsdp", "scan_fsdp")
 
 
