@@ -196,6 +196,9 @@ OPTIONS = (
     Option("kept_format", "XLA_FP4_KEPT_FORMAT", "high", _parse_choice("high", "mxfp8"),
            "What the policy's kept layers (the kept blocks and the output head) run in: high (the program's "
            "precision) or mxfp8."),
+    Option("four_over_six", "XLA_FP4_FOUR_OVER_SIX", False, _parse_bool,
+           "NVFP4 refinement (Four Over Six, arXiv 2512.02010): each block takes the scale that maps its largest "
+           "magnitude to 4 or to 6, whichever decodes it with less error. Dense GEMMs, on the emulated GEMM."),
     Option("rht", "XLA_FP4_RHT", True, _parse_bool,
            "16x16 random Hadamard transform on both wgrad operands."),
     Option("stochastic_rounding", "XLA_FP4_STOCHASTIC_ROUNDING", True, _parse_bool,
@@ -253,6 +256,7 @@ class Config:
   backend: str
   format: str  # noqa: A003
   kept_format: str
+  four_over_six: bool
   rht: bool
   stochastic_rounding: bool
   weights_2d: bool

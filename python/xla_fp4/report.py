@@ -31,7 +31,8 @@ def rows(sites, decisions, notes=None):
 
 
 def _recipe(r):
-  parts = ["2d" if r.block_2d else "1d", "sr" if r.stochastic else "rn"] + (["rht"] if r.rht else [])
+  parts = ["2d" if r.block_2d else "1d", "sr" if r.stochastic else "rn"] + (["rht"] if r.rht else []) + (
+      ["4/6"] if r.four_over_six else [])
   return "+".join(parts)
 
 

@@ -33,11 +33,11 @@ def _loss(p, x):
   return jnp.mean((x + jax.nn.gelu(x @ w1) @ w2) ** 2)
 
 
-def _manual(fmt):
+def _manual(fmt, four_over_six=False):
   """The loss with every GEMM quantized per the recipe in `fmt`, from numerics (nearest rounding)."""
-  f = formats.FORMATS[fmt]
-  act, weight = nv.OperandRecipe(format=fmt), nv.OperandRecipe(block_2d=f.tiles_2d, format=fmt)
-  wgrad = nv.OperandRecipe(rht=f.rht, format=fmt)
+  f, fos = formats.FORMATS[fmt], dict(four_over_six=four_over_six)
+  act, weight = nv.OperandRecipe(format=fmt, **fos), nv.OperandRecipe(block_2d=f.tiles_2d, format=fmt, **fos)
+  wgrad = nv.OperandRecipe(rht=f.rht, format=fmt, **fos)
 
   @jax.custom_vjp
   def linear(x, w):
@@ -76,6 +76,25 @@ def test_the_format_option_quantizes_every_gemm_in_it(fmt):
   for g, w, b in zip(got, want, base):
     assert _rel(g, w) < 1e-5  # the recipe, up to f32 summation order
     assert _rel(g, b) > 1e-4  # and quantized
+
+
+def test_four_over_six_through_the_pass():
+  """XLA_FP4_FOUR_OVER_SIX=1: every dense NVFP4 GEMM takes each block's scale to 4 or to 6 (the emulated GEMM, on the
+  twins), as the recipe spelled out with numerics does; the report marks the recipe."""
+  params, x = _params()
+  xla_fp4.enable(four_over_six=True, stochastic_rounding=False, keep_head=False, keep_first=0, keep_last=0,
+                 strict=True)
+  try:
+    step = jax.jit(jax.grad(_loss))
+    rows = xla_fp4.explain(step, params, x)
+    got = step(params, x)
+  finally:
+    xla_fp4.disable()
+  assert all(r["decision"] == "nvfp4" and r["recipe"]["lhs"].endswith("4/6") for r in rows), rows
+  want = jax.jit(jax.grad(_manual("nvfp4", four_over_six=True)))(params, x)
+  plain = jax.jit(jax.grad(_manual("nvfp4")))(params, x)
+  for g, w, p in zip(got, want, plain):
+    assert _rel(g, w) < 1e-5 and _rel(g, p) > 1e-4
 
 
 def test_rules_choose_a_format_per_layer_and_the_report_names_it():
@@ -134,14 +153,14 @@ SHARDED = textwrap.dedent("""
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
     out = {}
-    for fmt in ("mxfp4", "mxfp8"):
+    for fmt, fos in (("mxfp4", False), ("mxfp8", False), ("nvfp4", True)):
       for backend in ("emulate", "native"):
-        xla_fp4.enable(format=fmt, backend=backend, stochastic_rounding=False, keep_head=False, keep_first=0,
-                       keep_last=0, strict=True)
+        xla_fp4.enable(format=fmt, four_over_six=fos, backend=backend, stochastic_rounding=False, keep_head=False,
+                       keep_first=0, keep_last=0, strict=True)
         step = jax.jit(jax.grad(_loss))
         sharded = step([put(params[0], P(None, "model")), put(params[1], P("model", None))], put(x, P("data")))
         one = step(jax.device_put(params, jax.devices()[0]), jax.device_put(x, jax.devices()[0]))
-        out[fmt + "_" + backend] = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
+        out[fmt + ("_4over6" if fos else "") + "_" + backend] = max(float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
                                        for a, b in zip(sharded, one))
     xla_fp4.disable()
     print(json.dumps(out))
@@ -149,8 +168,8 @@ SHARDED = textwrap.dedent("""
 
 
 def test_sharded_mx_steps_compute_what_one_device_computes():
-  """Tensor parallelism x data parallelism on 4 host devices, both backends (the MX formats run the emulated GEMM
-  under either): the twins' block-local scales are XLA's to partition."""
+  """Tensor parallelism x data parallelism on 4 host devices, both backends (the MX formats and Four Over Six run the
+  emulated GEMM under either): the twins' block-local scales are XLA's to partition."""
   out = json.loads(run_python(["-c", SHARDED]).strip().splitlines()[-1])
   assert all(v <= 1e-5 for v in out.values()), out
 

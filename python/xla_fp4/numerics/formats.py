@@ -18,6 +18,8 @@ E4M3_MAX = 448.0
 GLOBAL_SCALE_DIVISOR = E2M1_MAX * E4M3_MAX
 # ... computed as amax * INV_GLOBAL_SCALE_DIVISOR (what XLA makes of a division by a constant; kInvGlobalScaleDivisor).
 INV_GLOBAL_SCALE_DIVISOR = np.float32(1.0) / np.float32(GLOBAL_SCALE_DIVISOR)
+# Four Over Six (nvfp4.global_decode_scale): E4M3's range taken as 256, so that 1.5 times any block scale fits it.
+INV_FOUR_OVER_SIX_DIVISOR = np.float32(1.0) / np.float32(E2M1_MAX * 256.0)
 BLOCK = 16
 
 # All non-negative E2M1 values, for tests and documentation.

@@ -21,6 +21,7 @@ class OperandRecipe:
   rounding: Rounding = Rounding.NEAREST
   rht: bool = False
   format: str = "nvfp4"  # noqa: A003 (formats.FORMATS: nvfp4, mxfp4, mxfp8)
+  four_over_six: bool = False  # NVFP4 only: each block's scale to 4 or to 6 (arXiv 2512.02010; nvfp4._encode)
 
   @property
   def stochastic(self):
@@ -48,8 +49,9 @@ def _scaled_operand(x, recipe, key, rht_seed):
   if recipe.format != "nvfp4":
     fmt = formats.FORMATS[recipe.format]
     return mx.unscaled_values(x32, -1, fmt, recipe.block_2d, recipe.stochastic, key), jnp.float32(1)
-  s_dec = qz.global_decode_scale(qz.amax(x32))
-  return qz.unscaled_values(x32, -1, recipe.block_2d, recipe.rounding, key, s_dec), s_dec
+  s_dec = qz.global_decode_scale(qz.amax(x32), recipe.four_over_six)
+  return qz.unscaled_values(x32, -1, recipe.block_2d, recipe.rounding, key, s_dec,
+                            four_over_six=recipe.four_over_six), s_dec
 
 
 def _emulated(a, b, dimension_numbers, a_recipe, b_recipe, rht_seed, out_dtype, key):

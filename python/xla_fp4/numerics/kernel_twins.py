@@ -21,16 +21,18 @@ def block_amax(x, *, axis, rht, rht_seed, digest):
   return (maxima, nvfp4.block_digest(x, axis=axis)) if digest else maxima
 
 
-def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed):
-  """xla_fp4_qdq with apply_global_scale false: q * scale of (rht(x) if rht else x), in x's dtype."""
+def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed, four_over_six=False):
+  """xla_fp4_qdq with apply_global_scale false: q * scale of (rht(x) if rht else x), in x's dtype; `four_over_six`:
+  each block's scale to 4 or to 6 (nvfp4._encode; twins only so far)."""
   x32 = x.astype(jnp.float32)
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)
   rounding = nvfp4.Rounding.STOCHASTIC if stochastic else nvfp4.Rounding.NEAREST
-  return nvfp4.unscaled_values(x32, axis, block_2d, rounding, key, s_dec).astype(x.dtype)
+  return nvfp4.unscaled_values(x32, axis, block_2d, rounding, key, s_dec,
+                               four_over_six=four_over_six).astype(x.dtype)
 
 
-def decode_scale(block_maxima, peers=()):
+def decode_scale(block_maxima, peers=(), four_over_six=False):
   """The global decode scale s_dec = amax / (6 * 448) from xla_fp4_block_amax's output (NaN already +Inf there).
 
   Inlined into the program, amax * (1/2688) would be open to XLA's reassociation of constant products (into the GEMM's
@@ -38,7 +40,7 @@ def decode_scale(block_maxima, peers=()):
   is a plain reduce that XLA turns into an all-reduce; in a shard_map body, where XLA adds none, the max is taken over
   the body's `peers` too (collective.py)."""
   amax = collective.max_over_peers(jnp.max(block_maxima), peers)
-  return jax.lax.optimization_barrier(nvfp4.global_decode_scale(amax))
+  return jax.lax.optimization_barrier(nvfp4.global_decode_scale(amax, four_over_six))
 
 
 def stochastic_key(x, salt):
@@ -64,8 +66,9 @@ def mx_qdq(x, salt, *, format, axis, block_2d, stochastic, rht, rht_seed):  # no
   return mx.unscaled_values(x32, axis, formats.FORMATS[format], block_2d, stochastic, key).astype(x.dtype)
 
 
-def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed, four_over_six=False):
   """xla_fp4_qdq_with_scale: (qdq of x with its own s_dec and key, s_dec): the partitioned pattern on one device."""
-  s_dec = decode_scale(block_amax(x, axis=axis, rht=rht, rht_seed=rht_seed, digest=False))
+  s_dec = decode_scale(block_amax(x, axis=axis, rht=rht, rht_seed=rht_seed, digest=False), four_over_six=four_over_six)
   key = stochastic_key(x, salt) if stochastic else salt
-  return qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed), s_dec
+  return qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
+             four_over_six=four_over_six), s_dec

@@ -70,10 +70,13 @@ def _tile_max(a, axis):
   return jnp.moveaxis(g.reshape(a.shape)[..., :n], -1, axis)
 
 
-def global_decode_scale(amax):
+def global_decode_scale(amax, four_over_six=False):
   """s_dec = amax / (6 * 448), float32, computed as amax * f32(1 / 2688): XLA turns the division by a constant into
-  that product anyway, and the kernels (kInvGlobalScaleDivisor) use the same form, so every path agrees bit for bit."""
-  return jnp.asarray(amax, jnp.float32) * formats.INV_GLOBAL_SCALE_DIVISOR
+  that product anyway, and the kernels (kInvGlobalScaleDivisor) use the same form, so every path agrees bit for bit.
+  With Four Over Six the E4M3 range is taken as 256 (amax / 1536), so that a block scaled to 4, 1.5 times its scale
+  to 6, still fits E4M3 (arXiv 2512.02010; the authors' reference does the same)."""
+  inverse = formats.INV_FOUR_OVER_SIX_DIVISOR if four_over_six else formats.INV_GLOBAL_SCALE_DIVISOR
+  return jnp.asarray(amax, jnp.float32) * inverse
 
 
 def _element_bits(x):
@@ -116,24 +119,62 @@ def amax(x):
   return _max(jnp.abs(x.astype(jnp.float32)))
 
 
-def _encode(x32, axis, block_2d, rounding, key, s_dec, bits=None):
+def _encode(x32, axis, block_2d, rounding, key, s_dec, bits=None, four_over_six=False):
   """Core of the recipe on a float32 tensor. Returns (q, scales) with q float32 on the E2M1 grid shaped (outer, K/16,
   16, inner) and scales float8_e4m3fn shaped (outer, K/16, inner). `s_dec` is a scalar, or one per block
   (broadcastable to (outer, K/16, inner): the grouped recipe's per-group scales); `bits` (x32's shape) replaces the
-  random bits drawn from `key` where the caller numbers elements otherwise (numerics/grouped.py)."""
+  random bits drawn from `key` where the caller numbers elements otherwise (numerics/grouped.py). `four_over_six`:
+  each block (16x16 tile with `block_2d`) takes the scale that maps its largest magnitude to 6 or the one that maps it
+  to 4, whichever decodes it with the smaller sum of squared errors (`_four_over_six`)."""
   xb, _, wanted = block_scales(x32, axis, block_2d, s_dec)
   s_dec = jnp.asarray(s_dec, jnp.float32)
-  scales = formats.round_e4m3(wanted)
+  uniform = None
+  if rounding == "stochastic":
+    def uniform():  # the same bits for every candidate scale
+      drawn = formats.random_bits(key, x32.shape) if bits is None else bits
+      return formats.uniform_from_bits(drawn.reshape(xb.shape))
+  q, scales = _encode_with(xb, formats.round_e4m3(wanted), s_dec, uniform)
+  if four_over_six:
+    q4, scales4 = _encode_with(xb, formats.round_e4m3(wanted * jnp.float32(1.5)), s_dec, uniform)
+    pick4 = _four_over_six(xb, (q, scales), (q4, scales4), s_dec, block_2d and xb.shape[3] > 1, block_2d)
+    q = jnp.where(pick4[:, :, None, :], q4, q)
+    scales = jnp.where(pick4, scales4, scales)
+  return q, scales
+
+
+def _encode_with(xb, scales, s_dec, uniform):
+  """(q on the E2M1 grid, scales) of blocked xb with the given E4M3 block scales; `uniform()`: stochastic rounding's
+  uniforms (None: nearest)."""
   denom = scales.astype(jnp.float32) * s_dec
   v = xb * (jnp.float32(1) / denom)[:, :, None, :]
-  if rounding == "stochastic":
-    bits = formats.random_bits(key, x32.shape) if bits is None else bits
-    u = formats.uniform_from_bits(bits.reshape(xb.shape))
-    q = formats.round_e2m1_stochastic(v, u)
-  else:
-    q = formats.round_e2m1_nearest(v)
-  q = jnp.where((denom == 0)[:, :, None, :], jnp.float32(0), q)  # a zero scale encodes zeros
-  return q, scales
+  q = formats.round_e2m1_nearest(v) if uniform is None else formats.round_e2m1_stochastic(v, uniform())
+  return jnp.where((denom == 0)[:, :, None, :], jnp.float32(0), q), scales  # a zero scale encodes zeros
+
+
+def _tree_sum(v, axis):
+  """Sum over `axis` (a power of two long) by halves, in a fixed order (the kernels sum alike): (0+8)+(4+12)..."""
+  while v.shape[axis] > 1:
+    half = v.shape[axis] // 2
+    v = jax.lax.slice_in_dim(v, 0, half, axis=axis) + jax.lax.slice_in_dim(v, half, 2 * half, axis=axis)
+  return jnp.squeeze(v, axis)
+
+
+def _four_over_six(xb, six, four, s_dec, tiles_inner, block_2d):
+  """bool (outer, K/16, inner): where the block's (tile's) scale to 4 decodes it with a smaller sum of squared errors
+  than its scale to 6 (a tie keeps 6), the errors of the decoded values (q * scale) * s_dec against x, summed over the
+  block's 16 elements, and over the tile's 16 blocks with `block_2d`, by halves."""
+  def sse(q, scales):
+    err = xb - _decode(q, scales, s_dec)
+    per_block = _tree_sum(err * err, 2)  # (outer, K/16, inner)
+    if not block_2d:
+      return per_block
+    axis = 2 if tiles_inner else 0
+    n = per_block.shape[axis]
+    moved = jnp.moveaxis(per_block, axis, -1)
+    moved = jnp.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, -n % BLOCK)])  # a partial tile's missing rows: no error
+    tile = _tree_sum(moved.reshape(moved.shape[:-1] + (moved.shape[-1] // BLOCK, BLOCK)), moved.ndim)
+    return jnp.moveaxis(jnp.repeat(tile, BLOCK, axis=-1)[..., :n], -1, axis)
+  return sse(*four) < sse(*six)
 
 
 def block_scales(x32, axis, block_2d, s_dec):
@@ -159,10 +200,11 @@ def _decode(q, scales, s_dec):
   return _times_scale(q, scales) * jnp.asarray(s_dec, jnp.float32)
 
 
-def unscaled_values(x32, axis, block_2d, rounding, key, s_dec, bits=None):
+def unscaled_values(x32, axis, block_2d, rounding, key, s_dec, bits=None, four_over_six=False):
   """q * scale of float32 `x32` in its own shape, without the global decode scale: the operand of an emulated GEMM
-  that folds both tensors' s_dec into its output (the kernels' apply_global_scale=false). `s_dec`, `bits`: _encode."""
-  q, scales = _encode(x32, axis, block_2d, rounding, key, s_dec, bits)
+  that folds both tensors' s_dec into its output (the kernels' apply_global_scale=false). `s_dec`, `bits`,
+  `four_over_six`: _encode."""
+  q, scales = _encode(x32, axis, block_2d, rounding, key, s_dec, bits, four_over_six)
   return _times_scale(q, scales).reshape(x32.shape)
 
 

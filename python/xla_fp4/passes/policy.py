@@ -28,6 +28,7 @@ from xla_fp4.numerics.formats import FORMATS
 from xla_fp4.numerics.gemm import OperandRecipe
 from xla_fp4.numerics.nvfp4 import Rounding
 from xla_fp4.passes.analysis import Analysis, BlockIndex, BlockSource, DotRecord, DotSite, Grouping, Role
+from xla_fp4.passes.fp4_gemm import native_grouped_ineligible, native_ineligible
 
 
 class Verdict(enum.StrEnum):
@@ -218,12 +219,14 @@ def recipe_for(site: DotSite, config: Config, fmt: str = "nvfp4"):
   f = FORMATS[fmt]
   sr = Rounding.STOCHASTIC if config.stochastic_rounding and f.stochastic else Rounding.NEAREST
   wgrad = site.role is Role.WGRAD
+  # Four Over Six refines NVFP4's block scales on dense GEMMs (expert GEMMs keep the grouped recipe as it is)
+  fos = config.four_over_six and fmt == "nvfp4" and site.groups is None
 
   def recipe(kind):
     if kind is Operand.WEIGHT:
-      return OperandRecipe(block_2d=config.weights_2d and f.tiles_2d, format=fmt)
+      return OperandRecipe(block_2d=config.weights_2d and f.tiles_2d, format=fmt, four_over_six=fos)
     rounding = sr if kind is Operand.GRADIENT else Rounding.NEAREST
-    return OperandRecipe(rounding=rounding, rht=config.rht and wgrad and f.rht, format=fmt)
+    return OperandRecipe(rounding=rounding, rht=config.rht and wgrad and f.rht, format=fmt, four_over_six=fos)
   return tuple(recipe(k) for k in operand_kinds(site))
 
 
@@ -285,47 +288,6 @@ def decide(analysis: Analysis, config: Config, rules=None):
   return decisions, unmatched
 
 
-def native_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
-  """Why the packed FP4 GEMM cannot run `site`, or None. It multiplies plain matrices (free and contracting dims merge
-  into M, N and K; the scales are padded to 128x4 tiles, so M needs no alignment); cuBLASLt needs every matrix's rows
-  16-byte aligned: K-major operand rows (K a multiple of 32) and output rows (`_output_rows`)."""
-  if site.gemm.batch[0]:
-    return "the packed GEMM takes no batch dims"
-  if cuda and site.gemm.k % 32:
-    return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={site.gemm.k}"
-  return _output_rows(site.gemm.n, site.gemm.dtype) if cuda else None
-
-
-def _output_rows(n, dtype):
-  """Why cuBLASLt cannot write an (M, N) output of `dtype` (its rows of N elements must be 16-byte aligned: N a
-  multiple of 8 in bf16/f16, of 4 in f32), or None. Without this the GEMM would find no algorithm at run time and fail
-  the step on Blackwell; the policy keeps such a dot in the emulated GEMM instead."""
-  multiple = 16 // (4 if dtype == "f32" else 2)
-  return None if n % multiple == 0 else (f"cuBLASLt's FP4 GEMM writes 16-byte output rows: N a multiple of {multiple} "
-                                         f"for {dtype}, N={n}")
-
-
-def native_grouped_ineligible(site: DotSite, cuda: bool) -> Optional[str]:
-  """Why the FP4 GEMM cannot run an expert GEMM per expert, or None: a dot_general with one group dim per operand and
-  no other batch dim (the FP4 GEMM once per expert), or a chlo.ragged_dot of jax.lax.ragged_dot's forms, tokens
-  [M, K] in groups of rows (xla_fp4_ragged_gemm_packed: its groups' rows are known at run time only)."""
-  groups, gemm = site.groups, site.gemm
-  if groups.kind is Grouping.RAGGED_CONTRACTING:
-    return None if len(gemm.lhs_shape) == 2 and len(gemm.rhs_shape) == 2 else "the grouped FP4 GEMM takes matrices"
-  if groups.kind is Grouping.RAGGED_ROWS:
-    if len(gemm.lhs_shape) != 2 or gemm.contracting[0] != (1,) or len(gemm.rhs_shape) != 3 or gemm.batch[0]:
-      return "the grouped FP4 GEMM takes tokens [M, K] and one matrix per group"
-  elif groups.free:
-    return "an expert dim free in one operand (every token meets every expert): no per-expert FP4 GEMM form"
-  elif len(groups.lhs) != 1 or any(d not in groups.lhs for d in gemm.batch[0]):
-    return "the packed GEMM takes no batch dims besides the experts"
-  if cuda and groups.k % 32:
-    return f"cuBLASLt's FP4 GEMM needs K a multiple of 32, K={groups.k}"
-  # A ragged GEMM writes the dot's type, the per-expert GEMMs f32 products (summed or stacked after)
-  ragged = groups.kind in (Grouping.RAGGED_ROWS, Grouping.RAGGED_CONTRACTING)
-  return _output_rows(gemm.n, gemm.dtype if ragged else "f32") if cuda else None
-
-
 def _operand_plans(site: DotSite, decision: Decision, form: Form):
   """((lhs, rhs) OperandPlans, quantization order)."""
   kinds = operand_kinds(site)
@@ -346,6 +308,8 @@ def _dense_only(d: Decision) -> Optional[str]:
   """Why a decision runs the emulated dense GEMM whatever the backend, or None."""
   if d.decision is not Verdict.NVFP4:
     return f"{d.decision} runs the emulated GEMM (the FP4 GEMM and the packed forms are NVFP4's)"
+  if d.lhs.four_over_six:
+    return "Four Over Six runs the emulated GEMM (no kernel or FP4 GEMM takes it yet)"
   return None
 
 

@@ -8,6 +8,9 @@
                                                                  (reuse.py), or the salt where rounding is nearest
                       %q = xla_fp4_qdq(%x, %s, %key) {apply_global_scale = false}
 
+Four Over Six (OperandRecipe.four_over_six) takes the same patterns with the twins of xla_fp4_qdq_with_scale and
+xla_fp4_qdq (and decode_scale's 1536 divisor) in place of the kernels, which do not take it yet.
+
 An MX format (mxfp4, mxfp8) has no tensor scale: its q·scale comes from one twin (numerics/mx.py) in either form, and
 its decode scale is 1:
                       %q = mx_qdq twin(%x, %salt) {format, axis, block_2d, stochastic, rht}
@@ -45,7 +48,8 @@ def scale_and_key(ctx, x, axis, operand, user):
   # CPU materialized x's bits as uint32 for it, and a GPU would read x once more (docs/design.md §8).
   measured = ctx.kernels.call(targets.BLOCK_AMAX, [x], dict(axis=axis, rht=recipe.rht, rht_seed=ctx.seed,
                                                              digest=recipe.stochastic and digest is None))
-  s_dec = ctx.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())], **peers(operand))[0]
+  s_dec = ctx.twins.call(kernel_twins.decode_scale, [measured[0]], [scalar_type(f32())], **peers(operand),
+                         **_four_over_six(recipe))[0]
   salt = ctx.salt(operand)
   if not recipe.stochastic:
     return s_dec, salt
@@ -83,11 +87,20 @@ def _mx(ctx, x, axis, recipe, plan):
                         block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)[0]
 
 
+def _four_over_six(recipe):
+  """The twins' `four_over_six` parameter where the recipe asks for it; none otherwise (the same twins as before)."""
+  return dict(four_over_six=True) if recipe.four_over_six else {}
+
+
 def _quantize(ctx, probe, x, axis, plan, form, after, user):
   recipe = plan.recipe
   if recipe.format != "nvfp4":
     return _mx(ctx, x, axis, recipe, plan), const(1.0, f32())
   attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)
+  if recipe.four_over_six and form is Form.WHOLE_TENSOR:  # the kernels do not take it: the twin
+    q, s_dec = ctx.twins.call(kernel_twins.qdq_with_scale, [x, ctx.salt(plan)], [x.type, scalar_type(f32())],
+                              **attrs, four_over_six=True)
+    return q, s_dec
   if form is Form.WHOLE_TENSOR:
     target, operands = targets.QDQ_WITH_SCALE, [x]
     if probe.step is not None:  # the quantizer also measures what it does, in the same pass, in recorded steps
@@ -105,6 +118,8 @@ def _quantize(ctx, probe, x, axis, plan, form, after, user):
                                result_types=[x.type, device_rows_type(ctx.mesh)], k_follows_dot=plan.k_follows_dot)
     probe.keep_row(q, rows)
     return q, s_dec
+  if recipe.four_over_six:
+    return ctx.twins.call(kernel_twins.qdq, [x, s_dec, key], [x.type], **attrs, four_over_six=True)[0], s_dec
   q = ctx.kernels.call(targets.QDQ, [x, s_dec, key], dict(attrs, apply_global_scale=False),
                        k_follows_dot=plan.k_follows_dot)[0]
   return q, s_dec
