@@ -5,7 +5,7 @@
 
 Contract: every measured number on docs/performance.md and between the README's performance:begin/end markers is
 computed here from benchmarks/results/{pass_overhead,kernels,sharding,experts,telemetry,maxtext,convergence}.json and
-convergence_seed*/*.json; the prose is fixed text that interprets them and quotes no measurement; the targets (the
+convergence/<arm>/seed*.json; the prose is fixed text that interprets them and quotes no measurement; the targets (the
 issues' goals, not measurements) are TARGETS. The output depends on those files only. tests/test_performance_doc.py
 runs --check.
 """
@@ -353,44 +353,30 @@ docs/maxtext.md has their last measurement.
 
 def convergence():
   d = load("convergence")
-  runs, summary, base = d["runs"], {s["run"]: s for s in d["summary"]}, d["runs"]["baseline"]["config"]
-  rows = [[name, f"`{r['env']}`", r["description"], f"{r['final_val_loss']:.4f}",
-           "-" if name == "baseline" else f"{summary[name]['val_gap_pct']:+.2f}%",
-           x(summary[name]["step_time_ratio"]), f"{summary[name]['nvfp4_flop_share']:.1%}"]
-          for name, r in runs.items()]
-  seeds = {base["seed"]: {name: r["final_val_loss"] for name, r in runs.items()}}  # seed -> run -> final val loss
-  for path in sorted(glob.glob(str(RESULTS / "convergence_seed*" / "*.json"))):
-    r = json.loads(Path(path).read_text())
-    seeds.setdefault(r["config"]["seed"], {})[r["config"]["name"].rsplit("_s", 1)[0]] = r["final_val_loss"]
-  gap = lambda s, run: 100 * (seeds[s][run] / seeds[s]["baseline"] - 1)
-  common = [n for n in runs if n != "baseline" and all(n in v for v in seeds.values())]
-  mean = {n: sum(gap(s, n) for s in seeds) / len(seeds) for n in common}
-  seed_rows = [[n] + [f"{gap(s, n):+.2f}%" for s in seeds] + [f"{mean[n]:+.2f}%"] for n in common]
-  goal = TARGETS["val_gap_pct"]
+  rows = {r["run"]: r for r in d["summary"]}
+  ci = lambda r: "-" if len(r["seeds"]) < 2 else "[{:+.2f}%, {:+.2f}%]".format(*r["val_gap_pct_ci95"])  # noqa: E731
+  lines = [[r["run"], str(len(r["seeds"])), f"{r['val_gap_pct_mean']:+.2f}%", ci(r), "yes" if r["significant"] else "no"]
+           for r in d["summary"]]
+  goal, nv = TARGETS["val_gap_pct"], rows.get("nvfp4")
+  tokens = d.get("tokens_to_match", {}).get("mxfp4_over_nvfp4")
+  match = "" if not tokens else (f"MXFP4 needs {tokens['ratio']:.2f}x NVFP4's tokens to reach its final validation loss "
+                                 f"(seeds {tokens['seeds']}; the seeds' paper: {tokens['seeds_claim']:.2f}x).")
   text = f"""## Convergence
 
-`python benchmarks/convergence.py` (writes `benchmarks/results/convergence.json` and the table in
-docs/convergence.md): `python examples/train_lm.py {' '.join(d['train_flags'])}` ({base['n_params']} parameters,
-{base['data']}), once in high precision and once per NVFP4 variant; only the `XLA_FP4*` environment differs.
-{d['meta']['machine']}, jax {d['meta']['jax_version']}, {d['meta']['date']}. Val loss at the last step; the gap is
-relative to the baseline's.
+`python benchmarks/convergence.py` (writes `benchmarks/results/convergence.json`, one JSON per arm and seed in
+`benchmarks/results/convergence/`, and docs/convergence.md): `python examples/train_lm.py {' '.join(d['train_flags'])}
+--seed K` per arm and seed, each arm's validation loss against the same seed's high-precision run; the mean gap
+over seeds with a 95% t interval. {d['meta']['machine']}, jax {d['meta']['jax_version']}, {d['meta']['date']}.
 
-{table(["run", "environment", "what it tests", "val loss", "val gap", "step time / baseline",
-        "NVFP4 share of GEMM FLOPs"], rows)}
+{table(["arm", "seeds", "val gap, mean", "95% interval", "significant"], lines)}
 
-Other seeds: `examples/train_lm.py` with the same flags, `--seed N` and the run's environment; JSON in
-`benchmarks/results/convergence_seed*/`. Val gap per seed:
-
-{table(["run"] + [f"seed {s}" for s in seeds] + ["mean"], seed_rows)}
-
-Target: the full recipe (nvfp4) within {goal}% of the baseline's val loss: {mean['nvfp4']:+.2f}% on average
-({met(mean['nvfp4'] <= goal)}). Differences between NVFP4 variants within one seed are of the size of the spread
-between seeds; only naive NVFP4 stands clear of it. The paper's near-parity is an end-of-training result at a far
-larger scale. Analysis and loss curves: docs/convergence.md.
+Target: the NVFP4 recipe within {goal}% of high precision: {nv['val_gap_pct_mean']:+.2f}% over {len(nv['seeds'])}
+seed(s) ({met(nv['val_gap_pct_mean'] <= goal)}). {match} Analysis and the gap curves: docs/convergence.md.
 """
-  return text, [[f"convergence, {base['steps']} steps, {base['n_params']} parameters: val loss gap to high precision",
-                 f"full recipe {mean['nvfp4']:+.2f}% (mean of {len(seeds)} seeds), naive NVFP4 "
-                 f"{summary['naive']['val_gap_pct']:+.2f}% (seed {base['seed']})", link("Convergence")]]
+  return text, [["convergence, 0.88M parameters, 800 steps: val loss gap to high precision (mean over seeds)",
+                 f"NVFP4 recipe {nv['val_gap_pct_mean']:+.2f}% ({len(nv['seeds'])} seeds)" + (
+                     f", naive {rows['naive']['val_gap_pct_mean']:+.2f}%" if "naive" in rows else ""),
+                 link("Convergence")]]
 
 
 def render(readme):
