@@ -60,16 +60,21 @@ def _rel(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+def _step_with(**options):
+  """(decision rows, gradients) of one step with the pass enabled with `options` (nearest rounding, every layer)."""
+  params, x = _params()
+  xla_fp4.enable(stochastic_rounding=False, keep_head=False, keep_first=0, keep_last=0, strict=True, **options)
+  try:
+    step = jax.jit(jax.grad(_loss))
+    return xla_fp4.explain(step, params, x), step(params, x)
+  finally:
+    xla_fp4.disable()
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4"])
 def test_the_format_option_quantizes_every_gemm_in_it(fmt):
   params, x = _params()
-  xla_fp4.enable(format=fmt, stochastic_rounding=False, keep_head=False, keep_first=0, keep_last=0, strict=True)
-  try:
-    step = jax.jit(jax.grad(_loss))
-    rows = xla_fp4.explain(step, params, x)
-    got = step(params, x)
-  finally:
-    xla_fp4.disable()
+  rows, got = _step_with(format=fmt)
   assert [r["decision"] for r in rows] == [fmt] * 5, rows  # two fprops, two wgrads, one dgrad
   want = jax.jit(jax.grad(_manual(fmt)))(params, x)
   base = jax.jit(jax.grad(_loss))(params, x)
@@ -82,14 +87,7 @@ def test_four_over_six_through_the_pass():
   """XLA_FP4_FOUR_OVER_SIX=1: every dense NVFP4 GEMM takes each block's scale to 4 or to 6 (the emulated GEMM, on the
   twins), as the recipe spelled out with numerics does; the report marks the recipe."""
   params, x = _params()
-  xla_fp4.enable(four_over_six=True, stochastic_rounding=False, keep_head=False, keep_first=0, keep_last=0,
-                 strict=True)
-  try:
-    step = jax.jit(jax.grad(_loss))
-    rows = xla_fp4.explain(step, params, x)
-    got = step(params, x)
-  finally:
-    xla_fp4.disable()
+  rows, got = _step_with(four_over_six=True)
   assert all(r["decision"] == "nvfp4" and r["recipe"]["lhs"].endswith("4/6") for r in rows), rows
   want = jax.jit(jax.grad(_manual("nvfp4", four_over_six=True)))(params, x)
   plain = jax.jit(jax.grad(_manual("nvfp4")))(params, x)
