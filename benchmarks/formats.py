@@ -6,9 +6,9 @@ one run.
 Per format:
 - `gemm_rel_error`: one fprop GEMM (activations 1xB along K, weights in the format's 2D tiles) against float64, as
   relative Frobenius error, on Gaussian activations with a few outlier rows;
-- `quantize_vs_copy`: the quantizer the emulated pass runs for that format (NVFP4: the C++ kernel
-  xla_fp4_qdq_with_scale; MX: the twin lowered from numerics/mx.py) on a 4096 x 4096 float32 tensor, as a fraction
-  of a copy's bandwidth (the same bytes read and written);
+- `quantize_vs_copy`: the quantizer the emulated pass runs for that format (the C++ kernels xla_fp4_qdq_with_scale
+  and xla_fp4_mx_qdq) on a 4096 x 4096 float32 tensor, as a fraction of a copy's bandwidth (the same bytes read and
+  written);
 - `step_time_ratio`: the emulated train step over the unrewritten one (one device, float32), timed interleaved;
 - `fsdp_collective_bytes_ratio`: collective bytes per device under FSDP over 8 host devices, pass / none (scalar
   all-reduces aside);
@@ -33,7 +33,7 @@ import sharding as bench  # noqa: E402
 
 import xla_fp4  # noqa: E402
 from xla_fp4 import kernels  # noqa: E402
-from xla_fp4.numerics import formats, kernel_twins  # noqa: E402
+from xla_fp4.numerics import formats  # noqa: E402
 from xla_fp4.numerics import gemm as nv  # noqa: E402
 from xla_fp4.sharding.cost import cost  # noqa: E402
 
@@ -58,8 +58,7 @@ def quantize_vs_copy(fmt, size, repeats):
   if fmt == "nvfp4":
     quantize = jax.jit(lambda v: kernels.qdq_with_scale(v, axis=1)[0])
   else:
-    quantize = jax.jit(lambda v: kernel_twins.mx_qdq(v, jnp.uint32(0), format=fmt, axis=1, block_2d=False,
-                                                     stochastic=False, rht=False, rht_seed=0))
+    quantize = jax.jit(lambda v: kernels.mx_qdq(v, axis=1, fp8=fmt == "mxfp8"))
   t_copy, t_quant = bench.time_steps([copy, quantize], [(x,), (x,)], repeats)
   return t_copy / t_quant
 

@@ -33,6 +33,9 @@
 // them), 1 where the record's table is whole (or every device's, gathered: [devices, rows, FIELDS]).
 #define XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES(A) \
   A(int64_t, module) A(int64_t, site) A(int64_t, strict_row) A(int64_t, parts)
+// fp8: E4M3 elements (MXFP8), else E2M1 (MXFP4).
+#define XLA_FP4_MX_QDQ_ATTRIBUTES(A) \
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, fp8)
 #define XLA_FP4_NO_ATTRIBUTES(A)
 
 // X(constant, handler stem, name, attribute list): every target, listed once. The name constants (kQdqTarget, ...) and
@@ -55,7 +58,8 @@
   X(kRaggedGemmPackedTarget, RaggedGemmPacked, "xla_fp4_ragged_gemm_packed",                                  \
     XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES)                                                                     \
   X(kTelemetryStepTarget, TelemetryStep, "xla_fp4_telemetry_step", XLA_FP4_TELEMETRY_STEP_ATTRIBUTES)          \
-  X(kTelemetryRecordTarget, TelemetryRecord, "xla_fp4_telemetry_record", XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)
+  X(kTelemetryRecordTarget, TelemetryRecord, "xla_fp4_telemetry_record", XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)  \
+  X(kMxQdqTarget, MxQdq, "xla_fp4_mx_qdq", XLA_FP4_MX_QDQ_ATTRIBUTES)
 
 // XLA_FP4_DECLARE_HANDLERS(Cpu) / (Cuda): every target's handler on that platform (include xla/ffi/api/ffi.h first).
 #define XLA_FP4_DECLARE_HANDLER_Cpu_(constant, stem, name, attributes) XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4##stem##Cpu);

@@ -262,6 +262,32 @@ XLA_FP4_HOST_DEVICE inline float QuantizeElement(float x, BlockScale b, bool sto
 // (q * scale) * s_dec: the first product is exact, so there is one rounding.
 XLA_FP4_HOST_DEVICE inline float DecodeElement(float q, float scale, float s_dec) { return (q * scale) * s_dec; }
 
+// ---- the OCP MX formats (numerics/mx.py): E2M1 or E4M3 elements, an E8M0 (power of two) scale per 32 ----
+
+inline constexpr int kMxBlock = 32;
+
+// s, the smallest integer with amax <= elem_max * 2^s (elem_max 6 = 1.5 * 2^2 for E2M1, 448 = 1.75 * 2^8 for E4M3),
+// clamped to [-127, 127], from amax's bits: its exponent, plus one where its mantissa exceeds elem_max's. A zero or
+// subnormal amax gives -127 (subnormals count as zero, as under XLA CPU's DAZ).
+XLA_FP4_HOST_DEVICE inline int MxScaleExponent(float amax, bool fp8) {
+  const uint32_t bits = BitsOf(amax) & 0x7FFFFFFFu;
+  const int exponent = static_cast<int>(bits >> 23);
+  if (exponent == 0) return -127;
+  const int s = exponent - 127 - (fp8 ? 8 : 2) + ((bits & 0x7FFFFFu) > (fp8 ? 0x600000u : 0x400000u) ? 1 : 0);
+  return s < -127 ? -127 : (s > 127 ? 127 : s);
+}
+
+// 2^s for s in [-127, 127] (2^-127 is subnormal).
+XLA_FP4_HOST_DEVICE inline float Pow2(int s) {
+  return s >= -126 ? FloatOf(static_cast<uint32_t>(s + 127) << 23) : FloatOf(0x00400000u);
+}
+
+// An MX element: v = x / 2^s rounded to E4M3 (nearest-even) or E2M1 (nearest-even, or stochastic with `u`).
+XLA_FP4_HOST_DEVICE inline float MxRoundElement(float v, bool fp8, bool stochastic, float u) {
+  if (fp8) return E4M3Decode(E4M3Encode(v));
+  return stochastic ? RoundE2M1Stochastic(v, u) : RoundE2M1Nearest(v);
+}
+
 // The swizzled scale storage (numerics.padded_scale_shape): K/16 blocks rounded up to 4 columns, rows rounded up to
 // 128; the padding is zero.
 XLA_FP4_HOST_DEVICE inline int64_t PaddedScaleCols(int64_t k) {

@@ -6,6 +6,7 @@
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
 //   xla_fp4_qdq_with_scale_stats(x, step) -> (y, s_dec, stats)
 //                                      the same, and the quantization's statistics from the same pass (telemetry)
+//   xla_fp4_mx_qdq(x, key) -> y         an OCP MX format's q * 2^s per 32-block (numerics/mx.py)
 //   xla_fp4_qdq_and_stats(x, s_dec, key, step) -> (y, stats)
 //                                      xla_fp4_qdq (apply_global_scale off) and, in a recorded step, the statistics of
 //                                      what it did to x from the same pass (a partitioned program's telemetry)
@@ -206,6 +207,80 @@ void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, uint32_t* dig
   });
 }
 
+// ---- xla_fp4_mx_qdq: the OCP MX formats (numerics/mx.py) ----
+
+// The 32 values of one MX block along K at (o, block, i), after the RHT where it applies; whether any is NaN or Inf.
+template <typename T>
+bool LoadMxBlock(const T* x, const Geometry& g, int64_t o, int64_t block, int64_t i, const Recipe& r, float (&v)[kMxBlock],
+                 float* amax) {
+  const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
+  for (int j = 0; j < kMxBlock; ++j) v[j] = Load(x + base + j * g.inner);
+  if (r.rht) {
+    Rht16(v, r.signs.sign_quarter);
+    Rht16(v + kBlock, r.signs.sign_quarter);
+  }
+  bool bad = false;
+  float m = 0.0f;
+  for (int j = 0; j < kMxBlock; ++j) {
+    const float a = Abs(v[j]);
+    bad |= !(a <= 0x1.fffffep127f);  // NaN or Inf
+    m = a > m ? a : m;
+  }
+  *amax = m;
+  return bad;
+}
+
+// y = q * 2^s per block (per 32x32 tile with block_2d, whose blocks share the tile's amax): two passes, the blocks'
+// maxima first (NaN where a block holds NaN or Inf), then the elements.
+template <typename T>
+void MxQdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, uint32_t key, bool fp8) {
+  const int64_t blocks = g.k / kMxBlock, n = g.outer * blocks * g.inner;
+  std::vector<float> amax(n);
+  ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
+    float v[kMxBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      float m;
+      const bool bad = LoadMxBlock(x, g, b / (blocks * g.inner), (b / g.inner) % blocks, b % g.inner, r, v, &m);
+      amax[b] = bad ? FloatOf(0x7FC00000u) : m;
+    }
+  });
+  if (r.block_2d) {  // the tile's amax: 32 consecutive partner positions (inner, or outer where inner is 1)
+    const bool along_inner = g.inner > 1;
+    const int64_t stride = along_inner ? 1 : blocks * g.inner, extent = along_inner ? g.inner : g.outer;
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t pos = along_inner ? b % g.inner : b / (blocks * g.inner);
+      if (pos % kMxBlock != 0) continue;
+      float m = 0.0f;
+      bool bad = false;
+      for (int64_t t = 0; t < kMxBlock && pos + t < extent; ++t) {
+        const float a = amax[b + t * stride];
+        bad |= IsNan(a);
+        m = a > m ? a : m;
+      }
+      for (int64_t t = 0; t < kMxBlock && pos + t < extent; ++t) amax[b + t * stride] = bad ? FloatOf(0x7FC00000u) : m;
+    }
+  }
+  const uint32_t mixed_key = Mix32(key);
+  ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
+    float v[kMxBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t o = b / (blocks * g.inner), block = (b / g.inner) % blocks, i = b % g.inner;
+      float unused;
+      LoadMxBlock(x, g, o, block, i, r, v, &unused);
+      const bool nan = IsNan(amax[b]);
+      const int s = MxScaleExponent(nan ? 0.0f : amax[b], fp8);
+      const float inverse = Pow2(-s), scale = Pow2(s);
+      const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
+      for (int j = 0; j < kMxBlock; ++j) {
+        const int64_t at = base + j * g.inner;
+        const float u = r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(at))) : 0.0f;
+        const float q = MxRoundElement(v[j] * inverse, fp8, r.stochastic, u);
+        Store(y + at, nan ? FloatOf(0x7FC00000u) : q * scale);
+      }
+    }
+  });
+}
+
 // ---- FFI handlers (the checks shared with CUDA: ffi_checks.h) ----
 
 ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
@@ -358,6 +433,19 @@ ffi::Error BlockAmaxFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi:
   });
 }
 
+ffi::Error MxQdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> y,
+                    int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool fp8) {
+  Geometry g;
+  if (ffi::Error e = CheckMxQdq(x, *y, key, axis, block_2d, stochastic, rht_seed, &g); e.failure()) return e;
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const uint32_t k = *static_cast<const uint32_t*>(key.untyped_data());
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    MxQdqImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), g, recipe, k, fp8);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 }  // namespace xla_fp4::cpu
 
@@ -415,3 +503,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCpu, xla_fp4::cpu::BlockAmaxFfi,
                                   .Ret<ffi::AnyBuffer>()  // amax per 1x16 block (float32)
                                   .RemainingRets()        // with digest: each block's digest (uint32)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_BLOCK_AMAX_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxQdqCpu, xla_fp4::cpu::MxQdqFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // key (uint32 scalar)
+                                  .Ret<ffi::AnyBuffer>()  // y: q * 2^s, x's shape and dtype
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_QDQ_ATTRIBUTES));

@@ -375,3 +375,35 @@ def test_backend_config_matches_what_ffi_call_emits():
   assert str(config) in text, (str(config), text)
   with ir.Context(), pytest.raises(ValueError, match="takes attributes"):
     kernels.custom_call_backend_config(kernels.RHT_TARGET, attrs)
+
+
+# ---- the MX formats' quantizer (xla_fp4_mx_qdq) ----
+
+MX_SHAPES = [((64, 96), 1), ((96, 64), 0), ((4, 64, 32), 1), ((2, 32, 3, 32), 1)]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("shape,axis", MX_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mx_qdq_matches_its_twin(shape, axis, dtype, fp8):
+  """Every recipe the MX formats take (2D tiles where the partner dims hold whole 32x32 tiles; stochastic rounding
+  for E2M1 only, as the format records say), with blocks of very different magnitudes, a zero block and a NaN."""
+  rng = np.random.default_rng(sum(shape) + axis)
+  x = rng.standard_normal(shape) * np.exp(rng.uniform(-6, 6, shape[:1] + (1,) * (len(shape) - 1)))
+  x.reshape(-1)[:32] = 0.0
+  x.reshape(-1)[100] = np.nan
+  x = jnp.asarray(x, dtype)
+  trailing = int(np.prod(shape[axis + 1:]))
+  partner = trailing if trailing > 1 else int(np.prod(shape[:axis]))
+  for block_2d in ([False, True] if partner % 32 == 0 else [False]):
+    for stochastic in ([False] if fp8 else [False, True]):
+      for rht in (False, True):
+        attrs = dict(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=5, fp8=fp8)
+        got = kernels.mx_qdq(x, 1234, **attrs)
+        want = jax.jit(functools.partial(kernel_twins.mx_qdq, **attrs))(x, jnp.uint32(1234))
+        assert_same_bits(got, want)
+
+
+def test_mx_qdq_says_what_it_needs():
+  with pytest.raises(Exception, match="multiple of 32"):
+    kernels.mx_qdq(jnp.ones((4, 48)), axis=1)

@@ -34,7 +34,8 @@ def test_twins_return_what_the_records_say(axis):
            (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=True, rht_seed=0, digest=True)),
            (targets.QDQ_WITH_SCALE_STATS, [X, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
            (targets.QDQ_AND_STATS, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE)),
-           (targets.OUTPUT_STATS, [X, SCALAR_I32], {})]
+           (targets.OUTPUT_STATS, [X, SCALAR_I32], {}),
+           (targets.MX_QDQ, [X, SCALAR_U32], dict(axis=axis, **QUANTIZE, fp8=True))]
   assert {t for t, _, _ in cases} == {t for t in targets.ALL if t.twin is not None}
   for target, operands, attrs in cases:
     assert _twin_results(target, operands, attrs) == target.results(operands, attrs, None), target.name

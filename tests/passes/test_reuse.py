@@ -36,7 +36,7 @@ def test_equal_blocking_means_the_same_quantized_values(fmt, block_2d, rht):
       if fmt == "nvfp4":
         y, _ = kernel_twins.qdq_with_scale(jnp.asarray(x.reshape(shape)), jnp.uint32(0), **params)
       else:
-        y = kernel_twins.mx_qdq(jnp.asarray(x.reshape(shape)), jnp.uint32(0), format=fmt, **params)
+        y = kernel_twins.mx_qdq(jnp.asarray(x.reshape(shape)), jnp.uint32(0), fp8=fmt == "mxfp8", **params)
       q[shape, axis] = np.asarray(y).reshape(-1)
   pairs = 0
   recipe = OperandRecipe(block_2d=block_2d, rht=rht, format=fmt)

@@ -1,4 +1,5 @@
-// xla_fp4_qdq, xla_fp4_qdq_with_scale (and their telemetry forms), xla_fp4_rht and xla_fp4_block_amax on CUDA: the same numbers
+// xla_fp4_qdq, xla_fp4_qdq_with_scale (and their telemetry forms), xla_fp4_mx_qdq, xla_fp4_rht and xla_fp4_block_amax
+// on CUDA: the same numbers
 // as the CPU kernels (qdq_kernels.cc).
 #include <cstdint>
 #include <optional>
@@ -112,6 +113,86 @@ __global__ void MeasureKernel(const T* x, BlockGrid g, Recipe r, uint32_t* stats
 __global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, uint32_t salt, float* s_dec, uint32_t* key) {
   *s_dec = GlobalDecodeScale(stats[0]);
   *key = (stochastic ? stats[1] : 0u) ^ salt;
+}
+
+// xla_fp4_mx_qdq: one thread per 1x32 block, or per 32x32 tile with block_2d (its 32 blocks along the partner dim:
+// inner, or outer where inner is 1), as the CPU kernel computes it (qdq_kernels.cc MxQdqImpl).
+template <typename T>
+__device__ bool LoadMxBlock(const T* x, int64_t k, int64_t inner, int64_t o, int64_t block, int64_t i, const Recipe& r,
+                            float* v, float* amax) {
+  const int64_t base = (o * k + block * kMxBlock) * inner + i;
+  for (int j = 0; j < kMxBlock; ++j) v[j] = ToFloat(x[base + j * inner]);
+  if (r.rht) {
+    Rht16(v, r.signs.sign_quarter);
+    Rht16(v + kBlock, r.signs.sign_quarter);
+  }
+  bool bad = false;
+  float m = 0.0f;
+  for (int j = 0; j < kMxBlock; ++j) {
+    const float a = Abs(v[j]);
+    bad |= !(a <= 0x1.fffffep127f);
+    m = a > m ? a : m;
+  }
+  *amax = m;
+  return bad;
+}
+
+template <typename T>
+__global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t inner, Recipe r, const uint32_t* key,
+                            bool fp8, int64_t groups) {
+  const int64_t t = ThreadIndex();
+  if (t >= groups) return;
+  const int64_t blocks = k / kMxBlock;
+  const bool along_inner = inner > 1;
+  const int width = r.block_2d ? kMxBlock : 1;
+  int64_t o, block, i;
+  if (!r.block_2d) {
+    o = t / (blocks * inner), block = (t / inner) % blocks, i = t % inner;
+  } else if (along_inner) {
+    const int64_t per = inner / kMxBlock;
+    o = t / (blocks * per), block = (t / per) % blocks, i = (t % per) * kMxBlock;
+  } else {
+    o = (t / blocks) * kMxBlock, block = t % blocks, i = 0;
+  }
+  float v[kMxBlock];
+  float m = 0.0f, a;
+  bool bad = false;
+  for (int w = 0; w < width; ++w) {
+    bad |= LoadMxBlock(x, k, inner, o + (along_inner ? 0 : w), block, i + (along_inner ? w : 0), r, v, &a);
+    m = a > m ? a : m;
+  }
+  const int s = MxScaleExponent(bad ? 0.0f : m, fp8);
+  const float inverse = Pow2(-s), scale = Pow2(s);
+  const uint32_t mixed_key = Mix32(*key);
+  for (int w = 0; w < width; ++w) {
+    const int64_t ow = o + (along_inner ? 0 : w), iw = i + (along_inner ? w : 0);
+    LoadMxBlock(x, k, inner, ow, block, iw, r, v, &a);
+    const int64_t base = (ow * k + block * kMxBlock) * inner + iw;
+    for (int j = 0; j < kMxBlock; ++j) {
+      const int64_t at = base + j * inner;
+      const float u = r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(at))) : 0.0f;
+      const float q = MxRoundElement(v[j] * inverse, fp8, r.stochastic, u);
+      y[at] = FromFloat<T>(bad ? FloatOf(0x7FC00000u) : q * scale);
+    }
+  }
+}
+
+ffi::Error MxQdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> y, int64_t axis,
+                 bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool fp8) {
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckMxQdq(x, *y, key, axis, block_2d, stochastic, rht_seed, &shape));
+  const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
+  const int64_t blocks = outer * (k / kMxBlock) * inner;
+  const int64_t groups = block_2d ? blocks / kMxBlock : blocks;
+  if (groups == 0) return ffi::Error::Success();
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    MxQdqKernel<<<GridSize(groups), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), outer, k, inner, r,
+        static_cast<const uint32_t*>(key.untyped_data()), fp8, groups);
+    return LaunchStatus("xla_fp4_mx_qdq kernel");
+  });
 }
 
 ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
@@ -326,3 +407,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4BlockAmaxCuda, xla_fp4::cuda::BlockAmax,
                                   .Ret<xla::ffi::AnyBuffer>()              // amax per 1x16 block (float32)
                                   .RemainingRets()  // with digest: each block's digest (uint32)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_BLOCK_AMAX_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxQdqCuda, xla_fp4::cuda::MxQdq,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
+                                  .Ret<xla::ffi::AnyBuffer>()  // y: q * 2^s, x's shape and dtype
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_QDQ_ATTRIBUTES));

@@ -67,6 +67,12 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       range of K (group_sizes[g] elements, a multiple of 16). Sizes are clipped to the extent they split; negative
       sizes count as 0. (== numerics.grouped's ragged_rows / ragged_contracting on ragged_rows_packed /
       ragged_contracting_packed's operands, up to float32 summation order.)
+  xla_fp4_mx_qdq(x: f32|bf16|f16[...], key: u32[]) -> x's type
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, fp8: bool
+      an OCP MX format's q * 2^s of (rht(x) if rht else x): per 32-block along the axis (32x32 tile with block_2d)
+      s = the smallest integer with amax <= elem_max * 2^s (6 for E2M1, 448 for E4M3 with fp8), in [-127, 127];
+      elements E2M1 (nearest-even, or stochastic with the key's bits) or E4M3 (nearest-even); a block with NaN or
+      Inf decodes to NaN. K a multiple of 32; whole tensors only.                        (== numerics.mx)
   xla_fp4_telemetry_step() -> i32[]; attrs module: i64, site: i64, every: i64, calls: i64     (side effect)
       counts this call per (module, site, device), on the host: the n-th call (from 0) is in step n // calls, which it
       returns where step % every == 0, else -1 (not recorded). Every device counts the same sequence.
@@ -179,6 +185,12 @@ def qdq(x, s_dec, key=0, *, axis=-1, block_2d=False, stochastic=False, rht=False
   return _call(targets.QDQ, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)], axis=axis,
                block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
                apply_global_scale=apply_global_scale)
+
+
+def mx_qdq(x, key=0, *, axis=-1, fp8=False, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """An OCP MX format's q * scale of x (numerics/mx.py) with the C++ kernel: E4M3 elements with `fp8`, else E2M1."""
+  return _call(targets.MX_QDQ, [jnp.asarray(x), _scalar(key, jnp.uint32)], axis=axis, block_2d=block_2d,
+               stochastic=stochastic, rht=rht, rht_seed=rht_seed, fp8=fp8)
 
 
 def qdq_with_scale(x, salt=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):

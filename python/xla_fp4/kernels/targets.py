@@ -186,6 +186,10 @@ RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_
 # `digest`: each block's digest too (a second result), so that the stochastic-rounding key needs no other pass over x.
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int, "digest": bool}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
+# The OCP MX formats' quantizer (numerics/mx.py): q * 2^s per 32-block (32x32 tile with block_2d), E4M3 elements with
+# `fp8`, else E2M1; whole tensors only so far (the pass lowers its twin into partitioned programs).
+MX_QDQ = _target("xla_fp4_mx_qdq", {"axis": int, **_QUANTIZE, "fp8": bool}, _like_x, twin=kernel_twins.mx_qdq,
+                 quantizes=True)
 # The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to
 # the x (or shard) it holds, from the same pass (zeros in an unrecorded step).
 QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE},
@@ -217,5 +221,5 @@ TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": i
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
 ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
-       QUANTIZE_PACKED_STATS, DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD)
+       QUANTIZE_PACKED_STATS, DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD, MX_QDQ)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

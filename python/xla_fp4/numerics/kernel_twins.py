@@ -55,15 +55,15 @@ def digest_of_blocks(block_digests):
   return jnp.sum(block_digests, dtype=jnp.uint32)
 
 
-def mx_qdq(x, salt, *, format, axis, block_2d, stochastic, rht, rht_seed):  # noqa: A002 (the recipe's name)
-  """An MX format's q·scale of (rht(x) if rht else x) in x's dtype (numerics/mx.py): block-local, no tensor scale, so
-  the emulated GEMM's alpha is 1; the stochastic-rounding key is the salt mixed with x's digest, as
-  xla_fp4_qdq_with_scale's. The MX formats have twins only: every platform runs this StableHLO."""
+def mx_qdq(x, key, *, axis, block_2d, stochastic, rht, rht_seed, fp8):
+  """xla_fp4_mx_qdq: an MX format's q·scale of (rht(x) if rht else x) in x's dtype (numerics/mx.py; E4M3 elements
+  with `fp8`, else E2M1): block-local, no tensor scale, so the emulated GEMM's alpha is 1. `key` as xla_fp4_qdq's (the
+  pass gives stochastic_key(x, salt))."""
   x32 = x.astype(jnp.float32)
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  key = stochastic_key(x, salt) if stochastic else None
-  return mx.unscaled_values(x32, axis, formats.FORMATS[format], block_2d, stochastic, key).astype(x.dtype)
+  fmt = formats.FORMATS["mxfp8" if fp8 else "mxfp4"]
+  return mx.unscaled_values(x32, axis, fmt, block_2d, stochastic, key if stochastic else None).astype(x.dtype)
 
 
 def qdq_with_scale(x, salt, *, axis, block_2d, stochastic, rht, rht_seed, four_over_six=False):

@@ -15,6 +15,7 @@ NaN or an infinity has a NaN scale (E8M0's 0xFF), and decodes to NaN. 2D blocks 
 largest magnitude of the tile deciding its one scale, so that a weight and its transpose share them (as NVFP4's 16x16).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,19 +26,21 @@ E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127
 
 
 def scale_exponent(amax, elem_max):
-  """int32 s, the smallest integer with amax <= elem_max * 2^s, clamped to [-127, 127] (amax > 0 finite); amax == 0
-  gives -127. Exact: amax = m * 2^e (frexp, m in [0.5, 1)) and elem_max = m_max * 2^e_max, so s is e - e_max, or one
-  more where m > m_max."""
-  m, e = jnp.frexp(jnp.asarray(amax, jnp.float32))
-  m_max, e_max = np.frexp(np.float32(elem_max))
-  s = e - int(e_max) + jnp.where(m > jnp.float32(m_max), 1, 0)
-  return jnp.clip(jnp.where(amax > 0, s, E8M0_MIN_EXP), E8M0_MIN_EXP, E8M0_MAX_EXP).astype(jnp.int32)
+  """int32 s, the smallest integer with amax <= elem_max * 2^s, clamped to [-127, 127], from the bits of amax (>= 0,
+  finite): its exponent less elem_max's, plus one where its mantissa exceeds elem_max's (6 = 1.5 * 2^2,
+  448 = 1.75 * 2^8). A zero or subnormal amax gives -127: subnormals count as zero, as under XLA CPU's DAZ, on every
+  platform alike (xla_fp4/nvfp4_format.h MxScaleExponent computes the same)."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+  top = int(np.float32(elem_max).view(np.uint32))
+  exponent = (bits >> 23).astype(jnp.int32)
+  s = exponent - (top >> 23) + jnp.where((bits & 0x7FFFFF) > (top & 0x7FFFFF), 1, 0)
+  return jnp.clip(jnp.where(exponent == 0, E8M0_MIN_EXP, s), E8M0_MIN_EXP, E8M0_MAX_EXP).astype(jnp.int32)
 
 
 def _pow2(s):
-  """2^s as float32 for s in [-127, 127] (2^-127 is subnormal: made as 2^-63 * 2^-64, both normal)."""
-  half = s // 2
-  return jnp.ldexp(jnp.float32(1), half) * jnp.ldexp(jnp.float32(1), s - half)
+  """2^s as float32 for s in [-127, 127], from its bits (2^-127 is the subnormal 0x00400000)."""
+  bits = jnp.where(s >= -126, (s + 127).astype(jnp.uint32) << 23, jnp.uint32(0x00400000))
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _blocked(x32, axis):

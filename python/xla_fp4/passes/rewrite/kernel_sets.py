@@ -22,6 +22,7 @@ from xla_fp4.passes.rewrite.values import const, u32
 
 class KernelSet(typing.Protocol):
   has_packed: bool  # whether the packed targets (quantize_packed, gemm_packed) run, i.e. the native backend can
+  partitioned: bool  # a partitioned program's custom calls (they carry their Shardy rules)
 
   def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False) -> list: ...
 
@@ -77,6 +78,7 @@ class FfiKernels:
 class ReferenceKernels:
   """The targets as calls to their pure-JAX twins (Twins); for platforms without compiled kernels."""
   has_packed = False
+  partitioned = False  # no custom calls: XLA partitions the twins' plain StableHLO itself
 
   def __init__(self, module, platform=None):
     self.twins = Twins(module, platform)
