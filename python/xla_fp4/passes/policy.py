@@ -1,4 +1,5 @@
-"""Policy: decide per dot whether it runs in NVFP4, with which recipe per operand, and why.
+"""Policy: decide per dot whether it is quantized, in which format (NVFP4 unless the `format` option, a rule or
+`kept_format` says MXFP4 or MXFP8: numerics/formats.py), with which recipe per operand, and why.
 
 Ordered rules, first match wins (Qwix style); every decision carries the rule's reason, and rules that matched no dot
 are reported. The user's rules (the `rules` option: data, not code) come after the five that say what the pass cannot
