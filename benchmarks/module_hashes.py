@@ -13,7 +13,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 root = sys.argv[1]
 sys.path[:0] = [root + "/benchmarks", root + "/tests/passes", root + "/tests"]
 import jax, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 import xla_fp4
 from xla_fp4 import config
 from xla_fp4.passes import pipeline
