@@ -118,8 +118,7 @@ def summarize(runs: dict) -> dict:
     mean, ci = interval(gaps)
     rows.append(dict(run=arm, seeds=seeds, val_gap_pct=gaps, val_gap_pct_mean=mean, val_gap_pct_ci95=ci,
                      significant=bool(ci[0] > 0 or ci[1] < 0) if len(seeds) > 1 else False,
-                     final_val_loss_mean=float(np.mean([runs[arm][s]["final_val_loss"] for s in seeds])),
-                     step_time_s=float(np.mean([runs[arm][s]["mean_step_time_s"] for s in seeds]))))
+                     final_val_loss_mean=float(np.mean([runs[arm][s]["final_val_loss"] for s in seeds]))))
     steps = _val(runs[arm][seeds[0]])[0]
     per_seed = np.array([100 * (_val(runs[arm][s])[1] / _val(base[s])[1] - 1) for s in seeds])
     bands = [interval(per_seed[:, j]) for j in range(per_seed.shape[1])]
@@ -128,40 +127,47 @@ def summarize(runs: dict) -> dict:
   nv, mx = runs.get("nvfp4", {}), runs.get("mxfp4", {})
   paired = sorted(set(nv) & set(mx) & set(base))
   if paired:
-    diff = [100 * (mx[s]["final_val_loss"] - nv[s]["final_val_loss"]) / base[s]["final_val_loss"] for s in paired]
+    diff = [float(100 * (mx[s]["final_val_loss"] - nv[s]["final_val_loss"]) / base[s]["final_val_loss"])
+            for s in paired]
     ratios, how = [], []
     for s in paired:
       target = nv[s]["final_val_loss"]
       reached, method = steps_to_reach(mx[s], target)
-      ratios.append(reached / _val(nv[s])[0][-1])
+      ratios.append(float(reached / _val(nv[s])[0][-1]))
       how.append(method)
     finite = [r for r in ratios if np.isfinite(r)]
-    ratio, ci = interval(finite) if finite else (float("inf"), [float("inf")] * 2)
+    ratio, ci = interval(finite) if finite else (None, [None, None])
     out["mxfp4_minus_nvfp4"] = dict(seeds=paired, gap_pct_points=diff, mean=interval(diff)[0], ci95=interval(diff)[1])
-    out["tokens_to_match"] = dict(mxfp4_over_nvfp4=dict(ratio=ratio, ci95=ci, per_seed=ratios, how=how, seeds=paired,
-                                                        seeds_claim=1.36))
+    # ratio and ci95 over the seeds where MXFP4 reaches NVFP4's loss (per_seed None: not even by the fitted law)
+    out["tokens_to_match"] = dict(mxfp4_over_nvfp4=dict(
+        ratio=ratio, ci95=ci, per_seed=[r if np.isfinite(r) else None for r in ratios], how=how, seeds=paired,
+        reached=len(finite), seeds_claim=1.36))
   return out
 
 
 def markdown(study: dict, train_flags: list[str], runs: dict) -> str:
   lines = [f"Flags: `python examples/train_lm.py {' '.join(train_flags)} --seed K`; {study['meta']['machine']}; jax "
            f"{study['meta']['jax_version']}; {study['meta']['date']}.", "",
-           "| arm | seeds | val-loss gap to high precision, mean | 95% interval | significant | step time (s) |",
-           "|---|---|---|---|---|---|"]
+           "| arm | seeds | val-loss gap to high precision, mean | 95% interval | significant |",
+           "|---|---|---|---|---|"]
   for r in study["summary"]:
     lo, hi = r["val_gap_pct_ci95"]
     lines.append(f"| {r['run']} | {len(r['seeds'])} | {r['val_gap_pct_mean']:+.2f}% | "
                  f"{'-' if len(r['seeds']) < 2 else f'[{lo:+.2f}%, {hi:+.2f}%]'} | "
-                 f"{'yes' if r['significant'] else 'no'} | {r['step_time_s']:.3f} |")
+                 f"{'yes' if r['significant'] else 'no'} |")
   missing = [f"{arm} ({5 - len(runs.get(arm, {}))} of 5 seeds to run)" for arm in ARMS if len(runs.get(arm, {})) < 5]
   if missing:
     lines += ["", "Not complete: " + ", ".join(missing) + ". `python benchmarks/convergence.py` resumes it."]
   if "mxfp4_minus_nvfp4" in study:
     d, t = study["mxfp4_minus_nvfp4"], study["tokens_to_match"]["mxfp4_over_nvfp4"]
+    ci = lambda c, f, n: f"[{c[0]:{f}}, {c[1]:{f}}]" if n > 1 else "(one seed: no interval)"  # noqa: E731
+    per_seed = ["never" if r is None else round(r, 2) for r in t["per_seed"]]
+    ratio = "not reached in any seed" if t["ratio"] is None else (
+        f"{t['ratio']:.2f}x NVFP4's {ci(t['ci95'], '.2f', t['reached'])} over the {t['reached']} of "
+        f"{len(t['seeds'])} seeds where it is reached")
     lines += ["", f"MXFP4 minus NVFP4 (paired, percentage points of the high-precision loss): {d['mean']:+.2f} "
-              f"[{d['ci95'][0]:+.2f}, {d['ci95'][1]:+.2f}] over seeds {d['seeds']}.",
-              f"Tokens MXFP4 needs to reach NVFP4's final validation loss: {t['ratio']:.2f}x NVFP4's "
-              f"[{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}] (per seed {[round(r, 2) for r in t['per_seed']]}, "
+              f"{ci(d['ci95'], '+.2f', len(d['seeds']))} over seeds {d['seeds']}.",
+              f"Tokens MXFP4 needs to reach NVFP4's final validation loss: {ratio} (per seed {per_seed}; "
               f"{', '.join(sorted(set(t['how'])))}); the seeds' paper reports 1.36x."]
   lines += ["", "| arm | XLA_FP4 environment | what it tests |", "|---|---|---|"]
   lines += [f"| {a} | `{'(none)' if env is None else ' '.join(f'{k}={v}' for k, v in {'XLA_FP4': '1', **env}.items())}`"
