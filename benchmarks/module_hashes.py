@@ -4,6 +4,9 @@ one (a git worktree of the old commit, with the built extension copied into its 
 
   python benchmarks/module_hashes.py ROOT OUT.json      # ROOT: the tree whose benchmarks/ and tests/ programs to lower
 
+Run one copy of this script (from outside both trees) for both: the modules' debug locations name its frames, so
+two copies at different paths hash differently.
+
 Programs: the 12-block GPT step of pass_overhead.py; the test zoo's MoE, scan, linen, nnx, shard_map and Equinox
 programs (MoE lowered for CPU and for CUDA too); every layout of sharding.py and every program x layout of experts.py
 on 8 host devices. Configurations: default, native, telemetry (and with native), nearest rounding, kept blocks.

@@ -65,6 +65,8 @@ def operand(ctx, probe, x, axis, plan, user, form, select, after):
   `select`, `stablehlo.select`s that give (x, 1.0) in kept iterations instead. `after`: the gradient's decode scale
   where the plan orders this operand after it."""
   blocks = blocking(tensor_type(x).shape, axis, plan.recipe)
+  if plan.kept_recipe is not None and select is not None:  # kept iterations' MXFP8 blocks must agree too
+    blocks += (blocking(tensor_type(x).shape, axis, plan.kept_recipe),)
   if plan.reusable:
     found = ctx.reuse.quantized(x, blocks, select, user)
     if found is not None:
