@@ -26,7 +26,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import sharding as bench  # noqa: E402
