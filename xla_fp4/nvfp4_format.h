@@ -282,6 +282,24 @@ XLA_FP4_HOST_DEVICE inline float Pow2(int s) {
   return s >= -126 ? FloatOf(static_cast<uint32_t>(s + 127) << 23) : FloatOf(0x00400000u);
 }
 
+// One MX block's 32 loaded values, the RHT applied in place (two groups of 16) where the recipe asks: their largest
+// magnitude in *amax, and whether any is NaN or Inf (the block then decodes to NaN). The CPU and CUDA kernels share it.
+XLA_FP4_HOST_DEVICE inline bool MxPrepareBlock(float* v, const Recipe& r, float* amax) {
+  if (r.rht) {
+    Rht16(v, r.signs.sign_quarter);
+    Rht16(v + kBlock, r.signs.sign_quarter);
+  }
+  bool bad = false;
+  float m = 0.0f;
+  for (int j = 0; j < kMxBlock; ++j) {
+    const float a = Abs(v[j]);
+    bad |= !(a <= 0x1.fffffep127f);  // NaN or Inf
+    m = a > m ? a : m;
+  }
+  *amax = m;
+  return bad;
+}
+
 // An MX element: v = x / 2^s rounded to E4M3 (nearest-even) or E2M1 (nearest-even, or stochastic with `u`).
 XLA_FP4_HOST_DEVICE inline float MxRoundElement(float v, bool fp8, bool stochastic, float u) {
   if (fp8) return E4M3Decode(E4M3Encode(v));

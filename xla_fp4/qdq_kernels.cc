@@ -215,19 +215,7 @@ bool LoadMxBlock(const T* x, const Geometry& g, int64_t o, int64_t block, int64_
                  float* amax) {
   const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
   for (int j = 0; j < kMxBlock; ++j) v[j] = Load(x + base + j * g.inner);
-  if (r.rht) {
-    Rht16(v, r.signs.sign_quarter);
-    Rht16(v + kBlock, r.signs.sign_quarter);
-  }
-  bool bad = false;
-  float m = 0.0f;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const float a = Abs(v[j]);
-    bad |= !(a <= 0x1.fffffep127f);  // NaN or Inf
-    m = a > m ? a : m;
-  }
-  *amax = m;
-  return bad;
+  return MxPrepareBlock(v, r, amax);
 }
 
 // Block b's elements (v: its values, loaded) as q * 2^s of the block's (tile's) amax, or NaN where that is NaN. The

@@ -122,19 +122,7 @@ __device__ bool LoadMxBlock(const T* x, int64_t k, int64_t inner, int64_t o, int
                             float* v, float* amax) {
   const int64_t base = (o * k + block * kMxBlock) * inner + i;
   for (int j = 0; j < kMxBlock; ++j) v[j] = ToFloat(x[base + j * inner]);
-  if (r.rht) {
-    Rht16(v, r.signs.sign_quarter);
-    Rht16(v + kBlock, r.signs.sign_quarter);
-  }
-  bool bad = false;
-  float m = 0.0f;
-  for (int j = 0; j < kMxBlock; ++j) {
-    const float a = Abs(v[j]);
-    bad |= !(a <= 0x1.fffffep127f);
-    m = a > m ? a : m;
-  }
-  *amax = m;
-  return bad;
+  return MxPrepareBlock(v, r, amax);
 }
 
 template <typename T>
