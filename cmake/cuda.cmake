@@ -115,9 +115,10 @@ set_target_properties(xla_fp4_cuda PROPERTIES
   CUDA_VISIBILITY_PRESET hidden)
 target_include_directories(xla_fp4_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
 target_include_directories(xla_fp4_cuda SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
-# Bit-exactness with the reference: no fused multiply-add contraction, no fast math (nvcc's default is --fmad=true).
+# Bit-exactness with the reference: no fused multiply-add contraction, no fast math (nvcc's default is --fmad=true),
+# and subnormals flushed as XLA's CPU executables flush them (nvfp4_format.h: the subnormal rule).
 target_compile_options(xla_fp4_cuda PRIVATE
-  $<$<COMPILE_LANGUAGE:CUDA>:--fmad=false -O3>
+  $<$<COMPILE_LANGUAGE:CUDA>:--fmad=false --ftz=true -O3>
   $<$<COMPILE_LANGUAGE:CXX>:-O3 -ffp-contract=off -fno-fast-math>)
 # The static runtime: importing the extension needs no libcudart; the driver is loaded on first use only.
 target_link_libraries(xla_fp4_cuda PUBLIC CUDA::cudart_static xla_fp4_cublaslt)

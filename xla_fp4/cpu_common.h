@@ -49,8 +49,9 @@ struct F16 {
   uint16_t bits;
 };
 
-inline float Load(const float* p) { return *p; }
-inline float Load(const Bf16* p) { return FloatOf(static_cast<uint32_t>(p->bits) << 16); }
+// A subnormal float32 loads as zero (nvfp4_format.h FlushSubnormal); float16's subnormals are normal in float32.
+inline float Load(const float* p) { return FlushSubnormal(*p); }
+inline float Load(const Bf16* p) { return FlushSubnormal(FloatOf(static_cast<uint32_t>(p->bits) << 16)); }
 inline float Load(const F16* p) {
   const uint32_t h = p->bits, sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 31u, mantissa = h & 0x3FFu;
   if (exponent == 31u) return FloatOf(sign | 0x7F800000u | (mantissa << 13));  // Inf/NaN, payload kept
@@ -231,10 +232,6 @@ inline View ViewOf(const Geometry& g, Blocks blocks) {
   return g.axis_last() ? View{g.outer, g.k} : View{g.outer * g.k, g.inner};
 }
 
-// max |v| over values given as bits with the sign cleared: for non-negative floats the integer order is the float
-// order, and NaN sorts above +Inf, so a NaN anywhere gives a NaN amax, as jnp.max does.
-inline float AmaxFromBits(uint32_t m) { return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m)); }
-
 // Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would.
 inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) {
   for (int half = 1; half < kBlock; half *= 2) {
@@ -355,7 +352,7 @@ XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, co
     for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * tensor.scale.s_enc_over_6);
     for (int b = 0; b < kBlock; ++b) {
       scale[b] = E4M3Decode(code[b]);
-      const float denom = scale[b] * tensor.scale.s_dec;
+      const float denom = FlushSubnormal(scale[b] * tensor.scale.s_dec);
       inv[b] = 1.0f / denom;
       zero[b] = denom == 0.0f ? 1u : 0u;
     }

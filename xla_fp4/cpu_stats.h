@@ -61,7 +61,7 @@ XLA_FP4_VECTOR_CLONES TileStats MeasureTile(const T* x, const View& view, const 
   const int per_block = kBlocks == Blocks::kRow ? nc : (kBlocks == Blocks::kCol ? nl : nl * nc);
   const int blocks = kBlocks == Blocks::kRow ? nl : (kBlocks == Blocks::kCol ? nc : 1);
   for (int b = 0; b < blocks; ++b) {
-    const bool is_live = am[b] != 0u;
+    const bool is_live = LiveBlock(AmaxFromBits(am[b]));
     live += is_live * per_block;
     scale_zero += (is_live & (code[b] == 0)) * per_block;
     clipped += (is_live & (AmaxFromBits(am[b]) * scale.s_enc_over_6 >= kClippedScale)) * per_block;

@@ -66,6 +66,48 @@ NB_MODULE(_xla_fp4_ext, m) {
   f.def("uniform_from_bits", [](Vector<const uint32_t> x, Vector<float> out) {
     Map<float, uint32_t>(xla_fp4::UniformFromBits, out, x);
   });
+  // The recipe's steps in the order the CUDA kernels take them (qdq_kernels.cu: the amax kernel, QuantizeKernel with
+  // the qdq sink; MxQdqKernel), nearest rounding, no RHT, over the 1x16 (MX: 1x32) blocks of a float32 vector, in the
+  // caller's floating-point mode: outside an XLA executable nothing flushes subnormals, as on a GPU. The subnormal
+  // rule's test compares them with the CPU kernels under XLA's FTZ/DAZ (tests/kernels/test_fp_mode_rule.py).
+  f.def("qdq_blocks", [](Vector<const float> x, Vector<float> out) {
+    const size_t n = x.shape(0);
+    if (out.shape(0) != n || n % xla_fp4::kBlock) throw nb::value_error("x and out: one length, a multiple of 16");
+    uint32_t amax_bits = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t m = xla_fp4::MagnitudeBits(xla_fp4::FlushSubnormal(x(i)));
+      amax_bits = m > amax_bits ? m : amax_bits;
+    }
+    const xla_fp4::TensorScale ts = xla_fp4::MakeTensorScale(xla_fp4::GlobalDecodeScale(amax_bits));
+    for (size_t b = 0; b < n; b += xla_fp4::kBlock) {
+      float v[xla_fp4::kBlock], amax = 0.0f;
+      for (int j = 0; j < xla_fp4::kBlock; ++j) {
+        v[j] = xla_fp4::FlushSubnormal(x(b + j));
+        const float a = xla_fp4::Abs(v[j]);
+        amax = (a > amax || xla_fp4::IsNan(a)) ? a : amax;  // block_kernel.cuh MaxNan
+      }
+      const xla_fp4::BlockScale bs = xla_fp4::MakeBlockScale(amax, ts);
+      for (int j = 0; j < xla_fp4::kBlock; ++j) {
+        out(b + j) = xla_fp4::DecodeElement(xla_fp4::QuantizeElement(v[j], bs, false, 0.0f), bs.scale, ts.s_dec);
+      }
+    }
+  });
+  f.def("mx_qdq_blocks", [](Vector<const float> x, bool fp8, Vector<float> out) {
+    const size_t n = x.shape(0);
+    if (out.shape(0) != n || n % xla_fp4::kMxBlock) throw nb::value_error("x and out: one length, a multiple of 32");
+    const xla_fp4::Recipe recipe(false, false, false, 0);
+    for (size_t b = 0; b < n; b += xla_fp4::kMxBlock) {
+      float v[xla_fp4::kMxBlock], amax;
+      for (int j = 0; j < xla_fp4::kMxBlock; ++j) v[j] = xla_fp4::FlushSubnormal(x(b + j));
+      const bool bad = xla_fp4::MxPrepareBlock(v, recipe, &amax);
+      const int s = xla_fp4::MxScaleExponent(bad ? 0.0f : amax, fp8);
+      const float inverse = xla_fp4::Pow2(-s), scale = xla_fp4::MxDecodeScale(s);
+      for (int j = 0; j < xla_fp4::kMxBlock; ++j) {
+        const float q = xla_fp4::MxRoundElement(v[j] * inverse, fp8, false, 0.0f);
+        out(b + j) = bad ? xla_fp4::FloatOf(0x7FC00000u) : xla_fp4::FlushSubnormal(q * scale);
+      }
+    }
+  });
   f.def("rht_signs", [](uint32_t seed, Vector<float> out) {
     if (out.shape(0) != xla_fp4::kBlock) throw nb::value_error("out must have 16 elements");
     for (int j = 0; j < xla_fp4::kBlock; ++j) out(j) = xla_fp4::RhtSign(seed, j);

@@ -72,6 +72,23 @@ XLA_FP4_HOST_DEVICE inline uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
   return (a & mask) | (b & ~mask);
 }
 
+// ---- one rule for subnormals and NaN, whatever the floating-point mode (docs/design.md §2) ----
+// XLA runs CPU executables with denormals flushed (FTZ/DAZ); a GPU computes with them. So that both compute the same
+// bits, the recipe never depends on a subnormal float32: an input below 2^-126 in magnitude counts as zero (every
+// kernel's load), and so do a tensor's decode scale, a block's denominator and scale, and a decoded value. The twins
+// (numerics/) apply the same rule, and the CUDA kernels are built with -ftz=true for what lies in between.
+XLA_FP4_HOST_DEVICE inline float FlushSubnormal(float v) {
+  const uint32_t b = BitsOf(v);
+  return FloatOf((b & 0x7F800000u) == 0u ? b & 0x80000000u : b);
+}
+
+// The largest of magnitudes given as bits (sign cleared): NaN's bits sort above +Inf's, so a NaN anywhere gives a NaN,
+// as jnp.max does (telemetry's amax on CPU and GPU alike).
+XLA_FP4_HOST_DEVICE inline float AmaxFromBits(uint32_t m) { return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m)); }
+
+// Telemetry's live block: its amax compares above zero, so a NaN block is not live (numerics/telemetry.py).
+XLA_FP4_HOST_DEVICE inline bool LiveBlock(float block_amax) { return block_amax > 0.0f; }
+
 // Round to the nearest integer, ties to even, for 0 <= t < 2**23 (or NaN). The magic-number form vectorizes with SSE2,
 // where rintf would be a library call; it is exact because the sum lands in [2**23, 2**24), spacing 1.
 XLA_FP4_HOST_DEVICE inline float RintSmall(float t) {
@@ -220,7 +237,7 @@ XLA_FP4_HOST_DEVICE inline uint32_t MagnitudeBits(float v) {
 
 // The global decode scale of a tensor whose amax (as MagnitudeBits) is `amax_bits`.
 XLA_FP4_HOST_DEVICE inline float GlobalDecodeScale(uint32_t amax_bits) {
-  return FloatOf(amax_bits) * kInvGlobalScaleDivisor;
+  return FlushSubnormal(FloatOf(amax_bits) * kInvGlobalScaleDivisor);  // a subnormal s_dec: the tensor encodes zeros
 }
 
 // Per-tensor constants derived from the global decode scale s_dec.
@@ -230,6 +247,7 @@ struct TensorScale {
 };
 
 XLA_FP4_HOST_DEVICE inline TensorScale MakeTensorScale(float s_dec) {
+  s_dec = FlushSubnormal(s_dec);  // else 1 / s_dec overflows to Inf and a zero block decodes as 0 * Inf = NaN
   const float s_enc = s_dec == 0.0f ? 0.0f : 1.0f / s_dec;
   return {s_dec, s_enc * kInvE2M1Max};
 }
@@ -246,7 +264,7 @@ XLA_FP4_HOST_DEVICE inline BlockScale MakeBlockScale(float block_amax, TensorSca
   BlockScale b;
   b.code = E4M3Encode(block_amax * t.s_enc_over_6);
   b.scale = E4M3Decode(b.code);
-  const float denom = b.scale * t.s_dec;
+  const float denom = FlushSubnormal(b.scale * t.s_dec);  // 1 / a subnormal overflows
   b.inv_denom = 1.0f / denom;
   b.zero = denom == 0.0f;
   return b;
@@ -260,7 +278,9 @@ XLA_FP4_HOST_DEVICE inline float QuantizeElement(float x, BlockScale b, bool sto
 }
 
 // (q * scale) * s_dec: the first product is exact, so there is one rounding.
-XLA_FP4_HOST_DEVICE inline float DecodeElement(float q, float scale, float s_dec) { return (q * scale) * s_dec; }
+XLA_FP4_HOST_DEVICE inline float DecodeElement(float q, float scale, float s_dec) {
+  return FlushSubnormal((q * scale) * s_dec);
+}
 
 // ---- the OCP MX formats (numerics/mx.py): E2M1 or E4M3 elements, an E8M0 (power of two) scale per 32 ----
 
@@ -281,6 +301,10 @@ XLA_FP4_HOST_DEVICE inline int MxScaleExponent(float amax, bool fp8) {
 XLA_FP4_HOST_DEVICE inline float Pow2(int s) {
   return s >= -126 ? FloatOf(static_cast<uint32_t>(s + 127) << 23) : FloatOf(0x00400000u);
 }
+
+// An MX block's decode scale 2^s, zero for E8M0's one subnormal 2^-127 (the subnormal rule above): such a block (amax
+// below 1.5 * 2^-125 in MXFP4, 1.75 * 2^-119 in MXFP8) decodes to zeros.
+XLA_FP4_HOST_DEVICE inline float MxDecodeScale(int s) { return s >= -126 ? Pow2(s) : 0.0f; }
 
 // One MX block's 32 loaded values, the RHT applied in place (two groups of 16) where the recipe asks: their largest
 // magnitude in *amax, and whether any is NaN or Inf (the block then decodes to NaN). The CPU and CUDA kernels share it.

@@ -225,13 +225,13 @@ void StoreMxBlock(T* y, const Geometry& g, int64_t b, const float (&v)[kMxBlock]
   const int64_t blocks = g.k / kMxBlock, o = b / (blocks * g.inner), block = (b / g.inner) % blocks, i = b % g.inner;
   const bool nan = IsNan(amax);
   const int s = MxScaleExponent(nan ? 0.0f : amax, kFp8);
-  const float inverse = Pow2(-s), scale = nan ? FloatOf(0x7FC00000u) : Pow2(s);
+  const float inverse = Pow2(-s), scale = nan ? FloatOf(0x7FC00000u) : MxDecodeScale(s);
   const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
   float out[kMxBlock];
   for (int j = 0; j < kMxBlock; ++j) {
     const float u = kStochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(base + j * g.inner)))
                                 : 0.0f;
-    out[j] = MxRoundElement(v[j] * inverse, kFp8, kStochastic, u) * scale;  // NaN scale: the block decodes to NaN
+    out[j] = FlushSubnormal(MxRoundElement(v[j] * inverse, kFp8, kStochastic, u) * scale);  // NaN scale: NaN
   }
   for (int j = 0; j < kMxBlock; ++j) Store(y + base + j * g.inner, out[j]);
 }

@@ -19,8 +19,9 @@
 
 namespace xla_fp4::cuda {
 
-__device__ inline float ToFloat(float v) { return v; }
-__device__ inline float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+// A subnormal float32 loads as zero (nvfp4_format.h FlushSubnormal); float16's subnormals are normal in float32.
+__device__ inline float ToFloat(float v) { return FlushSubnormal(v); }
+__device__ inline float ToFloat(__nv_bfloat16 v) { return FlushSubnormal(__bfloat162float(v)); }
 __device__ inline float ToFloat(__half v) { return __half2float(v); }
 
 // Round to nearest even, like XLA's convert.

@@ -150,7 +150,7 @@ __global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t 
     m = a > m ? a : m;
   }
   const int s = MxScaleExponent(bad ? 0.0f : m, fp8);
-  const float inverse = Pow2(-s), scale = Pow2(s);
+  const float inverse = Pow2(-s), scale = MxDecodeScale(s);
   const uint32_t mixed_key = Mix32(*key);
   for (int w = 0; w < width; ++w) {
     const int64_t ow = o + (along_inner ? 0 : w), iw = i + (along_inner ? w : 0);
@@ -160,7 +160,7 @@ __global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t 
       const int64_t at = base + j * inner;
       const float u = r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(at))) : 0.0f;
       const float q = MxRoundElement(v[j] * inverse, fp8, r.stochastic, u);
-      y[at] = FromFloat<T>(bad ? FloatOf(0x7FC00000u) : q * scale);
+      y[at] = FromFloat<T>(bad ? FloatOf(0x7FC00000u) : FlushSubnormal(q * scale));
     }
   }
 }

@@ -49,14 +49,14 @@ struct StatsSink {
     double energy = 0, error = 0;
     for (int j = 0; j < kBlock; ++j) {
       const float qs = q[j] * bs.scale, e = v[j] - qs * ts.s_dec;
-      m = max(m, MagnitudeBits(v[j]));
+      m = max(m, BitsOf(v[j]) & 0x7FFFFFFFu);  // NaN above +Inf: AmaxFromBits gives NaN, as on CPU
       nonzero += v[j] != 0.0f;
       underflow += v[j] != 0.0f && qs == 0.0f;
       kept += qs != 0.0f;
       energy += static_cast<double>(v[j] * v[j]);
       error += static_cast<double>(e * e);
     }
-    const bool live = amax > 0.0f;  // the block's amax as the quantizer saw it (a 2D tile's: the tile's)
+    const bool live = LiveBlock(amax);  // the block's amax as the quantizer saw it (a 2D tile's: the tile's)
     const unsigned long long block_counts[kCounts] = {
         m, nonzero, underflow, kept, live, live && bs.code == 0,
         live && amax * ts.s_enc_over_6 >= 464.0f};  // numerics/telemetry.py _CLIPPED
@@ -104,7 +104,7 @@ __global__ void StatsFinishKernel(const unsigned long long* counts, const double
     for (int i = 0; i < kNumFields; ++i) row[i] = 0.0f;
     return;
   }
-  row[kAmax] = __uint_as_float(static_cast<uint32_t>(counts[0]));  // MagnitudeBits: NaN counted as +Inf
+  row[kAmax] = AmaxFromBits(static_cast<uint32_t>(counts[0]));
   row[kDecodeScale] = *s_dec;
   row[kElements] = elements;
   row[kNonzero] = static_cast<float>(counts[1]);

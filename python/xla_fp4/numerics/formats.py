@@ -36,6 +36,13 @@ def _saturate(a):
   return jnp.where(a > E2M1_MAX, jnp.float32(E2M1_MAX), a)
 
 
+def flush_subnormal(v):
+  """Float32 v with its subnormal values as zeros of their sign. The recipe never depends on a subnormal: XLA CPU
+  flushes them (FTZ/DAZ) and a GPU does not, so the twins and kernels (nvfp4_format.h FlushSubnormal) flush the
+  inputs, the tensor and block scales and the decoded values explicitly, and CPU and GPU agree (docs/design.md §2)."""
+  return jnp.where(jnp.abs(v) < jnp.float32(np.finfo(np.float32).tiny), v * jnp.float32(0), v)
+
+
 def round_e2m1_nearest(v):
   """Round float32 `v` to the E2M1 grid, nearest-even, saturating at ±6. NaN stays NaN; the sign of zero is kept."""
   a = _saturate(jnp.abs(v))

@@ -80,7 +80,7 @@ def _round_elements(v, fmt, stochastic, bits):
 def unscaled_values(x32, axis, fmt, block_2d=False, stochastic=False, key=None, bits=None):
   """q * 2^s of float32 `x32` in its own shape (exact), the operand of the emulated GEMM; `fmt` a formats.Format of
   the MX kind; stochastic rounding (E2M1 only) draws formats.random_bits(key) in row-major order, or `bits`."""
-  xb, _ = _blocked(x32, axis)
+  xb, _ = _blocked(formats.flush_subnormal(x32), axis)
   amax = _block_amax(xb, block_2d)
   s = scale_exponent(jnp.where(jnp.isnan(amax), jnp.float32(0), amax), fmt.elem_max)
   nan = jnp.isnan(amax)[:, :, None, :]
@@ -90,7 +90,9 @@ def unscaled_values(x32, axis, fmt, block_2d=False, stochastic=False, key=None, 
   if stochastic and bits is None:
     bits = formats.random_bits(key, x32.shape)
   q = _round_elements(xb * inverse, fmt, stochastic, None if bits is None else bits.reshape(xb.shape))
-  return jnp.where(nan, jnp.float32(jnp.nan), q * _pow2(s)[:, :, None, :]).reshape(x32.shape)
+  # E8M0's one subnormal scale, 2^-127, decodes as zero (nvfp4_format.h MxDecodeScale), as does a subnormal value.
+  scale = jnp.where(s >= -126, _pow2(s), jnp.float32(0))[:, :, None, :]
+  return jnp.where(nan, jnp.float32(jnp.nan), formats.flush_subnormal(q * scale)).reshape(x32.shape)
 
 
 def qdq(x, fmt, *, axis=-1, block_2d=False, rounding="nearest", key=None):

@@ -76,7 +76,7 @@ def global_decode_scale(amax, four_over_six=False):
   With Four Over Six the E4M3 range is taken as 256 (amax / 1536), so that a block scaled to 4, 1.5 times its scale
   to 6, still fits E4M3 (arXiv 2512.02010; the authors' reference does the same)."""
   inverse = formats.INV_FOUR_OVER_SIX_DIVISOR if four_over_six else formats.INV_GLOBAL_SCALE_DIVISOR
-  return jnp.asarray(amax, jnp.float32) * inverse
+  return formats.flush_subnormal(jnp.asarray(amax, jnp.float32) * inverse)  # a subnormal s_dec encodes zeros
 
 
 def _element_bits(x):
@@ -108,7 +108,7 @@ def block_amax(x, *, axis=-1, rht_seed=None):
   """max |v| over every 1x16 block along `axis` as float32, NaN counted as +Inf; v = the block's RHT with `rht_seed`
   when one is given. The result has x's shape with the axis divided by 16, and its max is the tensor's amax. Blocks
   are local, so a sharded tensor's shards measure their own (the kernel xla_fp4_block_amax)."""
-  v = x.astype(jnp.float32)
+  v = formats.flush_subnormal(x.astype(jnp.float32))
   if rht_seed is not None:
     v = rht_f32(v, canonical_axis(x.shape, axis)[0], rht_seed)
   return _per_block(jnp.where(jnp.isnan(v), jnp.float32(jnp.inf), jnp.abs(v)), axis, jnp.max)
@@ -145,7 +145,7 @@ def _encode(x32, axis, block_2d, rounding, key, s_dec, bits=None, four_over_six=
 def _encode_with(xb, scales, s_dec, uniform):
   """(q on the E2M1 grid, scales) of blocked xb with the given E4M3 block scales; `uniform()`: stochastic rounding's
   uniforms (None: nearest)."""
-  denom = scales.astype(jnp.float32) * s_dec
+  denom = formats.flush_subnormal(scales.astype(jnp.float32) * s_dec)  # 1 / a subnormal overflows
   v = xb * (jnp.float32(1) / denom)[:, :, None, :]
   q = formats.round_e2m1_nearest(v) if uniform is None else formats.round_e2m1_stochastic(v, uniform())
   return jnp.where((denom == 0)[:, :, None, :], jnp.float32(0), q), scales  # a zero scale encodes zeros
@@ -181,11 +181,11 @@ def block_scales(x32, axis, block_2d, s_dec):
   """(x32 blocked as (outer, K/16, 16, inner), each block's amax (its 16x16 tile's with `block_2d`), the block scale
   before its E4M3 rounding: amax_b / 6 / s_dec), the last two shaped (outer, K/16, inner); `s_dec`: _encode."""
   axis, outer, k, inner = canonical_axis(x32.shape, axis)
-  xb = x32.reshape(outer, k // BLOCK, BLOCK, inner)
+  xb = formats.flush_subnormal(x32).reshape(outer, k // BLOCK, BLOCK, inner)
   block_amax = _max(jnp.abs(xb), axis=2)
   if block_2d:
     block_amax = _tile_max(block_amax, 2 if inner > 1 else 0)
-  s_dec = jnp.asarray(s_dec, jnp.float32)
+  s_dec = formats.flush_subnormal(jnp.asarray(s_dec, jnp.float32))
   s_enc = jnp.where(s_dec == 0, jnp.float32(0), jnp.float32(1) / s_dec)
   return xb, block_amax, block_amax * (s_enc * _INV_E2M1_MAX)
 
@@ -197,7 +197,7 @@ def _times_scale(q, scales):
 
 def _decode(q, scales, s_dec):
   """(q * scale) * s_dec in float32: q*scale is exact, one rounding at the end."""
-  return _times_scale(q, scales) * jnp.asarray(s_dec, jnp.float32)
+  return formats.flush_subnormal(_times_scale(q, scales) * jnp.asarray(s_dec, jnp.float32))
 
 
 def unscaled_values(x32, axis, block_2d, rounding, key, s_dec, bits=None, four_over_six=False):

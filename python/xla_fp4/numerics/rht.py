@@ -29,9 +29,9 @@ def hadamard_matrix(seed):
 
 
 def rht_f32(x32, axis, seed):
-  """Float32 in, float32 out."""
+  """Float32 in (subnormals read as zeros, formats.flush_subnormal), float32 out."""
   axis, outer, k, inner = canonical_axis(x32.shape, axis)
-  v = x32.reshape(outer, k // BLOCK, BLOCK, inner)
+  v = formats.flush_subnormal(x32).reshape(outer, k // BLOCK, BLOCK, inner)
   half = 1
   while half < BLOCK:  # butterfly stage: pairs (i, i + half) within groups of 2*half
     g = v.reshape(outer, k // BLOCK, BLOCK // (2 * half), 2, half, inner)

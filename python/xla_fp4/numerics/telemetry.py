@@ -70,6 +70,7 @@ def _row(x32, q, s_elements, s_blocks, s_dec, *, axis, block_2d, elements):
   """The FIELDS row of float32 x32 (after any RHT) quantized along `axis` to q with decode scales `s_elements`
   (broadcast against x32) and `s_blocks` (against nvfp4.block_scales' block amaxes); `s_dec` the row's s_dec field
   (the largest group's where groups have their own), `elements` its element count (the operand's, not a padded copy's)."""
+  x32 = formats.flush_subnormal(x32)  # as the kernels load it
   _, block_amax, wanted = nvfp4.block_scales(x32, axis, block_2d, s_blocks)
   live = block_amax > 0
   scales = formats.round_e4m3(wanted).astype(jnp.float32)
