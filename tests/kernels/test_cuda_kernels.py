@@ -306,30 +306,74 @@ def test_fp4_gemm_reads_a_transposed_tiled_b_as_the_cpu_reference(fp4_gemm):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=k * 2.0**-23 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+# Routings that change every step (one compiled GEMM, new group shapes per call): the grouped GEMM's shape classes
+# (M or K rounded up to a power of two, the class's algorithm checked per group, the exact shape where it fails).
+ROUTINGS = {False: ([37, 0, 100, 41], [1, 129, 0, 70], [200, 0, 0, 0], [50, 50, 50, 49]),
+            True: ([64, 0, 96, 32], [32, 32, 160, 32], [256, 0, 0, 0], [0, 128, 0, 64])}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("ragged_k", [False, True], ids=["groups_of_rows", "groups_of_k"])
 def test_grouped_fp4_gemm_matches_the_cpu_reference(fp4_gemm, ragged_k, dtype):
   """xla_fp4_ragged_gemm_packed (cuBLASLt's FP4 GEMM once per group, the sizes read on the host) against the C++
-  reference on the same packed operands: uneven groups of rows with rows after the last (a group's rows start
-  anywhere: offset output pointers), or groups of K in multiples of 32, an empty group in each; float32 summation
-  order only."""
+  reference on the same packed operands, over routings that change from call to call: uneven groups of rows with
+  rows after the last (a group's rows start anywhere: offset output pointers), or groups of K in multiples of 32,
+  empty groups, one group holding everything; float32 summation order only."""
   m, n, k = (200, 96, 128) if not ragged_k else (64, 96, 256)
-  sizes = np.asarray([64, 0, 96, 32] if ragged_k else [37, 0, 100, 41], np.int32)
   a = _data((m, k), jnp.float32, seed=1)
   pa = _run(_cpu(), _packed_reference, a, _s_dec(a), np.uint32(0), block_2d=False, stochastic=False, rht=False)
-  experts = 1 if ragged_k else len(sizes)
+  experts = 1 if ragged_k else 4
   pb = [_run(_cpu(), _packed_reference, b, _s_dec(b), np.uint32(0), block_2d=True, stochastic=False, rht=False)
         for b in (_data((n, k), jnp.float32, seed=2 + e) for e in range(experts))]
   b_data, b_scales = (pb[0][0], pb[0][1]) if ragged_k else (np.stack([p[0] for p in pb]), np.stack([p[1] for p in pb]))
-  alpha = np.linspace(0.5, 2.0, len(sizes)).astype(np.float32)
-  args = (pa[0], pa[1], b_data, b_scales, sizes, alpha)
-  got = _run(fp4_gemm, kernels.ragged_gemm_packed, *args, ragged_k=ragged_k, dtype=dtype).astype(np.float32)
-  want = _run(_cpu(), kernels.ragged_gemm_packed, *args, ragged_k=ragged_k, dtype=dtype).astype(np.float32)
-  magnitude = np.abs(want).max()
-  # float32 summation order, then (bf16) one output rounding apart at most
-  rtol = 1e-5 if dtype == jnp.float32 else 2.0**-7
-  np.testing.assert_allclose(got, want, rtol=rtol, atol=k * 2.0**-23 * magnitude)
-  assert not (got[1] if ragged_k else got[int(sizes.sum()):]).any()
+  # (float16: smaller, so that the outliers' products stay below its 65504)
+  alpha = (np.linspace(0.5, 2.0, 4) * (2.0**-8 if dtype == jnp.float16 else 1.0)).astype(np.float32)
+  for routing in ROUTINGS[ragged_k]:
+    sizes = np.asarray(routing, np.int32)
+    args = (pa[0], pa[1], b_data, b_scales, sizes, alpha)
+    got = _run(fp4_gemm, kernels.ragged_gemm_packed, *args, ragged_k=ragged_k, dtype=dtype).astype(np.float32)
+    want = _run(_cpu(), kernels.ragged_gemm_packed, *args, ragged_k=ragged_k, dtype=dtype).astype(np.float32)
+    magnitude = np.abs(want).max()
+    assert np.isfinite(magnitude)
+    # float32 summation order, then (16-bit outputs) one output rounding apart at most
+    rtol = {jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}.get(dtype, 1e-5)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=k * 2.0**-23 * magnitude + 1e-30, err_msg=str(routing))
+    empty = [g for g, size in enumerate(routing) if size == 0] if ragged_k else slice(int(sizes.sum()), None)
+    assert not got[empty].any(), routing
+
+
+# Rows and K/16 on and off the 128x4 swizzle tiles; stride > 0: scales that are columns of a wider matrix (a group's
+# range of K in the grouped wgrad).
+@pytest.mark.parametrize("rows,k,stride", [(128, 64, 0), (256, 128, 0), (200, 96, 0), (37, 160, 0), (130, 64, 12)])
+def test_scale_swizzle_matches_numerics(gpu, rows, k, stride):
+  """SwizzleScales, which every FP4 GEMM call runs on its scales, bit for bit numerics.packing.swizzle_scales on any
+  CUDA device (Hopper too: no cuBLASLt involved), the padding zero."""
+  from xla_fp4.numerics import packing
+  cuda = registry._load_cuda()[0]
+  cols = k // nv.BLOCK
+  wide = np.random.default_rng(rows + k).integers(1, 256, (rows, stride or cols), dtype=np.uint8)
+  want = np.asarray(packing.swizzle_scales(jnp.asarray(wide[:, :cols])))
+  got = np.full(want.size, 0xAB, np.uint8)  # the kernel must write every byte, padding included
+  cuda.swizzle_scales(wide.reshape(-1), rows, k, stride, got)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("k,n", [(128, 64), (96, 160), (32, 16)])
+def test_tile_transpose_matches_numerics(gpu, k, n):
+  """TransposeTiles (a dgrad's GEMM reading its forward's packed weight: Bᵀ's 16x16 tiles re-paired K-major) bit for
+  bit the packing of B itself: with 16x16 tiles, B and Bᵀ quantize to the same values and scales."""
+  cuda = registry._load_cuda()[0]
+  w = _data((n, k), jnp.float32, seed=3)
+  s_dec = _s_dec(w)
+  flags = dict(block_2d=True, stochastic=False, rht=False)
+  t_data, t_scales = _run(_cpu(), _packed_reference, w.T.copy(), s_dec, np.uint32(0), **flags)
+  want_data, want_scales = _run(_cpu(), _packed_reference, w, s_dec, np.uint32(0), **flags)
+  got_data = np.full(n * (k // 2), 0xAB, np.uint8)
+  got_scales = np.full(n * (k // nv.BLOCK), 0xAB, np.uint8)
+  cuda.transpose_tiles(np.ascontiguousarray(t_data).reshape(-1), np.ascontiguousarray(t_scales).reshape(-1), k, n,
+                       got_data, got_scales)
+  np.testing.assert_array_equal(got_data.reshape(n, k // 2), want_data)
+  np.testing.assert_array_equal(got_scales.reshape(n, k // nv.BLOCK), want_scales)
 
 
 def test_fp4_gemm_fails_loudly_where_unsupported(gpu):

@@ -9,14 +9,21 @@
 // xla_fp4_ragged_gemm_packed (expert GEMMs: ffi_checks.h CheckRaggedGemmPacked) runs the same GEMM once per group: on
 // a group's rows of a (its forward and dgrad) or on a group's range of K (its wgrad: the operands' columns, so the
 // layouts' leading dimension is the whole K and the scales are swizzled from a strided range). The group sizes live
-// on the device and the loop runs on the host: the handler copies them and waits for the stream, a synchronization per
-// call (a grouped GEMM that reads them on the device would not need it).
+// on the device and the loop runs on the host, so the handler copies them and waits for the stream: one host
+// synchronization per call. It must: the cuBLASLt this project builds against (CUDA 13.0) batches only GEMMs of one
+// M, N and K (strided or pointer-array batches); a grouped GEMM that reads per-group sizes on the device would remove it.
 //
-// Plans (matrix layouts, the heuristic's algorithm, a device zero for beta) are cached per (device, M, N, K, output
-// type, leading dimensions, pointer alignments) in one process-wide, mutex-guarded cache rather than in per-instance FFI state: a transformer has a few GEMM
-// shapes repeated over dozens of layers, so call sites share plans and a cuBLASLt handle per device, and nothing needs
-// an FFI type registration before compiling. The matmul descriptor carries the per-call scale pointers, so it is built
-// per call (host-only, microseconds) to keep concurrent calls from different threads independent.
+// Algorithms are chosen once per shape class and device, in one process-wide, mutex-guarded cache rather than in
+// per-instance FFI state: a transformer has a few GEMM shapes repeated over dozens of layers, so call sites share them
+// and a cuBLASLt handle per device, and nothing needs an FFI type registration before compiling. A dense GEMM's class
+// is its exact shape. A group's M changes every step with the routing, so its class rounds M up to a power of two,
+// and its pointers' alignment is what every group of the call is guaranteed (the base pointer's and the per-row
+// stride's), not the group's own: the class's algorithm is checked against the group's exact layouts
+// (cublasLtMatmulAlgoCheck, host only), and only where it does not apply is the exact shape queried (those entries
+// are bounded). The cache holds algorithms by value; the matrix layouts and the matmul descriptor (which carries the
+// per-call scale pointers) are built per call (host-only, microseconds), so concurrent calls stay independent. Beta's
+// device zero is one per device. So a new shape class costs a heuristic query on the host, and no allocation or
+// stream synchronization.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -85,16 +92,33 @@ ffi::Error MakeLayout(cudaDataType type, int64_t rows, int64_t cols, int64_t ld,
   return ffi::Error::Success();
 }
 
-struct Plan {
-  Layout a, b, c;  // cuBLASLt's A = our b (K x N), B = our a (K x M), C = D (N x M), all column-major
-  cublasLtMatmulAlgo_t algo;
-  size_t workspace_bytes;
-  float* beta_zero = nullptr;  // POINTER_MODE_DEVICE applies to beta too
+// The matrix layouts of one GEMM: cuBLASLt's A = our b (K x N), B = our a (K x M), C = D (N x M), all column-major.
+struct Layouts {
+  Layout a, b, c;
 };
 
-// device, M, N, K, output type, our a's and b's row strides (elements), the alignments (bytes) of a, b and C
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, cudaDataType, int64_t, int64_t, uint32_t, uint32_t,
-                           uint32_t>;
+ffi::Error MakeLayouts(int64_t m, int64_t n, int64_t k, cudaDataType out_type, int64_t lda, int64_t ldb, Layouts& out) {
+  XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, n, ldb, out.a));
+  XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, m, lda, out.b));
+  return MakeLayout(out_type, n, m, n, out.c);
+}
+
+struct Plan {
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace_bytes;
+};
+
+// A shape class: device, M (a group's rounded up), N, K, output type, our a's and b's row strides (elements), and the
+// alignments (bytes) the class's pointers are guaranteed for a, b and C.
+struct PlanKey {
+  int device;
+  int64_t m, n, k;
+  cudaDataType out_type;
+  int64_t lda, ldb;
+  uint32_t a_alignment, b_alignment, c_alignment;
+  auto Tie() const { return std::tie(device, m, n, k, out_type, lda, ldb, a_alignment, b_alignment, c_alignment); }
+  bool operator<(const PlanKey& o) const { return Tie() < o.Tie(); }
+};
 
 // The largest power of two (at most 256, what cuBLASLt's heuristic assumes by default) that divides p's address.
 uint32_t Alignment(const void* p) {
@@ -102,6 +126,20 @@ uint32_t Alignment(const void* p) {
   uint32_t alignment = 256;
   while (alignment > 1 && address % alignment != 0) alignment /= 2;
   return alignment;
+}
+
+// The alignment every pointer base + i * stride_bytes (i >= 0) has.
+uint32_t GuaranteedAlignment(const void* base, int64_t stride_bytes) {
+  uint32_t alignment = Alignment(base);
+  while (alignment > 1 && stride_bytes % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// A group's M (or K) class: the next power of two, at least 128.
+int64_t GroupRowsClass(int64_t m) {
+  int64_t c = 128;
+  while (c < m) c *= 2;
+  return c;
 }
 
 // Runs f with `device` current (cuBLASLt's handle and heuristic, and cudaMalloc, follow the current device), then
@@ -117,6 +155,12 @@ ffi::Error OnDevice(int device, F&& f) {
   return status;
 }
 
+// A device's cuBLASLt handle and the device zero that beta points at (POINTER_MODE_DEVICE applies to beta too).
+struct DeviceContext {
+  cublasLtHandle_t handle = nullptr;
+  float* beta_zero = nullptr;
+};
+
 class PlanCache {
  public:
   // The cache is never destroyed: tearing down cuBLASLt and device memory in static destructors races with the CUDA
@@ -126,33 +170,61 @@ class PlanCache {
     return *cache;
   }
 
-  // The device's handle and the plan for `key`, built on first use (then once, synchronizing `stream`).
-  ffi::Error Lookup(const PlanKey& key, cudaStream_t stream, cublasLtHandle_t& handle, const Plan*& plan) {
+  // The device's handle and beta zero, made on the device's first GEMM (its one allocation and synchronization).
+  ffi::Error Device(int device, cudaStream_t stream, DeviceContext& out) {
     std::lock_guard<std::mutex> lock(mu_);
-    const int device = std::get<0>(key);
-    return OnDevice(device, [&]() -> ffi::Error {
-      cublasLtHandle_t& device_handle = handles_[device];
-      if (device_handle == nullptr) {
-        XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&device_handle), "cublasLtCreate"));
+    DeviceContext& context = devices_[device];
+    if (context.handle == nullptr) {
+      XLA_FP4_RETURN_IF_ERROR(OnDevice(device, [&]() -> ffi::Error {
+        XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&context.handle), "cublasLtCreate"));
+        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&context.beta_zero, sizeof(float)), "cudaMalloc(beta)"));
+        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(context.beta_zero, 0, sizeof(float), stream), "cudaMemsetAsync"));
+        // Once per device: makes the zero visible to every stream that later uses it.
+        return CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      }));
+    }
+    out = context;
+    return ffi::Error::Success();
+  }
+
+  // The algorithm for a GEMM with `layouts` in shape class `key`: the class's, where cuBLASLt accepts it for these
+  // layouts, else the exact shape's (`exact`).
+  ffi::Error Lookup(const PlanKey& key, const PlanKey& exact, cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                    const Layouts& layouts, Plan& plan) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return OnDevice(key.device, [&]() -> ffi::Error {
+      XLA_FP4_RETURN_IF_ERROR(Find(key, handle, plan));
+      if (key.Tie() == exact.Tie()) return ffi::Error::Success();
+      cublasLtMatmulHeuristicResult_t check;
+      if (cublasLtMatmulAlgoCheck(handle, desc, layouts.a.get(), layouts.b.get(), layouts.c.get(), layouts.c.get(),
+                                  &plan.algo, &check) == CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= kMaxWorkspaceBytes) {
+        plan.workspace_bytes = check.workspaceSize;
+        return ffi::Error::Success();
       }
-      handle = device_handle;
-      auto it = plans_.find(key);
-      if (it == plans_.end()) {
-        auto built = std::make_unique<Plan>();
-        XLA_FP4_RETURN_IF_ERROR(Build(key, handle, stream, *built));
-        it = plans_.emplace(key, std::move(built)).first;
-      }
-      plan = it->second.get();
-      return ffi::Error::Success();
+      if (exact_.size() >= kMaxExactPlans) exact_.clear();  // plans are values: nothing refers to them
+      return Find(exact, handle, plan, &exact_);
     });
   }
 
  private:
-  static ffi::Error Build(const PlanKey& key, cublasLtHandle_t handle, cudaStream_t stream, Plan& plan) {
-    auto [device, m, n, k, out_type, lda, ldb, a_alignment, b_alignment, c_alignment] = key;
-    XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, n, ldb, plan.a));
-    XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, m, lda, plan.b));
-    XLA_FP4_RETURN_IF_ERROR(MakeLayout(out_type, n, m, n, plan.c));
+  static constexpr size_t kMaxExactPlans = 4096;
+
+  ffi::Error Find(const PlanKey& key, cublasLtHandle_t handle, Plan& plan, std::map<PlanKey, Plan>* cache = nullptr) {
+    std::map<PlanKey, Plan>& plans = cache != nullptr ? *cache : classes_;
+    auto it = plans.find(key);
+    if (it == plans.end()) {
+      Plan built;
+      XLA_FP4_RETURN_IF_ERROR(Build(key, handle, built));
+      it = plans.emplace(key, built).first;
+    }
+    plan = it->second;
+    return ffi::Error::Success();
+  }
+
+  static ffi::Error Build(const PlanKey& key, cublasLtHandle_t handle, Plan& plan) {
+    Layouts layouts;
+    XLA_FP4_RETURN_IF_ERROR(MakeLayouts(key.m, key.n, key.k, key.out_type, key.lda, key.ldb, layouts));
     MatmulDesc desc;
     XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
     cublasLtMatmulPreference_t raw_pref;
@@ -163,37 +235,34 @@ class PlanCache {
                                              sizeof(kMaxWorkspaceBytes)),
         "cublasLtMatmulPreferenceSetAttribute"));
     // cuBLASLt's A is our b and its B our a; C and D are the same buffer.
-    for (auto [attr, bytes] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b_alignment},
-                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a_alignment},
-                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c_alignment},
-                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c_alignment}}) {
+    for (auto [attr, bytes] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.b_alignment},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.a_alignment},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.c_alignment},
+                               std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.c_alignment}}) {
       XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulPreferenceSetAttribute(raw_pref, attr, &bytes, sizeof(bytes)),
                                        "cublasLtMatmulPreferenceSetAttribute"));
     }
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
-    XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), plan.a.get(), plan.b.get(),
-                                                                    plan.c.get(), plan.c.get(), raw_pref, 1, &result,
-                                                                    &found),
+    XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), layouts.a.get(),
+                                                                    layouts.b.get(), layouts.c.get(), layouts.c.get(),
+                                                                    raw_pref, 1, &result, &found),
                                      "cublasLtMatmulAlgoGetHeuristic"));
     if (found == 0) {
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        "cuBLASLt has no FP4 GEMM algorithm for M=" + std::to_string(m) + ", N=" + std::to_string(n) +
-                            ", K=" + std::to_string(k) + " on device " + std::to_string(device) +
-                            "; keep this GEMM in the emulated backend");
+                        "cuBLASLt has no FP4 GEMM algorithm for M=" + std::to_string(key.m) + ", N=" +
+                            std::to_string(key.n) + ", K=" + std::to_string(key.k) + " on device " +
+                            std::to_string(key.device) + "; keep this GEMM in the emulated backend");
     }
     plan.algo = result.algo;
     plan.workspace_bytes = result.workspaceSize;
-    // Plans are few (one per GEMM shape and device), so one small allocation and one synchronization each are cheap;
-    // the sync makes the zero visible to every stream that later uses the plan.
-    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&plan.beta_zero, sizeof(float)), "cudaMalloc(beta)"));
-    XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(plan.beta_zero, 0, sizeof(float), stream), "cudaMemsetAsync"));
-    return CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return ffi::Error::Success();
   }
 
   std::mutex mu_;
-  std::map<int, cublasLtHandle_t> handles_;
-  std::map<PlanKey, std::unique_ptr<Plan>> plans_;
+  std::map<int, DeviceContext> devices_;
+  std::map<PlanKey, Plan> classes_;  // bounded by the program's shape classes
+  std::map<PlanKey, Plan> exact_;    // the few exact shapes whose class's algorithm did not apply
 };
 
 ffi::Error OutputType(ffi::DataType type, const char* target, cudaDataType* out) {
@@ -220,14 +289,30 @@ struct Fp4GemmCall {
   void* c;
   int64_t m, n, k;
 
-  PlanKey Key(int device, cudaDataType out_type) const {
+  PlanKey Exact(int device, cudaDataType out_type) const {
     return {device, m, n, k, out_type, lda, ldb, Alignment(a), Alignment(b), Alignment(c)};
   }
   int64_t SwizzledBytes() const { return PaddedScaleCount(m, k) + PaddedScaleCount(n, k); }
 };
 
-// Enqueues `call` with `plan`: its scales swizzled into `swizzled` (call.SwizzledBytes()), then cuBLASLt's GEMM.
-ffi::Error RunFp4Gemm(cudaStream_t stream, cublasLtHandle_t handle, const Plan& plan, const Fp4GemmCall& call,
+// A call's layouts and algorithm, chosen before its scratch is allocated.
+struct Prepared {
+  Layouts layouts;
+  Plan plan;
+};
+
+// Prepares `call` in shape class `key` (PlanCache::Lookup).
+ffi::Error Prepare(const DeviceContext& device, const PlanKey& key, cudaDataType out_type, const Fp4GemmCall& call,
+                   Prepared& out) {
+  XLA_FP4_RETURN_IF_ERROR(MakeLayouts(call.m, call.n, call.k, out_type, call.lda, call.ldb, out.layouts));
+  MatmulDesc desc;
+  XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
+  return PlanCache::Get().Lookup(key, call.Exact(key.device, out_type), device.handle, desc.get(), out.layouts,
+                                 out.plan);
+}
+
+// Enqueues `call`: its scales swizzled into `swizzled` (call.SwizzledBytes()), then cuBLASLt's GEMM.
+ffi::Error RunFp4Gemm(cudaStream_t stream, const DeviceContext& device, const Fp4GemmCall& call, const Prepared& p,
                       uint8_t* swizzled, void* workspace) {
   uint8_t* a_swizzled = swizzled;
   uint8_t* b_swizzled = swizzled + PaddedScaleCount(call.m, call.k);
@@ -239,9 +324,9 @@ ffi::Error RunFp4Gemm(cudaStream_t stream, cublasLtHandle_t handle, const Plan& 
                                   static_cast<const void*>(b_swizzled)));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                                   static_cast<const void*>(a_swizzled)));
-  return LtStatus(cublasLtMatmul(handle, desc.get(), call.alpha, call.b, plan.a.get(), call.a, plan.b.get(),
-                                 plan.beta_zero, call.c, plan.c.get(), call.c, plan.c.get(), &plan.algo, workspace,
-                                 plan.workspace_bytes, stream),
+  return LtStatus(cublasLtMatmul(device.handle, desc.get(), call.alpha, call.b, p.layouts.a.get(), call.a,
+                                 p.layouts.b.get(), device.beta_zero, call.c, p.layouts.c.get(), call.c,
+                                 p.layouts.c.get(), &p.plan.algo, workspace, p.plan.workspace_bytes, stream),
                   "cublasLtMatmul");
 }
 
@@ -289,14 +374,15 @@ ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                          static_cast<const float*>(alpha.untyped_data()), out->untyped_data(), m, n, k};
   int device;
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));
-  cublasLtHandle_t handle = nullptr;
-  const Plan* plan = nullptr;
-  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup(call.Key(device, out_type), stream, handle, plan));
+  DeviceContext context;
+  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Device(device, stream, context));
+  Prepared prepared;
+  XLA_FP4_RETURN_IF_ERROR(Prepare(context, call.Exact(device, out_type), out_type, call, prepared));
   uint8_t* swizzled = nullptr;
   void* workspace = nullptr;
-  XLA_FP4_RETURN_IF_ERROR(AllocateScratch(scratch, call.SwizzledBytes(), plan->workspace_bytes,
+  XLA_FP4_RETURN_IF_ERROR(AllocateScratch(scratch, call.SwizzledBytes(), prepared.plan.workspace_bytes,
                                           "xla_fp4_gemm_packed", &swizzled, &workspace));
-  return RunFp4Gemm(stream, handle, *plan, call, swizzled, workspace);
+  return RunFp4Gemm(stream, context, call, prepared, swizzled, workspace);
 }
 
 ffi::Error RaggedGemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
@@ -350,14 +436,26 @@ ffi::Error RaggedGemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   if (calls.empty()) return ffi::Error::Success();
   int device;
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));
-  cublasLtHandle_t handle = nullptr;
-  std::vector<const Plan*> plans(calls.size());
+  DeviceContext context;
+  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Device(device, stream, context));
+  // The call's shape class: what every group shares. A group of rows starts at any row, a group of K at a multiple of
+  // 32 (grouped.py pads them), so the pointers are guaranteed the base's alignment within the per-group stride's.
+  const int64_t a_step = ragged_k ? 16 : s.k / 2, b_step = ragged_k ? 16 : s.n * (s.k / 2);
+  const int64_t c_step = (ragged_k ? s.m : 1) * s.n * element_bytes;
+  const uint32_t a_alignment = GuaranteedAlignment(a, a_step), b_alignment = GuaranteedAlignment(b, b_step);
+  const uint32_t c_alignment = GuaranteedAlignment(c, c_step);
+  std::vector<Prepared> prepared(calls.size());
   int64_t swizzled_bytes = 0;
   size_t workspace_bytes = 0;
   for (size_t i = 0; i < calls.size(); ++i) {
-    XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Lookup(calls[i].Key(device, out_type), stream, handle, plans[i]));
-    swizzled_bytes = std::max(swizzled_bytes, calls[i].SwizzledBytes());
-    workspace_bytes = std::max(workspace_bytes, plans[i]->workspace_bytes);
+    const Fp4GemmCall& call = calls[i];
+    // A group's rows (or its K, within the whole K its layouts stride over) rounded up.
+    const int64_t m = ragged_k ? call.m : GroupRowsClass(call.m);
+    const int64_t k = ragged_k ? std::min(GroupRowsClass(call.k), s.k) : call.k;
+    const PlanKey key{device, m, call.n, k, out_type, call.lda, call.ldb, a_alignment, b_alignment, c_alignment};
+    XLA_FP4_RETURN_IF_ERROR(Prepare(context, key, out_type, call, prepared[i]));
+    swizzled_bytes = std::max(swizzled_bytes, call.SwizzledBytes());
+    workspace_bytes = std::max(workspace_bytes, prepared[i].plan.workspace_bytes);
   }
   // One scratch buffer serves every group: the stream runs a group's swizzle after the previous group's GEMM.
   uint8_t* swizzled = nullptr;
@@ -365,7 +463,7 @@ ffi::Error RaggedGemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, 
   XLA_FP4_RETURN_IF_ERROR(AllocateScratch(scratch, swizzled_bytes, workspace_bytes, "xla_fp4_ragged_gemm_packed",
                                           &swizzled, &workspace));
   for (size_t i = 0; i < calls.size(); ++i) {
-    XLA_FP4_RETURN_IF_ERROR(RunFp4Gemm(stream, handle, *plans[i], calls[i], swizzled, workspace));
+    XLA_FP4_RETURN_IF_ERROR(RunFp4Gemm(stream, context, calls[i], prepared[i], swizzled, workspace));
   }
   return ffi::Error::Success();
 }
