@@ -84,3 +84,42 @@ def run_on_cpu(module, args):
   executable = compiler.backend_compile_and_load(backend, module, xc.DeviceList((device,)),
                                                  compiler.get_compile_options(num_replicas=1, num_partitions=1), [])
   return executable.execute([jax.device_put(a, device) for a in args])
+
+
+# ---- the subnormal rule's cases (tests/kernels/test_fp_mode_rule.py; on a GPU, test_cuda_kernels.py) ----
+
+TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal float32
+
+
+def _blocks(rng, scale, n=8):
+  """n 1x16 blocks of normal values of magnitude about `scale`, float32."""
+  return (rng.standard_normal((n, 16)) * scale).astype(np.float32)
+
+
+def subnormal_cases():
+  """float32 tensors at the subnormal rule's edges (nvfp4_format.h FlushSubnormal), by name."""
+  rng = np.random.default_rng(0)
+  normal = _blocks(rng, 1.0)
+  with_subnormal_inputs = normal.copy()
+  with_subnormal_inputs[1] = TINY * rng.uniform(0.01, 0.99, 16).astype(np.float32)  # a block of subnormals
+  with_subnormal_inputs[2, ::3] = TINY / 8  # subnormals beside normal values
+  window = _blocks(rng, 1e-33)  # s_dec normal, but small blocks' scale * s_dec subnormal
+  window[3] *= 1e-3
+  window[4, :8] = TINY * 3
+  return {
+      "tiny tensor": _blocks(rng, 1e-36),  # s_dec = amax / 2688 is subnormal: NaN on a GPU before the rule
+      "subnormal inputs": with_subnormal_inputs,
+      "small blocks": window,
+      "all subnormal": (TINY * rng.uniform(-0.9, 0.9, (4, 16))).astype(np.float32),
+  }
+
+
+def mx_subnormal_cases():
+  """float32 (6, 32) blocks at the MX formats' subnormal edges: E8M0 scales 2^-127 and 2^-126, subnormal inputs."""
+  rng = np.random.default_rng(1)
+  x = (rng.standard_normal((6, 32)) * 2.0**-125).astype(np.float32)  # amax about 2^-124: scales 2^-127 and 2^-126
+  x[0] = np.abs(x[0]).clip(TINY, 1.4 * 2.0**-125)  # amax in [2^-126, 1.5 * 2^-125]: E2M1 scale 2^-127
+  x[1, ::2] = TINY / 4
+  x[2] = rng.standard_normal(32).astype(np.float32)
+  x[2, 5] = TINY / 2
+  return x

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_testing import assert_same_bits, extension_or_skip
+from nvfp4_testing import assert_same_bits, extension_or_skip, mx_subnormal_cases, subnormal_cases
 from xla_fp4 import kernels
 from xla_fp4.kernels import registry
 from xla_fp4 import numerics as nv
@@ -150,6 +150,47 @@ def test_qdq_with_scale_matches_the_cpu_kernel(gpu, dtype, block_2d, stochastic,
     assert_same_bits(got[1], want[1])
     assert_same_bits(got[0], want[0])
     assert i or np.isinf(got[1])
+
+
+MX_SHAPES = [((64, 64), -1), ((64, 96), 0), ((2, 64, 32), 1)]  # K a multiple of 32; 32x32 tiles need partners too
+
+
+@pytest.mark.parametrize("fp8,block_2d,stochastic,rht", [(False, False, False, False), (False, True, False, False),
+                                                         (False, False, True, True), (True, False, False, False),
+                                                         (True, True, False, True)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_mx_qdq_matches_the_cpu_kernel(gpu, dtype, fp8, block_2d, stochastic, rht):
+  """xla_fp4_mx_qdq (MXFP4 and MXFP8) on the device bit for bit the CPU kernel, which the CPU tests hold to
+  numerics/mx.py; one case with a NaN block, which decodes to NaN."""
+  flags = dict(fp8=fp8, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=RHT_SEED)
+  for i, (shape, axis) in enumerate(MX_SHAPES):
+    x = _data(shape, dtype, seed=i)
+    if i == 0:
+      x.reshape(-1)[5] = np.nan
+    got = _run(gpu, kernels.mx_qdq, x, np.uint32(7), axis=axis, **flags)
+    assert_same_bits(got, _run(_cpu(), kernels.mx_qdq, x, np.uint32(7), axis=axis, **flags))
+    assert i or np.isnan(got.reshape(-1)[5])
+
+
+def test_subnormal_rule_on_the_device(gpu):
+  """The subnormal and NaN rule (nvfp4_format.h; tests/kernels/test_fp_mode_rule.py): tensors whose decode scale or
+  block denominators are subnormal, subnormal inputs, and MX's 2^-127 scale give on the device the CPU kernels' bits
+  (zeros, never NaN), and telemetry's amax and live blocks treat a NaN block alike."""
+  for name, x in subnormal_cases().items():
+    s_dec = np.float32(nv.global_decode_scale(np.abs(x).max()))
+    got = _run(gpu, kernels.qdq, x, s_dec)
+    assert_same_bits(got, _run(_cpu(), kernels.qdq, x, s_dec))
+    assert np.isfinite(got).all(), name
+  x = mx_subnormal_cases()
+  for fp8 in (False, True):
+    assert_same_bits(_run(gpu, kernels.mx_qdq, x, fp8=fp8), _run(_cpu(), kernels.mx_qdq, x, fp8=fp8))
+  x = _data((4, 32), jnp.float32)
+  x[1, 3], x[2, :16] = np.nan, 0.0
+  got = _run(gpu, kernels.qdq_and_stats, x, np.float32(1 / 2688), np.uint32(5))[1]
+  want = _run(_cpu(), kernels.qdq_and_stats, x, np.float32(1 / 2688), np.uint32(5))[1]
+  assert np.isnan(got[0]) and np.isnan(want[0])
+  counts = [1, 2, 3, 4, 5, 8, 9, 10]  # all but amax and the energies (summed in another order on the device)
+  np.testing.assert_array_equal(got[counts], want[counts])
 
 
 @pytest.mark.parametrize("block_2d,stochastic,rht", [(False, False, False), (True, False, False), (False, True, True)])

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from nvfp4_testing import assert_same_bits, extension_or_skip
+from nvfp4_testing import assert_same_bits, extension_or_skip, mx_subnormal_cases, subnormal_cases
 from xla_fp4 import kernels
 from xla_fp4.numerics import kernel_twins, nvfp4
 
@@ -27,29 +27,7 @@ def fmt():
   return ext.format
 
 
-def _blocks(rng, scale, n=8):
-  """n 1x16 blocks of normal values of magnitude about `scale`, float32."""
-  return (rng.standard_normal((n, 16)) * scale).astype(np.float32)
-
-
-def _cases():
-  rng = np.random.default_rng(0)
-  normal = _blocks(rng, 1.0)
-  with_subnormal_inputs = normal.copy()
-  with_subnormal_inputs[1] = TINY * rng.uniform(0.01, 0.99, 16).astype(np.float32)  # a block of subnormals
-  with_subnormal_inputs[2, ::3] = TINY / 8  # subnormals beside normal values
-  window = _blocks(rng, 1e-33)  # s_dec normal, but small blocks' scale * s_dec subnormal
-  window[3] *= 1e-3
-  window[4, :8] = TINY * 3
-  return {
-      "tiny tensor": _blocks(rng, 1e-36),  # s_dec = amax / 2688 is subnormal: NaN on a GPU before the rule
-      "subnormal inputs": with_subnormal_inputs,
-      "small blocks": window,
-      "all subnormal": (TINY * rng.uniform(-0.9, 0.9, (4, 16))).astype(np.float32),
-  }
-
-
-CASES = _cases()
+CASES = subnormal_cases()
 
 
 @jax.jit
@@ -78,19 +56,9 @@ def test_nvfp4_agrees_in_every_fp_mode(fmt, case):
     assert outside.any()
 
 
-def _mx_cases():
-  rng = np.random.default_rng(1)
-  x = (rng.standard_normal((6, 32)) * 2.0**-125).astype(np.float32)  # amax about 2^-124: scales 2^-127 and 2^-126
-  x[0] = np.abs(x[0]).clip(TINY, 1.4 * 2.0**-125)  # amax in [2^-126, 1.5 * 2^-125]: E2M1 scale 2^-127
-  x[1, ::2] = TINY / 4
-  x[2] = rng.standard_normal(32).astype(np.float32)
-  x[2, 5] = TINY / 2
-  return x
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mx_agrees_in_every_fp_mode(fmt, fp8):
-  x = _mx_cases()
+  x = mx_subnormal_cases()
   outside = np.empty_like(x.reshape(-1))
   fmt.mx_qdq_blocks(x.reshape(-1), fp8, outside)
   assert np.isfinite(outside).all()
@@ -109,7 +77,7 @@ def test_telemetry_nan_rule():
   sink reads the same AmaxFromBits and LiveBlock)."""
   extension_or_skip()
   from xla_fp4.numerics import telemetry as st
-  x = jnp.asarray(_blocks(np.random.default_rng(2), 1.0).reshape(4, 32)).at[1, 3].set(jnp.nan).at[2, :16].set(0.0)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 32)).astype(np.float32)).at[1, 3].set(jnp.nan).at[2, :16].set(0.0)
   s_dec = jnp.float32(1 / 2688)
   _, row = kernels.qdq_and_stats(x, s_dec, 5, step=0)
   _, want = jax.jit(lambda x: st.qdq_and_stats(x, s_dec, jnp.uint32(5), jnp.int32(0), axis=-1, block_2d=False,
