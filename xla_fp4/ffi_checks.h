@@ -169,10 +169,10 @@ inline ffi::Error CheckQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int
   return CheckCounterRange(stochastic, shape->size(), x.dimensions());
 }
 
-// xla_fp4_mx_qdq: xla_fp4_qdq's checks, K a multiple of 32 (an MX block), and with block_2d the 32x32 tiles' partner
-// dims (inner, or outer where inner is 1) a multiple of 32 too.
+// xla_fp4_mx_qdq: xla_fp4_qdq's checks and K a multiple of 32 (an MX block). 32x32 tiles may end partial along the
+// dims they pair with the axis, as NVFP4's 16x16 tiles do.
 inline ffi::Error CheckMxQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const ffi::AnyBuffer& key, int64_t axis,
-                             bool block_2d, bool stochastic, int64_t rht_seed, AxisShape* shape) {
+                             bool /*block_2d: partial tiles are fine*/, bool stochastic, int64_t rht_seed, AxisShape* shape) {
   if (ffi::Error e = FirstError({CheckQdq(x, y, axis, stochastic, rht_seed, shape),
                                  CheckScalar(key, ffi::DataType::U32, "key")});
       e.failure()) {
@@ -181,11 +181,6 @@ inline ffi::Error CheckMxQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, c
   if (shape->k % kMxBlock != 0) {
     return ffi::Error::InvalidArgument("the MX formats need the quantization axis to be a multiple of 32 (blocks of 32 "
                                        "share a scale), got " + std::to_string(shape->k));
-  }
-  const int64_t partner = shape->inner > 1 ? shape->inner : shape->outer;
-  if (block_2d && partner % kMxBlock != 0) {
-    return ffi::Error::InvalidArgument("32x32 tiles need the dims they pair with the axis to be a multiple of 32, got " +
-                                       std::to_string(partner));
   }
   return ffi::Error::Success();
 }

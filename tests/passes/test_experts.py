@@ -95,6 +95,35 @@ def test_lowered_for_gpu_each_ragged_dot_is_one_grouped_ragged_gemm():
   assert text.count('"chlo.ragged_dot"(') == 3 and "stablehlo.dot_general" not in text
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_lowered_for_gpu_an_expert_layer_runs_in_an_mx_format(fmt, monkeypatch):
+  """XLA_FP4_FORMAT=mxfp4/mxfp8 on the layer lowered for CUDA: each chlo.ragged_dot becomes numerics/grouped_mx.py's
+  twin (one ragged GEMM on MX operands, no per-group decode scale) with the format's recipe: 2D tiles and the wgrad's
+  RHT where the format takes them. (XLA CPU cannot compile a chlo.ragged_dot, so the twins' numbers are checked
+  against grouped_mx's reference in tests/numerics/test_grouped_mx.py; here, which twins the pass calls, and how.)"""
+  from xla_fp4.numerics import formats, grouped_mx
+  calls = []
+  for name in ("ragged_rows", "ragged_contracting"):
+    def recorded(*a, _fn=getattr(grouped_mx, name), **params):
+      calls.append((_fn.__name__, params))
+      return _fn(*a, **params)
+    recorded.__name__, recorded.__module__ = name, __name__  # a twin of its own: lowered here, not from a cache
+    monkeypatch.setattr(grouped_mx, name, recorded)
+  args = _inputs(n=64)  # the dgrad contracts N: a multiple of 32
+  result = _transform(jax.jit(_layer).trace(*args).lower(lowering_platforms=("cuda",)), "cuda", format=fmt)
+  assert sorted((r["role"], r["decision"]) for r in result.rows) == [(role, fmt) for role in ("dgrad", "fprop",
+                                                                                               "wgrad")]
+  text = str(result.module)
+  main = text[text.index("func.func public @main"):]
+  main = main[:main.index("\n  }\n")]
+  assert main.count("chlo.ragged_dot") == 0 and main.count("call @xla_fp4_twin_ragged_") == 3
+  f = formats.FORMATS[fmt]
+  rows = [p for name, p in calls if name == "ragged_rows"]
+  (wgrad,) = [p for name, p in calls if name == "ragged_contracting"]
+  assert len(rows) == 2 and all(p["fmt"] == fmt and p["rhs_recipe"] == (f.tiles_2d, False, False) for p in rows)
+  assert wgrad["fmt"] == fmt and wgrad["lhs_recipe"] == wgrad["rhs_recipe"] == (False, False, f.rht)
+
+
 def test_the_gpu_forms_quantize_as_the_reference():
   """numerics.grouped's ragged_rows and ragged_contracting (what a chlo.ragged_dot becomes) against the reference, with
   stochastic rounding: the per-group keys and the element numbering follow the reference's, the wgrad's copy into

@@ -115,7 +115,7 @@ __global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, uint32
   *key = (stochastic ? stats[1] : 0u) ^ salt;
 }
 
-// xla_fp4_mx_qdq: one thread per 1x32 block, or per 32x32 tile with block_2d (its 32 blocks along the partner dim:
+// xla_fp4_mx_qdq: one thread per 1x32 block, or per 32x32 tile with block_2d (its 32 blocks, fewer at the end, along the partner dim:
 // inner, or outer where inner is 1), as the CPU kernel computes it (qdq_kernels.cc MxQdqImpl).
 template <typename T>
 __device__ bool LoadMxBlock(const T* x, int64_t k, int64_t inner, int64_t o, int64_t block, int64_t i, const Recipe& r,
@@ -132,15 +132,17 @@ __global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t 
   if (t >= groups) return;
   const int64_t blocks = k / kMxBlock;
   const bool along_inner = inner > 1;
-  const int width = r.block_2d ? kMxBlock : 1;
+  int width = 1;  // the tile's blocks: 32, fewer in a partial tile at the end of the partner dim
   int64_t o, block, i;
   if (!r.block_2d) {
     o = t / (blocks * inner), block = (t / inner) % blocks, i = t % inner;
   } else if (along_inner) {
-    const int64_t per = inner / kMxBlock;
+    const int64_t per = (inner + kMxBlock - 1) / kMxBlock;
     o = t / (blocks * per), block = (t / per) % blocks, i = (t % per) * kMxBlock;
+    width = static_cast<int>(inner - i < kMxBlock ? inner - i : kMxBlock);
   } else {
     o = (t / blocks) * kMxBlock, block = t % blocks, i = 0;
+    width = static_cast<int>(outer - o < kMxBlock ? outer - o : kMxBlock);
   }
   float v[kMxBlock];
   float m = 0.0f, a;
@@ -170,8 +172,9 @@ ffi::Error MxQdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi:
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckMxQdq(x, *y, key, axis, block_2d, stochastic, rht_seed, &shape));
   const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
-  const int64_t blocks = outer * (k / kMxBlock) * inner;
-  const int64_t groups = block_2d ? blocks / kMxBlock : blocks;
+  const int64_t tiles_along = (inner > 1 ? (inner + kMxBlock - 1) / kMxBlock * outer
+                                         : (outer + kMxBlock - 1) / kMxBlock * inner);
+  const int64_t groups = block_2d ? tiles_along * (k / kMxBlock) : outer * (k / kMxBlock) * inner;
   if (groups == 0) return ffi::Error::Success();
   const Recipe r(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {

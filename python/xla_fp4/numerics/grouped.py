@@ -323,23 +323,23 @@ def ragged_rows_packed(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contrac
   return a_codes, a_scales, b_codes, b_scales, s_x * s_w
 
 
-def _padded_rows(group_sizes, num_rows, multiple=formats.BLOCK):
-  """The copy of `ragged_contracting`: for each row p of a [P, ...] layout where group g's rows fill whole 16-row
-  blocks of their own, each row at its offset within its block as in the original, a group's blocks rounded up to
-  `multiple` rows with zero blocks: (the original row at p, whether p holds one of its group's rows, the group of p
-  (G past the last), the padded group sizes). P = num_rows + `multiple` G."""
+def _padded_rows(group_sizes, num_rows, multiple=formats.BLOCK, block=formats.BLOCK):
+  """The copy of `ragged_contracting`: for each row p of a [P, ...] layout where group g's rows fill whole `block`-row
+  blocks of their own (16; the MX formats' 32), each row at its offset within its block as in the original, a group's
+  blocks rounded up to `multiple` rows with zero blocks: (the original row at p, whether p holds one of its group's
+  rows, the group of p (G past the last), the padded group sizes). P = num_rows + `multiple` G."""
   num_groups = group_sizes.shape[0]
   ends = _ends(group_sizes)
   starts = ends - group_sizes
-  first = starts // formats.BLOCK
-  blocks = jnp.where(group_sizes > 0, -(-ends // formats.BLOCK) - first, 0)
-  padded_sizes = -(-blocks * formats.BLOCK // multiple) * multiple
+  first = starts // block
+  blocks = jnp.where(group_sizes > 0, -(-ends // block) - first, 0)
+  padded_sizes = -(-blocks * block // multiple) * multiple
   padded_ends = _ends(padded_sizes)
   rows = num_rows + multiple * num_groups
   p = jnp.arange(rows)
   group = jnp.searchsorted(padded_ends, p, side="right").astype(jnp.int32)
   g = jnp.minimum(group, num_groups - 1)
-  original = first[g] * formats.BLOCK + p - (padded_ends[g] - padded_sizes[g])
+  original = first[g] * block + p - (padded_ends[g] - padded_sizes[g])
   holds = (group < num_groups) & (original >= starts[g]) & (original < ends[g])
   return jnp.clip(original, 0, num_rows - 1), holds, group, padded_sizes
 

@@ -59,13 +59,14 @@ def _block_amax(xb, block_2d):
     outer, nk, inner = amax.shape
     axis = 2 if inner > 1 else 0
     n = amax.shape[axis]
-    if n % MX_BLOCK:
-      raise ValueError(f"32x32 tiles need the partner dims to be a multiple of 32, got {n}")
     moved = jnp.moveaxis(amax, axis, -1)
-    g = moved.reshape(moved.shape[:-1] + (n // MX_BLOCK, MX_BLOCK))
+    pad = -n % MX_BLOCK  # a partial tile at the end: zero padding never raises a max
+    padded = jnp.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, pad)])
+    g = padded.reshape(padded.shape[:-1] + (padded.shape[-1] // MX_BLOCK, MX_BLOCK))
     g = jnp.where(jnp.isnan(g), jnp.float32(jnp.inf), g).max(axis=-1, keepdims=True)
     g = jnp.where(jnp.isinf(g), jnp.float32(jnp.nan), g)
-    amax = jnp.moveaxis(jnp.broadcast_to(g, g.shape[:-1] + (MX_BLOCK,)).reshape(moved.shape), -1, axis)
+    tiles = jnp.broadcast_to(g, g.shape[:-1] + (MX_BLOCK,)).reshape(padded.shape)[..., :n]
+    amax = jnp.moveaxis(tiles, -1, axis)
   return amax
 
 

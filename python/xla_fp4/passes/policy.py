@@ -236,14 +236,11 @@ KEPT_LAYER_RULES = ("head", "high_precision_block")
 
 
 def format_cannot_take(site: DotSite, fmt: str) -> Optional[str]:
-  """Why `site` cannot run in the format `fmt`, or None: its blocks must fit the contraction, and the MX formats run
-  the emulated dense GEMM, which a chlo.ragged_dot (an expert GEMM on GPU) is not."""
+  """Why `site` cannot run in the format `fmt`, or None: its blocks must fit the contraction."""
   f = FORMATS[fmt]
   k = site.groups.k if site.groups else site.gemm.k
   if k % f.block:
     return f"contraction size {k} is not a multiple of {f.block} ({fmt}'s block): high precision"
-  if not f.tensor_scale and site.groups is not None and site.groups.kind is not Grouping.SLICES:
-    return f"a chlo.ragged_dot has no {fmt} form ({fmt} runs the emulated dense GEMM): high precision"
   return None
 
 
@@ -334,8 +331,10 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
     dense_only = _dense_only(d)
     if dense_only:
       # The MX formats, and kept iterations in MXFP8, run the emulated dense GEMM: block-local scales need no
-      # per-expert form; the FP4 GEMM and the packed forms are NVFP4's.
-      form = Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
+      # per-expert form (a chlo.ragged_dot keeps its own op: numerics/grouped_mx.py); the FP4 GEMM and the packed
+      # forms are NVFP4's.
+      ragged = grouped and record.site.groups.kind is not Grouping.SLICES
+      form = Form.GROUPED if ragged else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
       if native:
         notes.append(dense_only)
     elif native:

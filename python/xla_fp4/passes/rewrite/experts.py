@@ -27,6 +27,7 @@ from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
 from xla_fp4.numerics import grouped
+from xla_fp4.numerics import grouped_mx
 from xla_fp4.numerics import telemetry
 from xla_fp4.passes.analysis.records import Grouping
 from xla_fp4.passes.rewrite import emulated
@@ -112,9 +113,16 @@ def _slice_qdq(ctx, x, operand, group_dims, contracting, select, user):
 
 
 def ragged(ctx, probe, plan):
-  """A chlo.ragged_dot in the grouped recipe: one twin that quantizes per group and runs one ragged GEMM."""
+  """A chlo.ragged_dot in the grouped recipe: one twin that quantizes per group and runs one ragged GEMM. In an MX
+  format the twins of numerics/grouped_mx.py, whose block-local scales need no group's decode scale."""
   rows, operands, params = _ragged_operands(ctx, probe, plan)
-  fn = grouped.ragged_rows if rows else grouped.ragged_contracting
+  module = grouped
+  fmt = plan.operands[0].recipe.format
+  if fmt != "nvfp4":
+    module = grouped_mx
+    params = {k: v for k, v in params.items() if k != "peers"}
+    params["fmt"] = fmt
+  fn = module.ragged_rows if rows else module.ragged_contracting
   return ctx.twins.call(fn, operands, [tensor_type(plan.record.op.results[0])], **params)[0]
 
 
