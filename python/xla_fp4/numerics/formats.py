@@ -40,7 +40,9 @@ def flush_subnormal(v):
   """Float32 v with its subnormal values as zeros of their sign. The recipe never depends on a subnormal: XLA CPU
   flushes them (FTZ/DAZ) and a GPU does not, so the twins and kernels (nvfp4_format.h FlushSubnormal) flush the
   inputs, the tensor and block scales and the decoded values explicitly, and CPU and GPU agree (docs/design.md §2)."""
-  return jnp.where(jnp.abs(v) < jnp.float32(np.finfo(np.float32).tiny), v * jnp.float32(0), v)
+  v = jnp.asarray(v, jnp.float32)
+  tiny = jnp.full(v.shape, np.finfo(np.float32).tiny, jnp.float32)
+  return jax.lax.select(jax.lax.lt(jax.lax.abs(v), tiny), v * jnp.float32(0), v)  # lax: no private function
 
 
 def round_e2m1_nearest(v):

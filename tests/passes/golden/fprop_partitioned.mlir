@@ -25,7 +25,9 @@
 // CHECK: func.func private @[[SCALE]](%[[B:.+]]: tensor<32x4xf32>) -> tensor<f32>
 // CHECK: %[[AMAX:[0-9]+]] = stablehlo.reduce(%[[B]] init: %{{.*}}) applies stablehlo.maximum
 // CHECK: %[[S:[0-9]+]] = stablehlo.multiply %[[AMAX]]
-// CHECK: %[[SX2:[0-9]+]] = stablehlo.optimization_barrier %[[S]]
+// (a subnormal s_dec flushed to zero: formats.flush_subnormal)
+// CHECK: %[[F:[0-9]+]] = stablehlo.select %{{[0-9]+}}, %{{[0-9]+}}, %[[S]]
+// CHECK: %[[SX2:[0-9]+]] = stablehlo.optimization_barrier %[[F]]
 // CHECK: return %[[SX2]]
 
 #loc1 = loc("x")
