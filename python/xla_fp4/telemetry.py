@@ -8,8 +8,9 @@ DIR/telemetry.jsonl:
   {"step", "module", "dot", "layer", "role", "operand", "format", "block", "amax", "s_dec", "elements", "underflow",
    "all_zero", "scale_underflow", "scale_saturated", "snr_db", "output_zeros", "alerts"}
 
-`dot` is the GEMM's index in the module's program order (the decision report's `#`); `format` its number format (only
-NVFP4 dots are probed so far); `operand` is activation,
+`dot` is the GEMM's index in the module's program order (the decision report's `#`); `format` its number format
+(nvfp4, nvfp4+4/6 with Four Over Six, mxfp4, mxfp8: an MX row's s_dec is 1 and its blocks are 1x32, numerics/
+telemetry.py); `operand` is activation,
 weight or gradient; `block` the block (a scanned stack's iteration counts) or null;
 `output_zeros` a wgrad's fraction of exact zeros in the weight gradient (null for fprop and dgrad); `snr_db` null for
 an all-zero operand, "inf" for an exact one. Alerts (once per GEMM operand and kind, in a warning per drain and in
@@ -47,7 +48,7 @@ class Site:
   operands: tuple  # (lhs kind, rhs kind): activation, weight, gradient
   underflow: float  # alert thresholds
   snr_db: float
-  format: str = "nvfp4"  # noqa: A003 (the dot's number format; only NVFP4 dots are probed so far)
+  format: str = "nvfp4"  # noqa: A003 (the dot's number format: nvfp4, nvfp4+4/6, mxfp4, mxfp8)
 
 
 _module_keys = itertools.count(1)  # process-wide, like the sinks' step counters

@@ -78,3 +78,30 @@ def test_the_reference_quantizes_each_group_and_expert_on_its_own():
   rows3[57:90] = np.asarray(x[57:90])
   q3 = np.asarray(mx.qdq(jnp.asarray(rows3), "mxfp4", axis=0))
   np.testing.assert_allclose(np.asarray(dw[3]), q3.T @ q3, rtol=1e-5, atol=1e-5 * float(np.abs(q3.T @ q3).max()))
+
+
+def test_statistics_of_the_ragged_forms():
+  """numerics/telemetry.py's rows of grouped_mx's operands: the token rows of the groups (the 6 rows after the last
+  group count as zeros), each expert's matrix on its own, the wgrad's per-group blocks; a planted block of tiny values
+  (normal, below what E8M0's 2^-126 reaches) counts as lost in every form that holds it whole."""
+  from xla_fp4.numerics import telemetry as st
+  w, x, ct, sizes = _inputs()
+  x = x.at[0, :32].set(1.5e-38)
+  rows = functools.partial(st.mx_ragged_rows_stats, lhs_contracting=1, rhs_contracting=1, rhs_group=0,
+                           lhs_recipe=(False,) * 3, rhs_recipe=(True, False, False), rht_seed=7, dtype="float32",
+                           fmt="mxfp4")
+  x_row, w_row = np.asarray(jax.jit(rows)(x, w, sizes, jnp.uint32(1), jnp.uint32(2)))
+  field = {f: i for i, f in enumerate(st.FIELDS)}
+  in_groups = sum(SIZES)
+  assert x_row[field["elements"]] == M * K and x_row[field["nonzero"]] == in_groups * K
+  assert x_row[field["live_blocks"]] == in_groups * K // 32 and x_row[field["scale_underflow"]] == 1
+  assert x_row[field["s_dec"]] == 1 and x_row[field["scale_saturated"]] == 0
+  want_w = [np.asarray(st.mx_operand_stats(w[g], mx.qdq(w[g], "mxfp4", axis=0, block_2d=True), axis=0,
+                                           block_2d=True, rht=False, rht_seed=7, fmt="mxfp4")) for g in range(len(SIZES))]
+  np.testing.assert_allclose(w_row, np.asarray(st.combine(jnp.asarray(np.stack(want_w)))), rtol=1e-6)
+  dx_row, dy_row = np.asarray(jax.jit(functools.partial(
+      st.mx_ragged_contracting_stats, lhs_recipe=(False,) * 3, rhs_recipe=(False,) * 3, rht_seed=7, dtype="float32",
+      fmt="mxfp4"))(x, ct, sizes, jnp.uint32(1), jnp.uint32(2)))
+  assert dx_row[field["elements"]] == M * K and dx_row[field["nonzero"]] == in_groups * K
+  assert dx_row[field["scale_underflow"]] == 0  # along the rows, row 0's tiny values share blocks with group 0's rows
+  assert dy_row[field["quantized_nonzero"]] > 0

@@ -100,6 +100,38 @@ def test_statistics_equal_a_recomputation_from_numerics(tmp_path):
   assert 0 <= _one(records, "wgrad", "activation")["output_zeros"] < 0.01
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4+4/6"])
+def test_every_format_is_recorded_with_fields_that_mean_something_for_it(tmp_path, fmt):
+  """MX and Four Over Six dots are probed too, each record naming its format. MX: s_dec 1 (no tensor scale), the
+  element fields against mx.qdq, and scale_underflow the live 1x32 blocks whose E8M0 scale is 2^-127 (they decode to
+  zeros: one planted block of 1.5e-38s out of 256); Four Over Six: its s_dec is amax / 1536, the elements exact."""
+  from xla_fp4.numerics import mx
+  w, x, t = _data()
+  x = x.at[0, :32].set(1.5e-38)  # normal, but below what an E8M0 scale of 2^-126 reaches: the block is lost
+  options = dict(four_over_six=True) if fmt == "nvfp4+4/6" else dict(format=fmt)
+  out, records = _run(tmp_path, _linear_step(), (w, x, t), **options)
+  assert {(r["role"], r["operand"]) for r in records} == {
+      ("fprop", "activation"), ("fprop", "weight"), ("dgrad", "gradient"), ("dgrad", "weight"),
+      ("wgrad", "activation"), ("wgrad", "gradient")}
+  assert {r["format"] for r in records} == {fmt}
+  got = _one(records, "fprop", "activation")
+  x32 = np.asarray(x, np.float32)
+  if fmt == "nvfp4+4/6":
+    assert got["s_dec"] == pytest.approx(float(np.abs(x32).max()) / 1536, rel=1e-6)
+    d = np.asarray(nv.qdq(jnp.asarray(x), axis=1))  # differs from 4/6's: the element fields are the quantizer's
+    assert got["snr_db"] > 10 * math.log10((x32.astype(np.float64) ** 2).sum() / ((x32 - d) ** 2).sum()) - 1.0
+    return
+  d = np.asarray(mx.qdq(jnp.asarray(x), fmt, axis=1))
+  nonzero = x32 != 0
+  assert got["s_dec"] == 1 and got["amax"] == pytest.approx(float(np.abs(x32).max()), rel=1e-6)
+  assert got["underflow"] == pytest.approx((nonzero & (d == 0)).sum() / nonzero.sum(), abs=1e-9)
+  want_snr = 10 * math.log10((x32.astype(np.float64) ** 2).sum() / ((x32 - d).astype(np.float64) ** 2).sum())
+  assert got["snr_db"] == pytest.approx(want_snr, rel=1e-4)
+  assert got["scale_underflow"] == pytest.approx(1 / (64 * 128 / 32)) and got["scale_saturated"] == 0
+  # along the tokens, row 0's tiny values share their blocks with other rows' normal ones: no block is lost
+  assert _one(records, "wgrad", "activation")["scale_underflow"] == 0
+
+
 def test_outputs_are_unchanged_bit_for_bit(tmp_path):
   w, x, t = _data()
   xla_fp4.enable(keep_head=False)
@@ -540,20 +572,26 @@ def test_ragged_dot_statistics_are_the_cpu_expansions(tmp_path):
   assert _one(records, "wgrad", "gradient")["output_zeros"] >= 32 * 48 / (len(_SIZES) * 32 * 48)  # the empty group
 
 
-def test_ragged_dots_lowered_for_gpu_are_recorded(tmp_path):
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_ragged_dots_lowered_for_gpu_are_recorded(tmp_path, fmt):
   """Lowered for CUDA the layer keeps three chlo.ragged_dot ops; with telemetry each gets a step, its statistics twin
-  inside a case on the step (recorded steps only) and a record: every expert GEMM is measured on GPU too."""
+  inside a case on the step (recorded steps only) and a record: every expert GEMM is measured on GPU too, in either
+  format (the MX formats' twins: numerics/telemetry.py mx_ragged_rows_stats, mx_ragged_contracting_stats)."""
   from xla_fp4.passes import pipeline
   from xla_fp4.passes.rewrite import FfiKernels
-  lowered = jax.jit(_expert_layer).trace(*_expert_inputs()).lower(lowering_platforms=("cuda",))
-  options = dict(stochastic_rounding=False, keep_head=False, min_dim=1, telemetry=str(tmp_path))
+  w, x, ct, sizes = _expert_inputs()
+  if fmt != "nvfp4":  # the dgrad contracts N: a multiple of 32
+    w, ct = jnp.concatenate([w, w[..., :16]], -1), jnp.concatenate([ct, ct[:, :16]], -1)
+  lowered = jax.jit(_expert_layer).trace(w, x, ct, sizes).lower(lowering_platforms=("cuda",))
+  options = dict(stochastic_rounding=False, keep_head=False, min_dim=1, telemetry=str(tmp_path), format=fmt)
   result = pipeline.transform(lowered.compiler_ir("stablehlo"), config.load(environ={}, enabled=True, **options),
                               platform="cuda", kernels=lambda m: FfiKernels())
   text = str(result.module)
   assert text.count('"chlo.ragged_dot"(') == 3
   assert text.count("@xla_fp4_telemetry_record") == 3 and text.count("@xla_fp4_telemetry_step") == 3
   calls = lambda twin: len(re.findall(rf"call @xla_fp4_twin_{twin}_[0-9a-f]{{12}}\(", text))  # noqa: E731
-  assert calls("ragged_rows_stats") == 2 and calls("ragged_contracting_stats") == 1
+  prefix = "" if fmt == "nvfp4" else "mx_"
+  assert calls(prefix + "ragged_rows_stats") == 2 and calls(prefix + "ragged_contracting_stats") == 1
   assert text.count("stablehlo.case") >= 3
 
 

@@ -31,10 +31,15 @@ MX_BLOCK = mx.MX_BLOCK
 
 def _values(x32, axis, fmt, recipe, key, rht_seed, bits=None):
   """q·scale (float32) of float32 x32 along `axis` in MX format `fmt` with recipe (block_2d, stochastic, rht)."""
+  return _transformed_and_values(x32, axis, fmt, recipe, key, rht_seed, bits)[1]
+
+
+def _transformed_and_values(x32, axis, fmt, recipe, key, rht_seed, bits=None):
+  """(x32 after the RHT where the recipe has it, its q·scale): _values and what telemetry compares it with."""
   block_2d, stochastic, rht = recipe
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  return mx.unscaled_values(x32, axis, formats.FORMATS[fmt], block_2d, stochastic, key, bits)
+  return x32, mx.unscaled_values(x32, axis, formats.FORMATS[fmt], block_2d, stochastic, key, bits)
 
 
 def _key(x, salt, recipe):
@@ -58,13 +63,23 @@ def ragged_rows(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, r
                 lhs_recipe, rhs_recipe, rht_seed, dtype, fmt):
   """chlo.ragged_dot with lhs [M, K] in groups of rows and rhs [G, ...] one matrix per group, both in MX format `fmt`
   (recipes: (block_2d, stochastic, rht)), as one ragged GEMM."""
-  qx = _values(lhs.astype(jnp.float32), lhs_contracting, fmt, lhs_recipe, _key(lhs, lhs_salt, lhs_recipe), rht_seed)
-  qw = _experts(rhs, rhs_salt, rhs_group, rhs_contracting, fmt, rhs_recipe, rht_seed)
+  _, qx, qw = ragged_rows_operands(lhs, rhs, lhs_salt, rhs_salt, lhs_contracting=lhs_contracting,
+                                   rhs_contracting=rhs_contracting, rhs_group=rhs_group, lhs_recipe=lhs_recipe,
+                                   rhs_recipe=rhs_recipe, rht_seed=rht_seed, fmt=fmt)
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(([lhs_contracting], [rhs_contracting]), ([], [])), lhs_ragged_dimensions=[0],
       rhs_group_dimensions=[rhs_group])
   acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qw, group_sizes, dims, preferred_element_type=jnp.float32)
   return acc.astype(dtype)
+
+
+def ragged_rows_operands(lhs, rhs, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group, lhs_recipe,
+                         rhs_recipe, rht_seed, fmt):
+  """ragged_rows' quantized operands: (lhs in float32 after any RHT, its q·scale in float32, rhs's q·scale per expert
+  in rhs's dtype)."""
+  x32, qx = _transformed_and_values(lhs.astype(jnp.float32), lhs_contracting, fmt, lhs_recipe,
+                                    _key(lhs, lhs_salt, lhs_recipe), rht_seed)
+  return x32, qx, _experts(rhs, rhs_salt, rhs_group, rhs_contracting, fmt, rhs_recipe, rht_seed)
 
 
 def _padded(x, group_sizes):
@@ -79,19 +94,25 @@ def _padded(x, group_sizes):
 def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype, fmt):
   """chlo.ragged_dot with lhs [M, K] and rhs [M, N] contracted over the rows of each group -> [G, K, N] (an expert
   layer's wgrad), both operands in MX format `fmt` along the rows, copied into 32-row blocks of their own."""
-  quantized = []
-  for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)):
-    v, original, sizes = _padded(x, group_sizes)
-    key, bits = _key(x, salt, recipe), None
-    if key is not None:  # element (r, c) draws at its position in the original operand
-      index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
-      bits = formats.random_bits(key, v.shape, index)
-    quantized.append(_values(v, 0, fmt, recipe, None, rht_seed, bits).astype(x.dtype))
+  (_, qx), (_, qy) = (ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, fmt)
+                      for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)))
+  sizes = _padded(lhs[:, :1], group_sizes)[2]
   dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  acc = jax.lax.ragged_dot_general(*quantized, sizes.astype(group_sizes.dtype), dims,
+  acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qy.astype(rhs.dtype), sizes.astype(group_sizes.dtype), dims,
                                    preferred_element_type=jnp.float32)
   return acc.astype(dtype)
+
+
+def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, fmt):
+  """One operand of ragged_contracting as it quantizes it: (its 32-row-block copy in float32 after any RHT, the
+  copy's q·scale in float32)."""
+  v, original, _ = _padded(x, group_sizes)
+  key, bits = _key(x, salt, recipe), None
+  if key is not None:  # element (r, c) draws at its position in the original operand
+    index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
+    bits = formats.random_bits(key, v.shape, index)
+  return _transformed_and_values(v, 0, fmt, recipe, None, rht_seed, bits)
 
 
 # -- the reference --------------------------------------------------------------------------------------------------

@@ -14,6 +14,14 @@ decoded value is q * s_dec. It returns one float32 row, FIELDS in order:
   scale_saturated      live blocks whose scale E4M3 clips: at least 464 before rounding, which an E4M3 with more
                        range would round up to 480 (the tensor's amax block lands on 448 within rounding)
 
+An MX format (numerics/mx.py; `mx_operand_stats`) has no tensor scale: s_dec is 1, and its blocks are 1x32 (of 32x32
+tiles): live_blocks counts those; scale_underflow the live blocks whose E8M0 scale is 2^-127, which decodes to zero
+(the subnormal rule of docs/design.md §2: the whole block is lost, as an E4M3 scale of zero loses an NVFP4 block);
+scale_saturated stays 0, an E8M0 scale reaching every finite float32. Elements count as in NVFP4: underflow is the
+E2M1 (MXFP4) or E4M3 (MXFP8, whose subnormal elements reach 2^-9 of the scale) elements lost to the block's scale.
+With Four Over Six the element fields are exact and the block-scale fields are those of the scale to 6 (its 4 is 1.5
+times larger: an upper bound of the blocks lost, and no block saturates, s_dec being amax / 1536).
+
 Counts are int32 sums, so the pass's copy of these functions (lowered into the program) reduces a sharded tensor
 exactly (XLA's partitioner turns each sum into an all-reduce): the statistics are the whole tensor's, not a shard's.
 `summary` turns a row into the fractions a person reads.
@@ -26,7 +34,9 @@ import jax.numpy as jnp
 
 from xla_fp4.numerics import formats
 from xla_fp4.numerics import grouped
+from xla_fp4.numerics import grouped_mx
 from xla_fp4.numerics import kernel_twins
+from xla_fp4.numerics import mx
 from xla_fp4.numerics import nvfp4
 from xla_fp4.numerics.rht import rht_f32
 
@@ -104,6 +114,55 @@ def ragged_contracting_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_r
     v, q, s_dec, s_block = grouped.ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, peers=peers)
     rows.append(_row(v, q, jnp.repeat(s_block, formats.BLOCK)[:, None], s_block[None, :, None], s_dec, axis=0,
                      block_2d=recipe[0], elements=x.size))
+  return jnp.stack(rows)
+
+
+def mx_operand_stats(x, q, *, axis, block_2d, rht, rht_seed, fmt):
+  """The FIELDS row of operand x quantized in the MX format `fmt` along `axis` to q (q·scale, x's shape; the RHT where
+  the recipe applies it): the module docstring's MX fields."""
+  x32 = x.astype(jnp.float32)
+  if rht:
+    x32 = rht_f32(x32, axis, rht_seed)
+  return _mx_row(x32, q, axis=axis, block_2d=block_2d, fmt=fmt, elements=x.size)
+
+
+def _mx_row(x32, q, *, axis, block_2d, fmt, elements):
+  """The MX row of float32 x32 (after any RHT) quantized along `axis` to q; `elements`: the operand's count."""
+  x32 = formats.flush_subnormal(x32)  # as the quantizer reads it
+  block_amax = mx._block_amax(mx._blocked(x32, axis)[0], block_2d)
+  live = block_amax > 0  # NaN blocks are not live
+  lost = live & (mx.scale_exponent(block_amax, formats.FORMATS[fmt].elem_max) < -126)
+  amax, nonzero, underflow, kept, energy, error = _element_sums(x32, q.astype(jnp.float32), jnp.float32(1))
+  f = lambda v: v.astype(jnp.float32)  # noqa: E731
+  return jnp.stack([amax, jnp.float32(1), jnp.float32(elements), f(nonzero), f(underflow), f(kept), energy, error,
+                    _count(live), _count(lost), jnp.float32(0)])
+
+
+def mx_ragged_rows_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contracting, rhs_contracting, rhs_group,
+                         lhs_recipe, rhs_recipe, rht_seed, dtype, fmt):
+  """[2, FIELDS]: the rows of grouped_mx.ragged_rows' operands as it quantizes them (the token rows of the groups;
+  the expert weights per expert)."""
+  x32, qx, qw = grouped_mx.ragged_rows_operands(
+      lhs, rhs, lhs_salt, rhs_salt, lhs_contracting=lhs_contracting, rhs_contracting=rhs_contracting,
+      rhs_group=rhs_group, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, rht_seed=rht_seed, fmt=fmt)
+  in_groups = (jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes))[:, None]  # rows after the last group: no GEMM's
+  x_row = _mx_row(jnp.where(in_groups, x32, 0.0), jnp.where(in_groups, qx, 0.0), axis=lhs_contracting,
+                  block_2d=lhs_recipe[0], fmt=fmt, elements=lhs.size)
+  xs, inner, _ = grouped.as_slices(rhs, (rhs_group,), rhs_contracting)
+  qs = grouped.as_slices(qw, (rhs_group,), rhs_contracting)[0]
+  w_rows = jax.vmap(lambda a, b: mx_operand_stats(a, b, axis=inner, block_2d=rhs_recipe[0], rht=rhs_recipe[2],
+                                                  rht_seed=rht_seed, fmt=fmt))(xs, qs)
+  return jnp.stack([x_row, combine(w_rows)])
+
+
+def mx_ragged_contracting_stats(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype,
+                                fmt):
+  """[2, FIELDS]: the rows of grouped_mx.ragged_contracting's operands as it quantizes them (along the rows, in 32-row
+  blocks of one group each)."""
+  rows = []
+  for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)):
+    v, q = grouped_mx.ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, fmt)
+    rows.append(_mx_row(v, q, axis=0, block_2d=recipe[0], fmt=fmt, elements=x.size))
   return jnp.stack(rows)
 
 

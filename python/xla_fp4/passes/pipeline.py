@@ -98,7 +98,8 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
         telemetry.register_site(settings.module, p.site.index, telemetry.Site(
             directory=config.telemetry, module=module_name(new), layer=p.site.layer, role=str(p.site.role),
             operands=tuple(str(o.kind) for o in p.operands), underflow=config.telemetry_underflow,
-            snr_db=config.telemetry_snr_db, format=str(p.decision.decision)),
+            snr_db=config.telemetry_snr_db,
+            format=str(p.decision.decision) + ("+4/6" if p.decision.lhs.four_over_six else "")),
             f"{p.site.layer or 'a GEMM'} ({p.site.role}, module {module_name(new)})")
     notes = {p.site.index: "; ".join(p.notes) for p in plans if p.notes}
     rows = report.rows(analysis.sites, decided, notes)

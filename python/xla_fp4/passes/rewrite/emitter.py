@@ -48,9 +48,7 @@ class Emitter:
         select = ctx.reuse.selector(block_value, keep_blocks, dot, lambda: _kept(block_value, keep_blocks))
       # Telemetry: the step is taken here, before the operands are quantized (whose kernels measure in recorded steps)
       # and outside a kept-iteration case (so that every iteration counts).
-      # (The MX formats and Four Over Six have no telemetry kernels: their dots are not probed; docs/design.md §2.)
-      probed_format = plan.decision.decision == "nvfp4" and not plan.operands[0].recipe.four_over_six
-      probe = UNPROBED if self.probes is None or not probed_format else self.probes.begin(plan, block_value, select)
+      probe = UNPROBED if self.probes is None else self.probes.begin(plan, block_value, select)
       runs = (len(keep_blocks), site.num_stacked - len(keep_blocks)) if select is not None else None
 
       def probed(build):

@@ -116,12 +116,7 @@ def ragged(ctx, probe, plan):
   """A chlo.ragged_dot in the grouped recipe: one twin that quantizes per group and runs one ragged GEMM. In an MX
   format the twins of numerics/grouped_mx.py, whose block-local scales need no group's decode scale."""
   rows, operands, params = _ragged_operands(ctx, probe, plan)
-  module = grouped
-  fmt = plan.operands[0].recipe.format
-  if fmt != "nvfp4":
-    module = grouped_mx
-    params = {k: v for k, v in params.items() if k != "peers"}
-    params["fmt"] = fmt
+  module = grouped if plan.operands[0].recipe.format == "nvfp4" else grouped_mx
   fn = module.ragged_rows if rows else module.ragged_contracting
   return ctx.twins.call(fn, operands, [tensor_type(plan.record.op.results[0])], **params)[0]
 
@@ -153,11 +148,15 @@ def _ragged_operands(ctx, probe, plan):
   operands = [lhs, rhs, sizes] + [ctx.salt(o) for o in plan.operands]
   params = dict(rht_seed=ctx.seed, dtype=dtype_name(tensor_type(op.results[0])), **recipes, **peers(plan.operands[0]))
   rows = site.groups.kind is Grouping.RAGGED_ROWS
-  stats_fn = telemetry.ragged_contracting_stats
+  fmt = plan.operands[0].recipe.format
+  if fmt != "nvfp4":  # block-local scales: no peers' amax, the format named
+    params = {k: v for k, v in params.items() if k != "peers"}
+    params["fmt"] = fmt
+  stats_fn = telemetry.ragged_contracting_stats if fmt == "nvfp4" else telemetry.mx_ragged_contracting_stats
   if rows:
     (lc, rc) = site.gemm.contracting
     params.update(lhs_contracting=lc[0], rhs_contracting=rc[0], rhs_group=site.groups.rhs[0])
-    stats_fn = telemetry.ragged_rows_stats
+    stats_fn = telemetry.ragged_rows_stats if fmt == "nvfp4" else telemetry.mx_ragged_rows_stats
   probe.measure(0, x=lhs, axis=None, recipe=plan.operands[0].recipe, salt=None, s_dec=None,
                 ragged=(stats_fn, operands, dict(params)))
   return rows, operands, params

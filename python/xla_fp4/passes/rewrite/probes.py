@@ -192,7 +192,10 @@ class Probes:
       else:
         record(table(), parts=parts)
     else:
-      if self.kernels.partitioned or any(m.groups is not None or m.ragged for ms in measures for m in ms):
+      # The twins where no kernel measured: expert operands, partitioned programs, and the quantizations that have no
+      # measuring kernel (the MX formats, Four Over Six: no Measure.row)
+      if self.kernels.partitioned or any(m.groups is not None or m.ragged or m.row is None for ms in measures
+                                         for m in ms):
         table = self._computed_in_case(plan, measures, output, step)
       else:
         table = _stacked([self._kernel_row(ms) for ms in measures] + [self._output_row(plan, output, step)])
@@ -266,7 +269,10 @@ class Probes:
     rows = []
     for m in measures:
       recipe = dict(block_2d=m.recipe.block_2d, rht=m.recipe.rht, rht_seed=self.seed)
-      if m.groups is not None:
+      if m.recipe.format != "nvfp4":  # an MX format: q·scale and no tensor scale (numerics/telemetry.py)
+        rows.append(self.twins.call(stats.mx_operand_stats, [m.x, m.q], [_row_type()], axis=m.axis,
+                                    fmt=m.recipe.format, **recipe)[0])
+      elif m.groups is not None:
         rows.append(self.twins.call(stats.sliced_stats, [m.x, m.q, m.s_dec], [_row_type()], groups=m.groups,
                                     axis=m.axis, **recipe)[0])
       elif m.q is not None:
