@@ -156,7 +156,7 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
   said = sorted(set(re.findall(r"xla_fp4: [^\n]*", text)))
   # The pass says once that it is on (and where its report goes): a notice, not a warning; telemetry alerts are
   # what telemetry is for.
-  warnings = [w for w in said if not w.startswith("xla_fp4: NVFP4 is on") and "telemetry alert" not in w]
+  warnings = [w for w in said if not w.startswith("xla_fp4 is on") and "telemetry alert" not in w]
   return dict(returncode=proc.returncode, wall_s=round(time.time() - start, 1), warnings=warnings,
               notices=[w for w in said if w not in warnings],
               log=str(Path(log).relative_to(Path(log).parents[1])),  # under --work

@@ -73,7 +73,7 @@ def _tell(config, module, result):
     share = report.flop_share(result.rows)
     where = (f"the decisions are in {config.dump_dir} (python -m xla_fp4 report {config.dump_dir})" if config.dump_dir
              else "set XLA_FP4_DUMP_DIR=DIR to write the decisions, or call xla_fp4.explain(step, *args)")
-    logger.warning(f"xla_fp4: NVFP4 is on: module {module!r} runs {share:.1%} of its dot FLOPs in "
+    logger.warning(f"xla_fp4 is on: module {module!r} runs {share:.1%} of its dot FLOPs in "
                    f"{report.formats_named(result.rows)}; {where}.")
   if all(r["rule"] in BEFORE_USER_RULES for r in result.rows):
     return  # no dot reached the user's choices: nothing they wrote could have matched

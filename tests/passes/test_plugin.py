@@ -57,10 +57,10 @@ def test_deterministic_across_processes(tmp_path):
 def test_the_pass_says_once_that_it_is_on_and_where_the_report_goes(tmp_path):
   dump = tmp_path / "dump"
   r = _run({"XLA_FP4": "1", "XLA_FP4_DUMP_DIR": str(dump)}, tmp_path)
-  lines = [line for line in r.stderr.splitlines() if "NVFP4 is on" in line]
+  lines = [line for line in r.stderr.splitlines() if "xla_fp4 is on" in line]
   assert r.returncode == 0 and len(lines) == 1, r.stderr
   assert "% of its dot FLOPs in NVFP4" in lines[0] and f"python -m xla_fp4 report {dump}" in lines[0]
-  assert "NVFP4 is on" not in _run({}, tmp_path).stderr
+  assert "xla_fp4 is on" not in _run({}, tmp_path).stderr
 
 
 def test_an_exclude_or_rule_that_matches_nothing_is_a_warning(tmp_path):
