@@ -91,9 +91,28 @@ def _thread(value, manual):
   return arg
 
 
+def bodies_to_check(values):
+  """The outermost ops isolated from above other than functions (shard_map bodies) around the ops defining `values`
+  (the rewritten dots' replacements): where a rewrite can read across an isolated region without plumbing. Around a
+  dot that no such body holds, the rewrite's ops sit in the dot's function and read the function's values."""
+  found = {}
+  for value in values:
+    if isinstance(value.owner, ir.Block):
+      continue
+    outermost, cur = None, op_of(value.owner).parent
+    while cur is not None and cur.name != "func.func":
+      if cur.name in ISOLATED:
+        outermost = cur
+      cur = cur.parent
+    if outermost is not None:
+      found.setdefault(outermost, outermost)
+  return list(found.values())
+
+
 def isolation_violations(func_ops, limit=3):
-  """Up to `limit` descriptions of ops in `func_ops` (and the regions inside them) that read a value defined outside
-  the innermost op around them that is isolated from above (ISOLATED): what MLIR's verifier must never see."""
+  """Up to `limit` descriptions of ops in `func_ops` (functions or other ops isolated from above, and the regions inside
+  them) that read a value defined outside the innermost op around them that is isolated from above (ISOLATED): what
+  MLIR's verifier must never see."""
   found = []
 
   def check(isolated):
