@@ -40,12 +40,14 @@ def _inputs(dtype=jnp.float32, n=N):
   return w.astype(dtype), x.astype(dtype), ct.astype(dtype), jnp.asarray(SIZES, jnp.int32)
 
 
-def _reference(w, x, ct, sizes):
+def _reference(w, x, ct, sizes, four_over_six=False):
   """The paper's recipe per role, from numerics.grouped: weights in 16x16 tiles per expert, both wgrad operands through
-  the RHT along the rows (nearest rounding here, so that the keys do not matter)."""
-  rht = nv.OperandRecipe(rht=True)
-  y = grouped.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
-  dx = grouped.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=x.dtype)
+  the RHT along the rows (nearest rounding here, so that the keys do not matter); optionally with Four Over Six."""
+  fos = dict(four_over_six=four_over_six)
+  rows, weight, rht = nv.OperandRecipe(**fos), nv.OperandRecipe(block_2d=True, **fos), nv.OperandRecipe(rht=True, **fos)
+  y = grouped.ragged_dot(x, w, sizes, lhs_recipe=rows, rhs_recipe=weight, preferred_element_type=x.dtype)
+  dx = grouped.ragged_dot(ct, jnp.swapaxes(w, 1, 2), sizes, lhs_recipe=rows, rhs_recipe=weight,
+                          preferred_element_type=x.dtype)
   dw = grouped.ragged_contracting_dot(x, ct, sizes, lhs_recipe=rht, rhs_recipe=rht, rht_seed=SEED,
                                       preferred_element_type=x.dtype)
   return y, dx, dw
@@ -69,6 +71,33 @@ def test_an_expert_layer_runs_the_grouped_recipe_in_all_three_roles(fp4, dtype):
     assert_same_bits(g, r)
   plain = _layer(*args)
   assert not any(np.array_equal(g, p) for g, p in zip(got, plain))
+
+
+def test_four_over_six_keeps_the_grouped_recipe():
+  """XLA_FP4_FOUR_OVER_SIX on an expert layer: every group and expert keeps its own decode scale (amax / 1536) and
+  each block takes its scale to 4 or to 6 (numerics/grouped.py with Four Over Six), bit for bit on CPU, where the
+  forms are the ragged dots' expansions; lowered for GPU the ragged twins take the recipe's 4th entry, and their
+  numbers are the reference's (run on CPU, where the ragged GEMM expands)."""
+  args = _inputs()
+  xla_fp4.enable(**OPTIONS, four_over_six=True)
+  try:
+    got = jax.jit(_layer)(*args)
+  finally:
+    xla_fp4.disable()
+  want = jax.jit(functools.partial(_reference, four_over_six=True))(*args)
+  for g, r in zip(got, want):
+    assert_same_bits(g, r)
+  assert not all(np.array_equal(g, r) for g, r in zip(got, jax.jit(_reference)(*args)))  # 4/6 changed something
+  result = _transform(jax.jit(_layer).trace(*args).lower(lowering_platforms=("cuda",)), "cuda", four_over_six=True)
+  assert all(r["recipe"]["lhs"].endswith("+4/6") for r in result.rows)
+  w, x, ct, sizes = args
+  rows = jax.jit(functools.partial(grouped.ragged_rows, lhs_contracting=1, rhs_contracting=1, rhs_group=0,
+                                   lhs_recipe=(False, False, False, True), rhs_recipe=(True, False, False, True),
+                                   rht_seed=SEED, dtype="float32"))
+  assert_same_bits(rows(x, w, sizes, jnp.uint32(1), jnp.uint32(2)), want[0])
+  contracting = jax.jit(functools.partial(grouped.ragged_contracting, lhs_recipe=(False, False, True, True),
+                                          rhs_recipe=(False, False, True, True), rht_seed=SEED, dtype="float32"))
+  assert_same_bits(contracting(x, ct, sizes, jnp.uint32(1), jnp.uint32(2)), want[2])
 
 
 def _transform(lowered, platform, **options):

@@ -4,9 +4,8 @@ expert GEMMs (`slice_qdq` + `scaled_output` around a dot_general, `ragged_rows`,
 the same numbers (docs/design.md §3).
 
 The rows of `lhs` (tokens, sorted by expert) form consecutive groups, `group_sizes[g]` rows for expert g:
-- `ragged_dot(lhs, rhs, group_sizes)`: lhs [M, K], rhs [G, K, N] -> [M, N], the rows of group g times rhs[g]. The
-  forward (lhs: activations, rhs: expert weights) and the dgrad (lhs: output gradients, rhs: the weights with K and
-  N swapped) of an expert layer.
+- `ragged_dot(lhs, rhs, group_sizes)`: lhs [M, K], rhs [G, K, N] -> [M, N], the rows of group g times rhs[g]: an
+  expert layer's forward (activations, weights) and dgrad (output gradients, weights with K and N swapped).
 - `ragged_contracting_dot(lhs, rhs, group_sizes)`: lhs [M, K], rhs [M, N] -> [G, K, N], the contraction over the rows
   of each group: the wgrad (lhs: activations, rhs: output gradients).
 
@@ -16,14 +15,12 @@ Scaling (as Transformer Engine and torchao do for grouped GEMMs; arXiv 2509.2514
 - in the wgrad the contraction runs over the rows: 1x16 blocks (and the 16-row RHT) along the rows.
 
 A group whose size is not a multiple of 16 is handled by masking, not padding: each group quantizes the whole row
-range with the other groups' rows zeroed, so blocks stay aligned to the rows as they lie in memory (no copy, the
-layout the kernels read) and a block that straddles two groups holds, for each group, only that group's values: its
-scale, its rounding and its RHT (a zero row adds nothing after the orthogonal transform) see no other group's
-numbers. The price is a partial block at each group edge, whose scale covers fewer than 16 values.
+range with the other groups' rows zeroed, so blocks stay aligned to the rows as they lie in memory and a block that
+straddles two groups holds, for each group, only that group's values: its scale, rounding and RHT (a zero row adds
+nothing after the orthogonal transform) see no other group's. The price: a partial block at each group edge.
 
-Stochastic rounding draws per group: the key of group g is fold_in(key, g), after the per-operand fold_in(key, 1|2)
-of `dot_general`; element (r, c) of the group's masked operand draws its bits at its row-major position in the whole
-operand. Gradients of both functions are those of the plain ragged dot (straight-through).
+Stochastic rounding draws per group: group g's key is fold_in(key, g) after the per-operand fold_in(key, 1|2) of
+`dot_general`; element (r, c) draws at its row-major position in the whole operand. Gradients: straight-through.
 
 What the pass emits (its twins, lowered into the program; passes/rewrite/emitter.py):
 - a dot_general with a group dim on both operands (JAX's CPU expansion of a ragged dot, whose operand is masked per
@@ -34,11 +31,11 @@ What the pass emits (its twins, lowered into the program; passes/rewrite/emitter
   dim free in one operand (a dense MoE's up projection `BSM,EMH->BSEH`: every token meets every expert, so the other
   operand is one slice) stays a free dim of the GEMM, and that operand's scales lie along it.
 - a `chlo.ragged_dot` (JAX's lowering for GPU): one ragged GEMM on quantized operands, as many FLOPs as the original.
-  `ragged_rows` (forward, dgrad): the rows of lhs quantized with their group's scale and key, one scale per expert
-  matrix. `ragged_contracting` (wgrad, blocks along the rows): each group's rows are copied into blocks of their own,
-  at their offset within a 16-row block (`_padded_rows`), so that a block holds one group's rows and zeros, exactly
-  the reference's masked block; the copy adds at most one block per group to the contraction.
-  Both quantize the same values as the reference; the GEMM sums the same products in another order.
+  `ragged_rows` (forward, dgrad): lhs rows with their group's scale and key, one scale per expert matrix.
+  `ragged_contracting` (wgrad, blocks along the rows): each group's rows copied into blocks of their own at their
+  offset within a 16-row block (`_padded_rows`): a block holds one group's rows and zeros, the reference's masked
+  block. Both quantize as the reference; the GEMM sums the same products in another order.
+Four Over Six (a recipe tuple's 4th entry) takes each group's scale as amax / 1536 and each block's scale to 4 or 6.
 """
 
 import jax
@@ -84,10 +81,10 @@ def _quantized(x32, axis, recipe, key, rht_seed, encoded=False, peers=()):
   body's, collective.py), whose amax the scale is."""
   if recipe.rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  s_dec = qz.global_decode_scale(collective.max_over_peers(qz.amax(x32), peers))
+  s_dec = qz.global_decode_scale(collective.max_over_peers(qz.amax(x32), peers), recipe.four_over_six)
   if encoded:
     return _encoded(x32, axis, recipe, key, s_dec), s_dec
-  return qz.unscaled_values(x32, axis, recipe.block_2d, recipe.rounding, key, s_dec), s_dec
+  return qz.unscaled_values(x32, axis, recipe.block_2d, recipe.rounding, key, s_dec, None, recipe.four_over_six), s_dec
 
 
 def _encoded(x32, axis, recipe, key, s_dec, bits=None):
@@ -167,9 +164,9 @@ def ragged_contracting_dot(lhs, rhs, group_sizes, *, lhs_recipe=OperandRecipe(),
 # -- what the pass emits ------------------------------------------------------------------------------------------
 
 
-def _recipe(block_2d, stochastic, rht):
+def _recipe(block_2d, stochastic, rht, four_over_six=False):  # the pass's recipe tuples: 3 entries, or 4 with 4/6
   return OperandRecipe(block_2d=block_2d, rounding=qz.Rounding.STOCHASTIC if stochastic else qz.Rounding.NEAREST,
-                       rht=rht)
+                       rht=rht, four_over_six=four_over_six)
 
 
 def _operand_key(x, salt, stochastic):
@@ -177,7 +174,7 @@ def _operand_key(x, salt, stochastic):
   return kernel_twins.stochastic_key(x, salt) if stochastic else None
 
 
-def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed, peers=()):
+def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed, peers=(), four_over_six=False):
   """(q·scale in x's dtype, s_dec shaped like x's `groups` dims): every slice of x along the group dims quantized
   along `axis` with its own global decode scale and key fold_in(key, slice number), as the reference quantizes a
   group. The slices of a masked operand [G, M, K] are the reference's masked groups; those of an expert weight
@@ -185,7 +182,7 @@ def slice_qdq(x, salt, *, groups, axis, block_2d, stochastic, rht, rht_seed, pee
   merged in that order after the slice's other dims, as the emulated GEMM merges several contracting dims."""
   key = _operand_key(x, salt, stochastic)
   slices, inner, unslice = as_slices(x, groups, axis)
-  recipe = _recipe(block_2d, stochastic, rht)
+  recipe = _recipe(block_2d, stochastic, rht, four_over_six)
   q, s_dec = jax.vmap(lambda v, g: _quantized(v, inner, recipe, _group_key(key, g), rht_seed, peers=peers))(
       slices.astype(jnp.float32), jnp.arange(slices.shape[0]))
   return unslice(q.astype(x.dtype)), s_dec.reshape([x.shape[d] for d in groups])
@@ -248,12 +245,12 @@ def _group_of_rows(group_sizes, num_rows):
   return jnp.searchsorted(_ends(group_sizes), jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
-def _group_scales(amax, group, num_groups, peers=()):
+def _group_scales(amax, group, num_groups, peers=(), four_over_six=False):
   """(s_dec per group, s_dec per item) from `amax` of items (rows or blocks) of groups `group` (num_groups: none):
   a group's amax is its items' max (on every device of `peers`: collective.py), 0 for a group without items."""
   per_group = jax.ops.segment_max(amax, group, num_segments=num_groups + 1)[:num_groups]
   per_group = collective.max_over_peers(per_group, peers)
-  s_dec = qz.global_decode_scale(jnp.maximum(per_group, 0.0))
+  s_dec = qz.global_decode_scale(jnp.maximum(per_group, 0.0), four_over_six)
   return s_dec, jnp.take(s_dec, group, mode="fill", fill_value=0.0)
 
 
@@ -280,10 +277,12 @@ def ragged_rows_operands(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_contr
   q·scale, s_dec per group, s_dec per row, rhs's q·scale, s_dec per expert)."""
   x32, s_x, s_row, row_key, recipe = _token_rows(lhs, group_sizes, lhs_salt, rhs.shape[rhs_group], lhs_contracting,
                                                  lhs_recipe, rht_seed, peers)
-  qx = qz.unscaled_values(x32, lhs_contracting, recipe.block_2d, recipe.rounding, row_key, s_row[:, None, None])
+  qx = qz.unscaled_values(x32, lhs_contracting, recipe.block_2d, recipe.rounding, row_key, s_row[:, None, None], None,
+                          recipe.four_over_six)
   rhs_recipe = _recipe(*rhs_recipe)
   qw, s_w = slice_qdq(rhs, rhs_salt, groups=(rhs_group,), axis=rhs_contracting, block_2d=rhs_recipe.block_2d,
-                      stochastic=rhs_recipe.stochastic, rht=rhs_recipe.rht, rht_seed=rht_seed, peers=peers)
+                      stochastic=rhs_recipe.stochastic, rht=rhs_recipe.rht, rht_seed=rht_seed, peers=peers,
+                      four_over_six=rhs_recipe.four_over_six)
   return x32, qx, s_x, s_row, qw, s_w
 
 
@@ -295,7 +294,7 @@ def _token_rows(lhs, group_sizes, salt, num_groups, axis, recipe, rht_seed, peer
   x32 = jnp.where((group < num_groups)[:, None], lhs.astype(jnp.float32), 0.0)
   if recipe.rht:
     x32 = rht_f32(x32, axis, rht_seed)
-  s_x, s_row = _group_scales(qz._max(jnp.abs(x32), axis=1), group, num_groups, peers)
+  s_x, s_row = _group_scales(qz._max(jnp.abs(x32), axis=1), group, num_groups, peers, recipe.four_over_six)
   key = _operand_key(lhs, salt, recipe.stochastic)
   row_key = None if key is None else _group_key(key, group)[:, None]
   return x32, s_x, s_row, row_key, recipe
@@ -356,14 +355,15 @@ def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, multiple=
   if recipe.rht:
     v = rht_f32(v, 0, rht_seed)
   block_amax = qz._max(jnp.abs(v).reshape(-1, formats.BLOCK, v.shape[1]), axis=(1, 2))
-  s_dec, s_block = _group_scales(block_amax, group[::formats.BLOCK], num_groups, peers)
+  s_dec, s_block = _group_scales(block_amax, group[::formats.BLOCK], num_groups, peers, recipe.four_over_six)
   key, bits = _operand_key(x, salt, recipe.stochastic), None
   if key is not None:  # element (r, c) draws at its position in the original operand, with its group's key
     index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)
     bits = formats.random_bits(_group_key(key, group)[:, None], v.shape, index)
   if encoded:
     return v, _encoded(v, 0, recipe, None, s_block[None, :, None], bits), s_dec, s_block
-  q = qz.unscaled_values(v, 0, recipe.block_2d, recipe.rounding, None, s_block[None, :, None], bits)
+  q = qz.unscaled_values(v, 0, recipe.block_2d, recipe.rounding, None, s_block[None, :, None], bits,
+                         recipe.four_over_six)
   return v, q.astype(x.dtype), s_dec, s_block
 
 

@@ -163,6 +163,9 @@ def _four_over_six(xb, six, four, s_dec, tiles_inner, block_2d):
   """bool (outer, K/16, inner): where the block's (tile's) scale to 4 decodes it with a smaller sum of squared errors
   than its scale to 6 (a tie keeps 6), the errors of the decoded values (q * scale) * s_dec against x, summed over the
   block's 16 elements, and over the tile's 16 blocks with `block_2d`, by halves."""
+  s_dec = jnp.asarray(s_dec, jnp.float32)
+  s_dec = s_dec[:, :, None, :] if s_dec.ndim == 3 else s_dec  # one per block (the grouped recipe's): per element
+
   def sse(q, scales):
     err = xb - _decode(q, scales, s_dec)
     per_block = _tree_sum(err * err, 2)  # (outer, K/16, inner)

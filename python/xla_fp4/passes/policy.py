@@ -220,8 +220,7 @@ def recipe_for(site: DotSite, config: Config, fmt: str = "nvfp4"):
   f = FORMATS[fmt]
   sr = Rounding.STOCHASTIC if config.stochastic_rounding and f.stochastic else Rounding.NEAREST
   wgrad = site.role is Role.WGRAD
-  # Four Over Six refines NVFP4's block scales on dense GEMMs (expert GEMMs keep the grouped recipe as it is)
-  fos = config.four_over_six and fmt == "nvfp4" and site.groups is None
+  fos = config.four_over_six and fmt == "nvfp4"  # Four Over Six refines NVFP4's block scales
 
   def recipe(kind):
     if kind is Operand.WEIGHT:
@@ -333,8 +332,10 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
       # The MX formats, and kept iterations in MXFP8, run the emulated dense GEMM: block-local scales need no
       # per-expert form (a chlo.ragged_dot keeps its own op: numerics/grouped_mx.py); the FP4 GEMM and the packed
       # forms are NVFP4's.
+      # Four Over Six keeps the grouped recipe's per-expert scales (numerics/grouped.py), emulated
       ragged = grouped and record.site.groups.kind is not Grouping.SLICES
-      form = Form.GROUPED if ragged else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
+      per_expert = grouped and (ragged or d.decision is Verdict.NVFP4)
+      form = Form.GROUPED if per_expert else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
       if native:
         notes.append(dense_only)
     elif native:

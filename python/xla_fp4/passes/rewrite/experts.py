@@ -106,7 +106,8 @@ def _slice_qdq(ctx, x, operand, group_dims, contracting, select, user):
   axis = contracting[0] if len(contracting) == 1 else tuple(contracting)
   q, s_dec = ctx.twins.call(grouped.slice_qdq, [x, ctx.salt(operand)], [x.type, scale_type],
                             groups=tuple(group_dims), block_2d=recipe.block_2d, axis=axis,
-                            stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed, **peers(operand))
+                            stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed, **peers(operand),
+                            **({"four_over_six": True} if recipe.four_over_six else {}))
   if tiled:
     ctx.reuse.remember(x, blocks, select, q, s_dec)
   return q, s_dec, tiled
@@ -143,8 +144,8 @@ def _ragged_operands(ctx, probe, plan):
   them (probes.py, in recorded steps)."""
   op, site = plan.record.op, plan.site
   lhs, rhs, sizes = op.operands
-  recipes = {name: (o.recipe.block_2d, o.recipe.stochastic, o.recipe.rht)
-             for name, o in zip(("lhs_recipe", "rhs_recipe"), plan.operands)}
+  recipes = {name: (o.recipe.block_2d, o.recipe.stochastic, o.recipe.rht) + ((True,) if o.recipe.four_over_six else ())
+             for name, o in zip(("lhs_recipe", "rhs_recipe"), plan.operands)}  # Four Over Six: a 4th entry
   operands = [lhs, rhs, sizes] + [ctx.salt(o) for o in plan.operands]
   params = dict(rht_seed=ctx.seed, dtype=dtype_name(tensor_type(op.results[0])), **recipes, **peers(plan.operands[0]))
   rows = site.groups.kind is Grouping.RAGGED_ROWS
