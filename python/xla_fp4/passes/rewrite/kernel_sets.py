@@ -44,8 +44,9 @@ class FfiKernels:
 
   def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
     key = (target.name, tuple(sorted(attrs.items())))
-    if result_types is None:
-      signature = key + tuple(o.type for o in operands)
+    if result_types is None:  # the results' types do not depend on a call's salt (one per operand: no cache hit)
+      signature = (target.name, tuple(sorted((k, v) for k, v in attrs.items() if k != "salt")),
+                   tuple(o.type for o in operands))
       types = self._types.get(signature)
       if types is None:
         types = self._types[signature] = target.result_types([o.type for o in operands], attrs)
