@@ -34,13 +34,16 @@ SCRIPT = textwrap.dedent("""
         params, x = bench.make(4, 64, 256, 8, 32, jnp.float32, spec.scanned)
         mesh = jax.make_mesh(spec.mesh, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
         residual = NamedSharding(mesh, spec.x) if spec.constrained else None
-        sharded = bench.step_fn(spec.scanned, residual)(*bench.place(mesh, params, x, layout))
+        placed = bench.place(mesh, params, x, layout)
+        sharded = bench.step_fn(spec.scanned, residual)(*placed)
+        hlo = bench.step_fn(spec.scanned, residual).lower(*placed).compile().as_text() if fmt != "nvfp4" else ""
         one = bench.step_fn(spec.scanned)(*jax.device_put((params, x), jax.devices()[0]))
         a = [np.asarray(v, np.float64) for v in jax.tree.leaves(sharded)]
         b = [np.asarray(v, np.float64) for v in jax.tree.leaves(one)]
         rel = float(np.sqrt(sum(np.sum((u - v) ** 2) for u, v in zip(a, b)) / sum(np.sum(v ** 2) for v in b)))
         rows.append(dict(layout=layout, backend=backend if fmt == "nvfp4" else fmt, rel_l2=rel,
-                         equal=all(np.array_equal(u, v) for u, v in zip(a, b))))
+                         equal=all(np.array_equal(u, v) for u, v in zip(a, b)),
+                         mx_kernels=hlo.count('custom_call_target="xla_fp4_mx_qdq"')))
     # The program the deviation was seen on: 4 layers, D 256, F 1024, 2048 tokens, w1 split along F and w2 along K over
     # "model" of a 2x4 mesh, the tokens over "data"; the native backend.
     xla_fp4.enable(strict=True, backend="native", stochastic_rounding=False, keep_head=False, keep_first=0,
@@ -82,6 +85,8 @@ def rows(measured):
 def test_every_layout_computes_what_one_device_computes(rows, layout, backend):
   row = rows[(layout, backend)]
   assert row["rel_l2"] <= 1e-5, row
+  if backend.startswith("mx"):  # the MX quantizer runs on shards (its partitioner), not as XLA's code of its twin
+    assert row["mx_kernels"] > 0, row
   if layout in EXACT and backend in ("emulate", "native"):
     assert row["equal"], row
 

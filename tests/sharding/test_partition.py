@@ -25,6 +25,23 @@ def test_blocks_stay_whole_on_every_shard():
   assert three_d.split_blocks([32, 4, 4], [1, 2, 1]) == {1}  # runs of 2 * 4 = 8
 
 
+def test_mx_blocks_and_tiles_stay_whole_on_every_shard():
+  """The MX formats' 32-blocks and 32x32 tiles (xla_fp4_mx_qdq's partitioner): a shard keeps whole ones, or the dim is
+  replicated."""
+  one_d = p.Blocking.of(2, 1, block_2d=False, block=32)
+  assert one_d.split_blocks([64, 256], [4, 8]) == set()  # 256 / 8 = 32
+  assert one_d.split_blocks([64, 128], [1, 8]) == {1}  # 128 / 8 = 16: NVFP4's block, half an MX one
+  two_d = p.Blocking.of(2, 0, block_2d=True, block=32)
+  assert two_d.split_blocks([64, 64], [2, 2]) == set()
+  assert two_d.split_blocks([64, 64], [1, 4]) == {1}  # 64 / 4 = 16 splits the tiles' second side
+  with mlir.make_ir_context(), ir.Location.unknown():
+    f32, u32 = ir.F32Type.get(), ir.IntegerType.get_unsigned(32)
+    x = ir.RankedTensorType.get([32, 128], f32)
+    rule = p.sharding_rule(kernels.targets.MX_QDQ.name, [x, ir.RankedTensorType.get([], u32)], [x],
+                           {"axis": 1, "block_2d": False})
+    assert str(rule) == "#sdy.op_sharding_rule<([i, jk], [])->([i, jk]) {i=32, j=4, k=32} need_replication={k}, custom>"
+
+
 def _groups(sharding, rank):
   """shard index -> the set of devices holding it."""
   table = shards.shard_index_table(sharding, rank, 8)

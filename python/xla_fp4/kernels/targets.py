@@ -19,6 +19,7 @@ import numpy as np
 from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics import telemetry
 from xla_fp4.numerics.formats import BLOCK
+from xla_fp4.numerics.mx import MX_BLOCK
 
 _QUANTIZE = {"block_2d": bool, "stochastic": bool, "rht": bool, "rht_seed": int}
 
@@ -37,6 +38,7 @@ class BlockLocal:
   # a partitioned program the call declares it [devices, FIELDS]: each device's row is what its shard contributes,
   # zeros on a replica, so that the record's sum over devices counts every element once.
   device_stats: bool = False
+  block: int = BLOCK  # a block's elements along the axis (and a tile's side): 16, the MX formats' 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +191,7 @@ BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed"
 # The OCP MX formats' quantizer (numerics/mx.py): q * 2^s per 32-block (32x32 tile with block_2d), E4M3 elements with
 # `fp8`, else E2M1; whole tensors only so far (the pass lowers its twin into partitioned programs).
 MX_QDQ = _target("xla_fp4_mx_qdq", {"axis": int, **_QUANTIZE, "fp8": bool}, _like_x, twin=kernel_twins.mx_qdq,
-                 quantizes=True)
+                 quantizes=True, block_local=BlockLocal(key_operand=1, takes_2d=True, block=MX_BLOCK))
 # The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to
 # the x (or shard) it holds, from the same pass (zeros in an unrecorded step).
 QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE},

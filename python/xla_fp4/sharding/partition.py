@@ -55,35 +55,38 @@ PARTITIONED = {t.name: t.block_local for t in targets.ALL if t.block_local is no
 @dataclasses.dataclass(frozen=True)
 class Blocking:
   """The dims of a block-local kernel's operand that shards must keep in whole blocks."""
-  k: int  # the quantization axis: 16 consecutive elements per block
-  partner: tuple  # 16x16 tiles: the group of dims flattened into the tile's second side, outermost first; 1x16: ()
+  k: int  # the quantization axis: `block` consecutive elements per block
+  partner: tuple  # 2D tiles: the group of dims flattened into the tile's second side, outermost first; 1D blocks: ()
+  block: int = BLOCK  # 16 (NVFP4), 32 (the MX formats): a block's length and a tile's side
 
   @staticmethod
-  def of(rank, axis, block_2d):
+  def of(rank, axis, block_2d, block=BLOCK):
     axis %= rank
     if not block_2d:
-      return Blocking(axis, ())
-    return Blocking(axis, tuple(range(axis + 1, rank)) if axis < rank - 1 else tuple(range(axis)))
+      return Blocking(axis, (), block)
+    return Blocking(axis, tuple(range(axis + 1, rank)) if axis < rank - 1 else tuple(range(axis)), block)
 
   def split_blocks(self, shape, tiles):
     """The dims to replicate so that every shard of `shape`, split `tiles[d]` ways along dim d, holds whole blocks."""
     bad = set()
-    if tiles[self.k] > 1 and (shape[self.k] % tiles[self.k] or (shape[self.k] // tiles[self.k]) % BLOCK):
+    if tiles[self.k] > 1 and (shape[self.k] % tiles[self.k] or (shape[self.k] // tiles[self.k]) % self.block):
       bad.add(self.k)
     # A shard of the flattened partner group is runs of (extent of the innermost split dim x the whole dims after it)
-    # consecutive positions, each starting at a multiple of its length: tiles stay whole when that is a multiple of 16.
+    # consecutive positions, each starting at a multiple of its length: tiles stay whole when that is a multiple of a
+    # tile's side.
     split = [d for d in self.partner if tiles[d] > 1]
     while split:
       j = split[-1]
       run = (shape[j] // tiles[j]) * math.prod(shape[d] for d in self.partner if d > j)
-      if shape[j] % tiles[j] == 0 and run % BLOCK == 0:
+      if shape[j] % tiles[j] == 0 and run % self.block == 0:
         break
       bad.add(split.pop())
     return bad
 
 
 def _blocking(target, rank, attrs):
-  return Blocking.of(rank, attrs["axis"], PARTITIONED[target].takes_2d and attrs["block_2d"])
+  local = PARTITIONED[target]
+  return Blocking.of(rank, attrs["axis"], local.takes_2d and attrs["block_2d"], local.block)
 
 
 def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=False):
@@ -104,13 +107,15 @@ def sharding_rule(target, operand_types, result_types, attrs, k_follows_dot=Fals
     sizes.append(n)
     return len(sizes) - 1
 
+  block = local.block
+
   def compound_factors(n):
-    blocks, within = factor(n // BLOCK), factor(BLOCK)
+    blocks, within = factor(n // block), factor(block)
     need_replication.append(within)
     return [blocks, within]
 
   for d, n in enumerate(shape):
-    if d in compound and n > BLOCK and n % BLOCK == 0:
+    if d in compound and n > block and n % block == 0:
       operand.append(compound_factors(n))
       if local.counts_blocks and d == blocking.k:
         result.append(operand[-1][:1])
@@ -160,7 +165,7 @@ def _result_sharding(target, shape, sharding, attrs):
   rank = len(shape)
   if PARTITIONED[target].counts_blocks:  # the result counts blocks along the axis: check x's shape
     shape = list(shape)
-    shape[attrs["axis"] % rank] *= BLOCK
+    shape[attrs["axis"] % rank] *= PARTITIONED[target].block
   bad = _blocking(target, rank, attrs).split_blocks(shape, tiles_and_devices(sharding, rank)[0])
   return replicate_dims(sharding, rank, bad)
 

@@ -11,8 +11,8 @@
 Four Over Six (OperandRecipe.four_over_six) takes the same patterns with the twins of xla_fp4_qdq_with_scale and
 xla_fp4_qdq (and decode_scale's 1536 divisor) in place of the kernels, which do not take it yet.
 
-An MX format (mxfp4, mxfp8) has no tensor scale: its q·scale comes from one kernel (its twin in a partitioned program,
-numerics/mx.py) in either form, and its decode scale is 1:
+An MX format (mxfp4, mxfp8) has no tensor scale: its q·scale comes from one kernel in either form (on shards in a
+partitioned program), and its decode scale is 1:
                       %key = %salt, or stochastic_key twin(%x, %salt) where rounding is stochastic
                       %q = xla_fp4_mx_qdq(%x, %key) {axis, block_2d, stochastic, rht, rht_seed, fp8}
 
@@ -85,15 +85,13 @@ def operand(ctx, probe, x, axis, plan, user, form, select, after):
 
 
 def _mx(ctx, x, axis, recipe, plan):
-  """q·scale of x in an MX format (numerics/mx.py): no tensor scale. The kernel where it takes whole tensors, its twin
-  in a partitioned program (block-local ops XLA partitions itself)."""
+  """q·scale of x in an MX format (numerics/mx.py): no tensor scale, so one kernel on whole tensors and on shards alike
+  (its partitioner keeps 32-blocks and 32x32 tiles whole: sharding/partition.py)."""
   key = ctx.salt(plan)
   if recipe.stochastic:
     key = ctx.twins.call(kernel_twins.stochastic_key, [x, key], [scalar_type(u32())])[0]
   attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed,
                fp8=recipe.format == "mxfp8")
-  if ctx.kernels.partitioned:
-    return ctx.twins.call(kernel_twins.mx_qdq, [x, key], [x.type], **attrs)[0]
   return ctx.kernels.call(targets.MX_QDQ, [x, key], attrs)[0]
 
 
