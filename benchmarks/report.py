@@ -360,8 +360,9 @@ def convergence():
   goal, nv = TARGETS["val_gap_pct"], rows.get("nvfp4")
   tokens = d.get("tokens_to_match", {}).get("mxfp4_over_nvfp4")
   match = "" if not tokens or tokens["ratio"] is None else (
-      f"MXFP4 needs {tokens['ratio']:.2f}x NVFP4's tokens to reach its final validation loss in {tokens['reached']} of "
-      f"seeds {tokens['seeds']} (the seeds' paper: {tokens['seeds_claim']:.2f}x).")
+      f"MXFP4 needs {tokens['ratio']:.2f}x NVFP4's tokens for NVFP4's loss, 95% interval "
+      f"[{tokens['ci95'][0]:.2f}, {tokens['ci95'][1]:.2f}] over seeds {tokens['seeds']} (the seeds' paper: "
+      f"{tokens['seeds_claim']:.2f}x).")
   text = f"""## Convergence
 
 `python benchmarks/convergence.py` (writes `benchmarks/results/convergence.json`, one JSON per arm and seed in
