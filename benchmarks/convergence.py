@@ -90,23 +90,18 @@ def _val(run):
   return steps, np.array([p["loss"] for p in run["val_loss"]], np.float64)
 
 
-def steps_to_reach(run, target) -> tuple[float, str]:
-  """(the training step at which `run`'s validation loss first reaches `target`, how it was found)."""
-  from scipy import optimize
+def steps_to_reach(run, target):
+  """The training step at which `run`'s validation loss first reaches `target` (linearly interpolated between
+  evaluations), or None where it does not within the horizon."""
   steps, loss = _val(run)
   below = np.nonzero(loss <= target)[0]
-  if len(below):
-    i = below[0]
-    if i == 0:
-      return float(steps[0]), "interpolated"
-    t0, t1, l0, l1 = steps[i - 1], steps[i], loss[i - 1], loss[i]
-    return float(t0 + (l0 - target) / (l0 - l1) * (t1 - t0)), "interpolated"
-  tail = steps >= steps[-1] / 2
-  law = lambda t, a, b, c: a + b * np.power(t, -c)  # noqa: E731
-  (a, b, c), _ = optimize.curve_fit(law, steps[tail], loss[tail], p0=(loss[-1] * 0.9, 1.0, 0.5), maxfev=20000)
-  if target <= a or b <= 0 or c <= 0:
-    return float("inf"), "the fitted power law never reaches it"
-  return float(((target - a) / b) ** (-1.0 / c)), "extrapolated by a power law"
+  if not len(below):
+    return None
+  i = below[0]
+  if i == 0:
+    return float(steps[0])
+  t0, t1, l0, l1 = steps[i - 1], steps[i], loss[i - 1], loss[i]
+  return float(t0 + (l0 - target) / (l0 - l1) * (t1 - t0))
 
 
 def summarize(runs: dict) -> dict:
@@ -138,10 +133,10 @@ def summarize(runs: dict) -> dict:
     ratios, also = [], []
     for s in paired:
       level = max(nv[s]["final_val_loss"], mx[s]["final_val_loss"])
-      ratios.append(float(steps_to_reach(mx[s], level)[0] / steps_to_reach(nv[s], level)[0]))
+      ratios.append(steps_to_reach(mx[s], level) / steps_to_reach(nv[s], level))
       # the seeds' own question, where it has an answer within the horizon: when MXFP4 reaches NVFP4's final loss
-      reached, method = steps_to_reach(mx[s], nv[s]["final_val_loss"])
-      also.append(None if method != "interpolated" else float(reached / _val(nv[s])[0][-1]))
+      reached = steps_to_reach(mx[s], nv[s]["final_val_loss"])
+      also.append(None if reached is None else reached / _val(nv[s])[0][-1])
     ratio, ci = interval(ratios)
     out["mxfp4_minus_nvfp4"] = dict(seeds=paired, gap_pct_points=diff, mean=interval(diff)[0], ci95=interval(diff)[1])
     out["tokens_to_match"] = dict(mxfp4_over_nvfp4=dict(
