@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     print(telemetry_report(tel))
     print(f"\nwrote {out}/: baseline.json nvfp4.json summary.md summary.json decisions.txt loss_curves.png "
           "telemetry/")
+    print("One run per mode says little about convergence: the study with five seeds per arm and its intervals is "
+          "docs/convergence.md (python benchmarks/convergence.py).")
     return 0
 
 
