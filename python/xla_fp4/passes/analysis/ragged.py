@@ -66,11 +66,16 @@ def expansion_mask(op):
 def unmasked(value):
   """The tensor a group-masked operand masks (x, before the broadcast to every group), else `value` itself: the
   forward, dgrad and wgrad of one expert layer mask the same activations and gradients."""
+  return unmasked_and_masked(value)[0]
+
+
+def unmasked_and_masked(value):
+  """(unmasked(value), is_group_masked(value)), from one look at what produces `value`."""
   select = _masking_select(value)
   if select is None:
-    return value
+    return value, False
   op = defining_op(select.operands[1])
-  return op.operands[0] if op is not None and op.name == "stablehlo.broadcast_in_dim" else value
+  return (op.operands[0] if op is not None and op.name == "stablehlo.broadcast_in_dim" else value), True
 
 
 def _group_dim(value):

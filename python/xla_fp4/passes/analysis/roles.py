@@ -31,8 +31,9 @@ class Dot:
     self.path = names.layer_path(stack)
     self.phase = names.phase_of(stack)
     # a ragged dot's CPU expansion masks the same tensors per group in every dot of the layer: compare what it masks
-    self.roots = [root(graph, ragged.unmasked(v)) for v in op.operands[:2]]
-    self.ragged = op.name == "chlo.ragged_dot" or any(ragged.is_group_masked(v) for v in op.operands[:2])
+    seen = [ragged.unmasked_and_masked(v) for v in op.operands[:2]]
+    self.roots = [root(graph, tensor) for tensor, _ in seen]
+    self.ragged = op.name == "chlo.ragged_dot" or any(masked for _, masked in seen)
     self.out_shape = shape(op.results[0])
     self.role, self.w, self.src, self.partner = Role.OTHER, None, None, None
     self.gradient = 0  # a wgrad's output-gradient operand
