@@ -84,8 +84,10 @@ def test_result_types_are_the_results_as_mlir_types():
 def test_the_partitioner_covers_exactly_the_block_local_targets():
   """The Shardy rule and the custom-call partitioner are installed for the records that say how shards run them."""
   assert set(partition.PARTITIONED) == {t.name for t in targets.ALL if t.block_local is not None} == {
-      "xla_fp4_qdq", "xla_fp4_rht", "xla_fp4_block_amax", "xla_fp4_qdq_and_stats", "xla_fp4_output_stats"}
+      "xla_fp4_qdq", "xla_fp4_rht", "xla_fp4_block_amax", "xla_fp4_qdq_and_stats", "xla_fp4_output_stats",
+      "xla_fp4_mx_qdq"}
   assert partition.PARTITIONED["xla_fp4_qdq"].key_operand == 2  # shards mix their index into the key
+  assert partition.PARTITIONED["xla_fp4_mx_qdq"].block == 32 and partition.PARTITIONED["xla_fp4_qdq"].block == 16
   # telemetry's per-device statistics rows: the partitioned quantizers' (block-local and packed) and a wgrad output's
   assert {t.name for t in targets.ALL if t.device_stats} == {
       "xla_fp4_qdq_and_stats", "xla_fp4_quantize_packed_stats", "xla_fp4_output_stats"}
