@@ -84,7 +84,9 @@ XLA_FP4_HOST_DEVICE inline float FlushSubnormal(float v) {
 
 // The largest of magnitudes given as bits (sign cleared): NaN's bits sort above +Inf's, so a NaN anywhere gives a NaN,
 // as jnp.max does (telemetry's amax on CPU and GPU alike).
-XLA_FP4_HOST_DEVICE inline float AmaxFromBits(uint32_t m) { return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m)); }
+XLA_FP4_HOST_DEVICE inline float AmaxFromBits(uint32_t m) {
+  return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m));
+}
 
 // Telemetry's live block: its amax compares above zero, so a NaN block is not live (numerics/telemetry.py).
 XLA_FP4_HOST_DEVICE inline bool LiveBlock(float block_amax) { return block_amax > 0.0f; }

@@ -11,7 +11,8 @@
 // layouts' leading dimension is the whole K and the scales are swizzled from a strided range). The group sizes live
 // on the device and the loop runs on the host, so the handler copies them and waits for the stream: one host
 // synchronization per call. It must: the cuBLASLt this project builds against (CUDA 13.0) batches only GEMMs of one
-// M, N and K (strided or pointer-array batches); a grouped GEMM that reads per-group sizes on the device would remove it.
+// M, N and K (strided or pointer-array batches); a grouped GEMM that reads per-group sizes on the device would
+// remove it.
 //
 // Algorithms are chosen once per shape class and device, in one process-wide, mutex-guarded cache rather than in
 // per-instance FFI state: a transformer has a few GEMM shapes repeated over dozens of layers, so call sites share them
@@ -173,17 +174,20 @@ class PlanCache {
   // The device's handle and beta zero, made on the device's first GEMM (its one allocation and synchronization).
   ffi::Error Device(int device, cudaStream_t stream, DeviceContext& out) {
     std::lock_guard<std::mutex> lock(mu_);
-    DeviceContext& context = devices_[device];
-    if (context.handle == nullptr) {
+    auto it = devices_.find(device);
+    if (it == devices_.end()) {
+      DeviceContext made;  // kept only once complete: a failed start is retried by the next call
       XLA_FP4_RETURN_IF_ERROR(OnDevice(device, [&]() -> ffi::Error {
-        XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&context.handle), "cublasLtCreate"));
-        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&context.beta_zero, sizeof(float)), "cudaMalloc(beta)"));
-        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(context.beta_zero, 0, sizeof(float), stream), "cudaMemsetAsync"));
+        XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&made.handle), "cublasLtCreate"));
+        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&made.beta_zero, sizeof(float)), "cudaMalloc(beta)"));
+        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(made.beta_zero, 0, sizeof(float), stream),
+                                           "cudaMemsetAsync"));
         // Once per device: makes the zero visible to every stream that later uses it.
         return CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       }));
+      it = devices_.emplace(device, made).first;
     }
-    out = context;
+    out = it->second;
     return ffi::Error::Success();
   }
 
