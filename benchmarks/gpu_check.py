@@ -14,6 +14,8 @@ gradients with XLA_FP4=1 in the emulate backend:
   - the step time with the pass against the unrewritten step, side by side (median of --repeats);
   - on compute capability 10.x (Blackwell) the native backend too: packed operands and cuBLASLt's FP4 GEMM, checked
     against the emulated step on the same device.
+The quantizing kernels' speed on the device: each kernel's GB/s (its input and outputs) as a fraction of a copy of
+the same bytes (KERNELS, float32 and bfloat16; a measurement the first lent GPU makes, not a check).
 And one expert layer (`jax.lax.ragged_dot`: its forward, dgrad and wgrad, groups of uneven sizes), with the pass: on a
 GPU XLA keeps each ragged dot a `chlo.ragged_dot`, which the pass turns into the grouped recipe's one ragged GEMM on
 quantized operands (docs/design.md §3); the device's results must equal numerics.grouped's reference computed on the
@@ -173,6 +175,55 @@ def _check_telemetry(step, params, batch, device, cpu):
   return dict(ok=bool(ok), outputs_unchanged=same_outputs, records=len(records["device"]), worst_difference=worst)
 
 
+# The quantizing kernels whose speed the GPU check reports (issue 46: each as a fraction of a copy of the same bytes).
+KERNELS = {
+    "qdq 1x16 nearest": lambda k, x, s: k.qdq(x, s),
+    "qdq 16x16 nearest": lambda k, x, s: k.qdq(x, s, block_2d=True),
+    "qdq 1x16 stochastic": lambda k, x, s: k.qdq(x, s, 7, stochastic=True),
+    "qdq 1x16 stochastic rht axis 0": lambda k, x, s: k.qdq(x, s, 7, axis=0, stochastic=True, rht=True),
+    "qdq_with_scale 1x16": lambda k, x, s: k.qdq_with_scale(x),
+    "quantize_packed 1x16": lambda k, x, s: k.quantize_packed(x, s),
+    "quantize_packed 1x16 axis 0": lambda k, x, s: k.quantize_packed(x, s, axis=0),
+    "block_amax": lambda k, x, s: k.block_amax(x),
+    "mx_qdq mxfp4": lambda k, x, s: k.mx_qdq(x),
+    "mx_qdq mxfp8": lambda k, x, s: k.mx_qdq(x, fp8=True),
+}
+
+
+def _bytes(tree):
+  return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def _kernel_bandwidth(device, small, repeats):
+  """Each quantizing kernel on the device on a (rows, K) operand, float32 and bfloat16: GB/s of its input plus its
+  outputs, and that as a fraction of a copy of the same bytes on the device (a jitted x * 1, timed alike); the median
+  of `repeats` calls after a warm-up. A measurement, not a check."""
+  from xla_fp4 import kernels
+  n = 256 if small else 4096
+  out = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), dtype), device)
+    s_dec = jax.device_put(jnp.float32(1 / 2688), device)
+
+    def seconds(fn):
+      jax.block_until_ready(fn(x, s_dec))
+      times = []
+      for _ in range(max(repeats, 1)):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x, s_dec))
+        times.append(time.perf_counter() - start)
+      return statistics.median(times)
+
+    copy = jax.jit(lambda v, s: v * jnp.asarray(1, v.dtype))
+    copy_gb_s = 2 * _bytes(x) / seconds(copy) / 1e9
+    rows = out.setdefault(jnp.dtype(dtype).name, {"copy_gb_s": copy_gb_s})
+    for name, call in KERNELS.items():
+      fn = jax.jit(functools.partial(call, kernels))
+      gb_s = (_bytes(x) + _bytes(jax.eval_shape(fn, x, s_dec))) / seconds(fn) / 1e9
+      rows[name] = dict(gb_s=gb_s, of_copy=gb_s / copy_gb_s)
+  return dict(shape=[n, n], kernels=out)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--platform", default="cuda", help="the device platform to check (cpu: a stand-in, for CI)")
@@ -208,6 +259,7 @@ def main(argv=None):
                                            grad_rel_l2=grad_diff, tolerance=dict(loss=LOSS_TOL, grad=GRAD_TOL))
   result["step_seconds"] = dict(none=baseline[3], emulate=emulated[3], ratio_emulate=emulated[3] / baseline[3])
 
+  result["kernel_bandwidth"] = _kernel_bandwidth(device, args.small, args.repeats)
   xla_fp4.disable()
   checks["expert layer on the device == grouped reference"] = _check_experts(device, cpu)
   checks["telemetry on the device == CPU, outputs unchanged"] = _check_telemetry(step, params, batch, device, cpu)
@@ -236,6 +288,9 @@ def main(argv=None):
   for name, c in checks.items():
     details = json.dumps({k: v for k, v in c.items() if k != "ok"}, default=str)
     print(f"{'PASS' if c['ok'] else 'FAIL'}  {name}: {details}")
+  for dtype, rows in result["kernel_bandwidth"]["kernels"].items():
+    print(f"kernels, {dtype}: " + ", ".join(f"{name} {r['of_copy']:.2f}x" for name, r in rows.items()
+                                           if name != "copy_gb_s") + f" of a copy ({rows['copy_gb_s']:.1f} GB/s)")
   print(f"step seconds: {json.dumps(result['step_seconds'])}\nwrote {args.out}")
   return 0 if result["ok"] else 1
 

@@ -218,6 +218,9 @@ def test_gpu_check_runs_with_the_cpu_standing_in(tmp_path):
   assert max(experts["rel_l2"].values()) <= experts["tolerance"] < min(experts["rel_l2_unquantized"].values())
   assert "xla_fp4_qdq_with_scale" in result["checks"]["device runs the xla_fp4 targets"]["targets"]
   assert result["step_seconds"]["ratio_emulate"] > 0 and result["kernels"]["cpu registration"]
+  bandwidth = result["kernel_bandwidth"]["kernels"]
+  assert set(bandwidth) == {"float32", "bfloat16"}
+  assert all(r["of_copy"] > 0 for rows in bandwidth.values() for name, r in rows.items() if name != "copy_gb_s")
 
 
 def _twin_calls(module, n_twins):
