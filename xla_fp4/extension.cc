@@ -84,7 +84,7 @@ NB_MODULE(_xla_fp4_ext, m) {
       for (int j = 0; j < xla_fp4::kBlock; ++j) {
         v[j] = xla_fp4::FlushSubnormal(x(b + j));
         const float a = xla_fp4::Abs(v[j]);
-        amax = (a > amax || xla_fp4::IsNan(a)) ? a : amax;  // block_kernel.cuh MaxNan
+        amax = xla_fp4::MaxNan(amax, a);
       }
       const xla_fp4::BlockScale bs = xla_fp4::MakeBlockScale(amax, ts);
       for (int j = 0; j < xla_fp4::kBlock; ++j) {
@@ -100,11 +100,10 @@ NB_MODULE(_xla_fp4_ext, m) {
       float v[xla_fp4::kMxBlock], amax;
       for (int j = 0; j < xla_fp4::kMxBlock; ++j) v[j] = xla_fp4::FlushSubnormal(x(b + j));
       const bool bad = xla_fp4::MxPrepareBlock(v, recipe, &amax);
-      const int s = xla_fp4::MxScaleExponent(bad ? 0.0f : amax, fp8);
-      const float inverse = xla_fp4::Pow2(-s), scale = xla_fp4::MxDecodeScale(s);
+      const xla_fp4::MxScale ms = xla_fp4::MakeMxScale(amax, bad, fp8);
       for (int j = 0; j < xla_fp4::kMxBlock; ++j) {
-        const float q = xla_fp4::MxRoundElement(v[j] * inverse, fp8, false, 0.0f);
-        out(b + j) = bad ? xla_fp4::FloatOf(0x7FC00000u) : xla_fp4::FlushSubnormal(q * scale);
+        const float q = xla_fp4::MxRoundElement(v[j] * ms.inverse, fp8, false, 0.0f);
+        out(b + j) = xla_fp4::MxDecodeElement(q, ms.scale);
       }
     }
   });

@@ -172,7 +172,7 @@ inline ffi::Error CheckQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, int
 // xla_fp4_mx_qdq: xla_fp4_qdq's checks and K a multiple of 32 (an MX block). 32x32 tiles may end partial along the
 // dims they pair with the axis, as NVFP4's 16x16 tiles do.
 inline ffi::Error CheckMxQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const ffi::AnyBuffer& key, int64_t axis,
-                             bool /*block_2d: partial tiles are fine*/, bool stochastic, int64_t rht_seed, AxisShape* shape) {
+                             bool stochastic, int64_t rht_seed, AxisShape* shape) {
   if (ffi::Error e = FirstError({CheckQdq(x, y, axis, stochastic, rht_seed, shape),
                                  CheckScalar(key, ffi::DataType::U32, "key")});
       e.failure()) {

@@ -88,6 +88,9 @@ XLA_FP4_HOST_DEVICE inline float AmaxFromBits(uint32_t m) {
   return FloatOf(SelectBits(m > 0x7F800000u, 0x7FC00000u, m));
 }
 
+// max that propagates NaN (fmaxf would drop it), like jnp.max.
+XLA_FP4_HOST_DEVICE inline float MaxNan(float a, float b) { return (a > b || IsNan(a)) ? a : b; }
+
 // Telemetry's live block: its amax compares above zero, so a NaN block is not live (numerics/telemetry.py).
 XLA_FP4_HOST_DEVICE inline bool LiveBlock(float block_amax) { return block_amax > 0.0f; }
 
@@ -307,6 +310,23 @@ XLA_FP4_HOST_DEVICE inline float Pow2(int s) {
 // An MX block's decode scale 2^s, zero for E8M0's one subnormal 2^-127 (the subnormal rule above): such a block (amax
 // below 1.5 * 2^-125 in MXFP4, 1.75 * 2^-119 in MXFP8) decodes to zeros.
 XLA_FP4_HOST_DEVICE inline float MxDecodeScale(int s) { return s >= -126 ? Pow2(s) : 0.0f; }
+
+// An MX block's factors from its (tile's) amax: x * inverse onto the element grid, q * scale back. `bad` (a NaN or
+// Inf in the block): the scale is NaN and the block decodes to NaN.
+struct MxScale {
+  float inverse, scale;
+};
+
+XLA_FP4_HOST_DEVICE inline MxScale MakeMxScale(float amax, bool bad, bool fp8) {
+  const int s = MxScaleExponent(bad ? 0.0f : amax, fp8);
+  return {Pow2(-s), bad ? FloatOf(0x7FC00000u) : MxDecodeScale(s)};
+}
+
+// q * scale, a subnormal as zero; a NaN scale's own bits where the block is NaN (a GPU's product would be its
+// canonical NaN, another bit pattern).
+XLA_FP4_HOST_DEVICE inline float MxDecodeElement(float q, float scale) {
+  return Select(IsNan(scale), scale, FlushSubnormal(q * scale));
+}
 
 // One MX block's 32 loaded values, the RHT applied in place (two groups of 16) where the recipe asks: their largest
 // magnitude in *amax, and whether any is NaN or Inf (the block then decodes to NaN). The CPU and CUDA kernels share it.

@@ -223,15 +223,13 @@ bool LoadMxBlock(const T* x, const Geometry& g, int64_t o, int64_t block, int64_
 template <bool kFp8, bool kStochastic, typename T>
 void StoreMxBlock(T* y, const Geometry& g, int64_t b, const float (&v)[kMxBlock], float amax, uint32_t mixed_key) {
   const int64_t blocks = g.k / kMxBlock, o = b / (blocks * g.inner), block = (b / g.inner) % blocks, i = b % g.inner;
-  const bool nan = IsNan(amax);
-  const int s = MxScaleExponent(nan ? 0.0f : amax, kFp8);
-  const float inverse = Pow2(-s), scale = nan ? FloatOf(0x7FC00000u) : MxDecodeScale(s);
+  const MxScale ms = MakeMxScale(amax, IsNan(amax), kFp8);
   const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
   float out[kMxBlock];
   for (int j = 0; j < kMxBlock; ++j) {
     const float u = kStochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(base + j * g.inner)))
                                 : 0.0f;
-    out[j] = FlushSubnormal(MxRoundElement(v[j] * inverse, kFp8, kStochastic, u) * scale);  // NaN scale: NaN
+    out[j] = MxDecodeElement(MxRoundElement(v[j] * ms.inverse, kFp8, kStochastic, u), ms.scale);
   }
   for (int j = 0; j < kMxBlock; ++j) Store(y + base + j * g.inner, out[j]);
 }
@@ -455,7 +453,7 @@ ffi::Error BlockAmaxFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi:
 ffi::Error MxQdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> y,
                     int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool fp8) {
   Geometry g;
-  if (ffi::Error e = CheckMxQdq(x, *y, key, axis, block_2d, stochastic, rht_seed, &g); e.failure()) return e;
+  if (ffi::Error e = CheckMxQdq(x, *y, key, axis, stochastic, rht_seed, &g); e.failure()) return e;
   const Recipe recipe(block_2d, stochastic, rht, rht_seed);
   const uint32_t k = *static_cast<const uint32_t*>(key.untyped_data());
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {

@@ -45,8 +45,6 @@ ffi::Error DispatchFloat(ffi::DataType dtype, const char* target, F&& f) {
   }
 }
 
-// max that propagates NaN (fmaxf would drop it), like jnp.max.
-__device__ inline float MaxNan(float a, float b) { return (a > b || IsNan(a)) ? a : b; }
 
 struct BlockIndex {
   int64_t o, kb, i;

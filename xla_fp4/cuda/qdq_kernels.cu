@@ -115,8 +115,8 @@ __global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, uint32
   *key = (stochastic ? stats[1] : 0u) ^ salt;
 }
 
-// xla_fp4_mx_qdq: one thread per 1x32 block, or per 32x32 tile with block_2d (its 32 blocks, fewer at the end, along the partner dim:
-// inner, or outer where inner is 1), as the CPU kernel computes it (qdq_kernels.cc MxQdqImpl).
+// xla_fp4_mx_qdq: one thread per 1x32 block, or per 32x32 tile with block_2d (its 32 blocks, fewer at the end, along
+// the partner dim: inner, or outer where inner is 1), as the CPU kernel computes it (qdq_kernels.cc MxQdqImpl).
 template <typename T>
 __device__ bool LoadMxBlock(const T* x, int64_t k, int64_t inner, int64_t o, int64_t block, int64_t i, const Recipe& r,
                             float* v, float* amax) {
@@ -151,8 +151,7 @@ __global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t 
     bad |= LoadMxBlock(x, k, inner, o + (along_inner ? 0 : w), block, i + (along_inner ? w : 0), r, v, &a);
     m = a > m ? a : m;
   }
-  const int s = MxScaleExponent(bad ? 0.0f : m, fp8);
-  const float inverse = Pow2(-s), scale = MxDecodeScale(s);
+  const MxScale ms = MakeMxScale(m, bad, fp8);
   const uint32_t mixed_key = Mix32(*key);
   for (int w = 0; w < width; ++w) {
     const int64_t ow = o + (along_inner ? 0 : w), iw = i + (along_inner ? w : 0);
@@ -161,8 +160,7 @@ __global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t 
     for (int j = 0; j < kMxBlock; ++j) {
       const int64_t at = base + j * inner;
       const float u = r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(at))) : 0.0f;
-      const float q = MxRoundElement(v[j] * inverse, fp8, r.stochastic, u);
-      y[at] = FromFloat<T>(bad ? FloatOf(0x7FC00000u) : FlushSubnormal(q * scale));
+      y[at] = FromFloat<T>(MxDecodeElement(MxRoundElement(v[j] * ms.inverse, fp8, r.stochastic, u), ms.scale));
     }
   }
 }
@@ -170,7 +168,7 @@ __global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t 
 ffi::Error MxQdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> y, int64_t axis,
                  bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool fp8) {
   AxisShape shape;
-  XLA_FP4_RETURN_IF_ERROR(CheckMxQdq(x, *y, key, axis, block_2d, stochastic, rht_seed, &shape));
+  XLA_FP4_RETURN_IF_ERROR(CheckMxQdq(x, *y, key, axis, stochastic, rht_seed, &shape));
   const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
   const int64_t tiles_along = (inner > 1 ? (inner + kMxBlock - 1) / kMxBlock * outer
                                          : (outer + kMxBlock - 1) / kMxBlock * inner);

@@ -189,7 +189,7 @@ RHT = _target("xla_fp4_rht", {"axis": int, "rht_seed": int}, _f32_like_x, block_
 BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed": int, "digest": bool}, _block_maxima,
                      twin=kernel_twins.block_amax, block_local=BlockLocal(counts_blocks=True))
 # The OCP MX formats' quantizer (numerics/mx.py): q * 2^s per 32-block (32x32 tile with block_2d), E4M3 elements with
-# `fp8`, else E2M1; whole tensors only so far (the pass lowers its twin into partitioned programs).
+# `fp8`, else E2M1; on whole tensors and on shards (its blocks and tiles of 32 kept whole: sharding/partition.py).
 MX_QDQ = _target("xla_fp4_mx_qdq", {"axis": int, **_QUANTIZE, "fp8": bool}, _like_x, twin=kernel_twins.mx_qdq,
                  quantizes=True, block_local=BlockLocal(key_operand=1, takes_2d=True, block=MX_BLOCK))
 # The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to

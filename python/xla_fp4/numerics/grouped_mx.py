@@ -82,13 +82,19 @@ def ragged_rows_operands(lhs, rhs, lhs_salt, rhs_salt, *, lhs_contracting, rhs_c
   return x32, qx, _experts(rhs, rhs_salt, rhs_group, rhs_contracting, fmt, rhs_recipe, rht_seed)
 
 
-def _padded(x, group_sizes):
-  """x's rows in the layout of grouped._padded_rows with 32-row blocks (float32, rows of no group zero), the original
-  row of each, and the padded group sizes; x's rows are first rounded up to 32 (zero rows in no group)."""
-  rows = -(-x.shape[0] // MX_BLOCK) * MX_BLOCK
+def _layout(group_sizes, num_rows):
+  """grouped._padded_rows with 32-row blocks over `num_rows` rounded up to 32 (the rows past them zero, in no group):
+  (the rounded row count, the original row at each position, whether it holds its group's row, padded group sizes)."""
+  rows = -(-num_rows // MX_BLOCK) * MX_BLOCK
   original, holds, _, sizes = grouped._padded_rows(group_sizes, rows, MX_BLOCK, MX_BLOCK)
+  return rows, original, holds, sizes
+
+
+def _padded(x, group_sizes):
+  """x's rows in `_layout`'s positions (float32, rows of no group zero) and the original row of each."""
+  rows, original, holds, _ = _layout(group_sizes, x.shape[0])
   x32 = jnp.pad(x.astype(jnp.float32), [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-  return jnp.where(holds[:, None], x32[original], 0.0), original, sizes
+  return jnp.where(holds[:, None], x32[original], 0.0), original
 
 
 def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe, rhs_recipe, rht_seed, dtype, fmt):
@@ -96,7 +102,7 @@ def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe,
   layer's wgrad), both operands in MX format `fmt` along the rows, copied into 32-row blocks of their own."""
   (_, qx), (_, qy) = (ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, fmt)
                       for x, salt, recipe in ((lhs, lhs_salt, lhs_recipe), (rhs, rhs_salt, rhs_recipe)))
-  sizes = _padded(lhs[:, :1], group_sizes)[2]
+  sizes = _layout(group_sizes, lhs.shape[0])[3]
   dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                            lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
   acc = jax.lax.ragged_dot_general(qx.astype(lhs.dtype), qy.astype(rhs.dtype), sizes.astype(group_sizes.dtype), dims,
@@ -107,7 +113,7 @@ def ragged_contracting(lhs, rhs, group_sizes, lhs_salt, rhs_salt, *, lhs_recipe,
 def ragged_contracting_operand(x, group_sizes, salt, recipe, rht_seed, fmt):
   """One operand of ragged_contracting as it quantizes it: (its 32-row-block copy in float32 after any RHT, the
   copy's q·scale in float32)."""
-  v, original, _ = _padded(x, group_sizes)
+  v, original = _padded(x, group_sizes)
   key, bits = _key(x, salt, recipe), None
   if key is not None:  # element (r, c) draws at its position in the original operand
     index = (original[:, None] * x.shape[1] + jnp.arange(x.shape[1])[None, :]).astype(jnp.uint32)

@@ -117,8 +117,7 @@ def ragged(ctx, probe, plan):
   """A chlo.ragged_dot in the grouped recipe: one twin that quantizes per group and runs one ragged GEMM. In an MX
   format the twins of numerics/grouped_mx.py, whose block-local scales need no group's decode scale."""
   rows, operands, params = _ragged_operands(ctx, probe, plan)
-  module = grouped if plan.operands[0].recipe.format == "nvfp4" else grouped_mx
-  fn = module.ragged_rows if rows else module.ragged_contracting
+  fn = _ragged_twins(plan.operands[0].recipe.format, rows)[0]
   return ctx.twins.call(fn, operands, [tensor_type(plan.record.op.results[0])], **params)[0]
 
 
@@ -153,14 +152,22 @@ def _ragged_operands(ctx, probe, plan):
   if fmt != "nvfp4":  # block-local scales: no peers' amax, the format named
     params = {k: v for k, v in params.items() if k != "peers"}
     params["fmt"] = fmt
-  stats_fn = telemetry.ragged_contracting_stats if fmt == "nvfp4" else telemetry.mx_ragged_contracting_stats
   if rows:
     (lc, rc) = site.gemm.contracting
     params.update(lhs_contracting=lc[0], rhs_contracting=rc[0], rhs_group=site.groups.rhs[0])
-    stats_fn = telemetry.ragged_rows_stats if fmt == "nvfp4" else telemetry.mx_ragged_rows_stats
   probe.measure(0, x=lhs, axis=None, recipe=plan.operands[0].recipe, salt=None, s_dec=None,
-                ragged=(stats_fn, operands, dict(params)))
+                ragged=(_ragged_twins(fmt, rows)[1], operands, dict(params)))
   return rows, operands, params
+
+
+def _ragged_twins(fmt, rows):
+  """(the twin of a chlo.ragged_dot in format `fmt`, its statistics twin): over groups of rows (forward, dgrad) or of
+  K (wgrad); NVFP4's per-group scales (numerics/grouped.py) or an MX format's block-local ones (grouped_mx.py)."""
+  if fmt == "nvfp4":
+    return ((grouped.ragged_rows, telemetry.ragged_rows_stats) if rows
+            else (grouped.ragged_contracting, telemetry.ragged_contracting_stats))
+  return ((grouped_mx.ragged_rows, telemetry.mx_ragged_rows_stats) if rows
+          else (grouped_mx.ragged_contracting, telemetry.mx_ragged_contracting_stats))
 
 
 def native_per_expert(ctx, probe, plan):
