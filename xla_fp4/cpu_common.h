@@ -435,6 +435,74 @@ void ForEachQuantizedTile(ffi::ThreadPool& pool, const T* x, const Geometry& g, 
 }
 
 
+// ---- the OCP MX formats' blocks of 32 (numerics/mx.py), shared by xla_fp4_mx_qdq and the packed MX quantizer ----
+
+// Where MX block b (row-major over x's (outer, K/32, inner)) starts in x; its elements are `inner` apart.
+inline int64_t MxBlockBase(const Geometry& g, int64_t b) {
+  const int64_t blocks = g.k / kMxBlock, o = b / (blocks * g.inner), block = (b / g.inner) % blocks, i = b % g.inner;
+  return (o * g.k + block * kMxBlock) * g.inner + i;
+}
+
+// The 32 values of MX block b, after the RHT where it applies: their largest magnitude in *amax, and whether any is
+// NaN or Inf.
+template <typename T>
+bool LoadMxBlock(const T* x, const Geometry& g, int64_t b, const Recipe& r, float (&v)[kMxBlock], float* amax) {
+  const int64_t base = MxBlockBase(g, b);
+  for (int j = 0; j < kMxBlock; ++j) v[j] = Load(x + base + j * g.inner);
+  return MxPrepareBlock(v, r, amax);
+}
+
+// Calls store(b, v, amax) for every MX block b of x, in parallel: v the block's values (LoadMxBlock), amax its largest
+// magnitude or with block_2d its 32x32 tile's (NaN where the block or tile holds a NaN or an Inf). 1x32 blocks take
+// one pass over x; tiles first take the blocks' maxima, the tile being 32 consecutive partner positions (inner, or
+// outer where inner is 1), a partial one at the end.
+template <typename T, typename Store>
+void ForEachMxBlock(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, Store&& store) {
+  const int64_t blocks = g.k / kMxBlock, n = g.outer * blocks * g.inner;
+  if (!r.block_2d) {
+    ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
+      float v[kMxBlock];
+      for (int64_t b = begin; b < end; ++b) {
+        float m;
+        const bool bad = LoadMxBlock(x, g, b, r, v, &m);
+        store(b, v, bad ? FloatOf(0x7FC00000u) : m);
+      }
+    });
+    return;
+  }
+  std::vector<float> amax(n);
+  ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
+    float v[kMxBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      float m;
+      amax[b] = LoadMxBlock(x, g, b, r, v, &m) ? FloatOf(0x7FC00000u) : m;
+    }
+  });
+  const bool along_inner = g.inner > 1;
+  const int64_t stride = along_inner ? 1 : blocks * g.inner, extent = along_inner ? g.inner : g.outer;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t pos = along_inner ? b % g.inner : b / (blocks * g.inner);
+    if (pos % kMxBlock != 0) continue;
+    float m = 0.0f;
+    bool bad = false;
+    for (int64_t t = 0; t < kMxBlock && pos + t < extent; ++t) {
+      const float a = amax[b + t * stride];
+      bad |= IsNan(a);
+      m = a > m ? a : m;
+    }
+    for (int64_t t = 0; t < kMxBlock && pos + t < extent; ++t) amax[b + t * stride] = bad ? FloatOf(0x7FC00000u) : m;
+  }
+  ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
+    float v[kMxBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      float unused;
+      LoadMxBlock(x, g, b, r, v, &unused);
+      store(b, v, amax[b]);
+    }
+  });
+}
+
+
 }  // namespace xla_fp4::cpu
 
 #endif  // XLA_FP4_CPU_COMMON_H_

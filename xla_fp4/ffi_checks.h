@@ -68,14 +68,15 @@ inline ffi::Error FirstError(std::initializer_list<ffi::Error> errors) {
   return ffi::Error::Success();
 }
 
-// Packed scales: uint8 E4M3 codes in the swizzled layout (numerics.padded_scale_shape).
-inline ffi::Error CheckPackedScales(const ffi::AnyBuffer& scales, int64_t rows, int64_t k, const std::string& what) {
+// Packed scales: uint8 (rows, K/block), E4M3 codes (NVFP4) or E8M0 bytes (MX), row-major.
+inline ffi::Error CheckPackedScales(const ffi::AnyBuffer& scales, int64_t rows, int64_t k, const std::string& what,
+                                   const PackedLayout& layout = kNvfp4Packed) {
   if (scales.element_type() != ffi::DataType::U8 || scales.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument(what + " must be a uint8 matrix (rows, K/16), got dtype code " +
-                                       std::to_string(static_cast<int>(scales.element_type())) + " and shape " +
-                                       ShapeString(scales.dimensions()));
+    return ffi::Error::InvalidArgument(what + " must be a uint8 matrix (rows, K/" + std::to_string(layout.block) +
+                                       "), got dtype code " + std::to_string(static_cast<int>(scales.element_type())) +
+                                       " and shape " + ShapeString(scales.dimensions()));
   }
-  return CheckShape(scales.dimensions(), {rows, k / kBlock}, what);
+  return CheckShape(scales.dimensions(), {rows, k / layout.block}, what);
 }
 
 // A tensor viewed around its quantization axis (numerics/nvfp4.py canonical_axis): (outer, K, inner).
@@ -185,23 +186,40 @@ inline ffi::Error CheckMxQdq(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, c
   return ffi::Error::Success();
 }
 
-// Packed data read by the GEMM or the dequantizer: uint8 (rows, K/2), two E2M1 codes a byte; K a multiple of 16.
-inline ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const std::string& what) {
+// The packed formats' contraction: K a multiple of the block (16 for NVFP4, 32 for MX).
+inline ffi::Error CheckPackedK(int64_t k, const PackedLayout& layout, const std::string& what) {
+  if (layout.block == kBlock) return CheckBlocks(k, what);
+  if (k % layout.block != 0) {
+    return ffi::Error::InvalidArgument("the MX formats need " + what + " to be a multiple of 32 (blocks of 32 share a "
+                                       "scale), got " + std::to_string(k));
+  }
+  return ffi::Error::Success();
+}
+
+// Packed data read by the GEMM or the dequantizer: uint8 (rows, K / per_byte), two E2M1 codes a byte (NVFP4, MXFP4)
+// or one E4M3 code (MXFP8); K a multiple of the block.
+inline ffi::Error CheckPackedData(const ffi::AnyBuffer& data, const std::string& what,
+                                  const PackedLayout& layout = kNvfp4Packed) {
   const auto dims = data.dimensions();
+  const std::string k_cols = layout.per_byte == 1 ? "K" : "K/2";
   if (data.element_type() != ffi::DataType::U8 || dims.size() != 2) {
-    return ffi::Error::InvalidArgument(what + " must be a uint8 matrix (rows, K/2), got dtype code " +
+    return ffi::Error::InvalidArgument(what + " must be a uint8 matrix (rows, " + k_cols + "), got dtype code " +
                                        std::to_string(static_cast<int>(data.element_type())) + " and shape " +
                                        ShapeString(dims));
   }
-  return CheckBlocks(2 * dims[1], "K = 2 * " + what + ".shape[1]");
+  return CheckPackedK(layout.per_byte * dims[1], layout, "K = " + std::to_string(layout.per_byte) + " * " + what +
+                                                             ".shape[1]");
 }
 
 // xla_fp4_quantize_packed's operands and results: x a matrix quantized along `axis` (1: (rows, K), the packed
 // storage's own layout; 0: (K, rows), read as the program holds it), scalars, seed, and data and scales with x's dims,
 // the axis divided by 2 and by 16: (rows, K/2) and (rows, K/16), or (K/2, rows) and (K/16, rows). Fills `shape`.
-inline ffi::Error CheckQuantizePacked(const ffi::AnyBuffer& x, const ffi::AnyBuffer& s_dec, const ffi::AnyBuffer& key,
+// The MX formats' quantizer (layout MxPacked(fp8)) takes no s_dec (null) and divides the axis by 32 for the scales
+// and by 2 (MXFP4) or 1 (MXFP8) for the data.
+inline ffi::Error CheckQuantizePacked(const ffi::AnyBuffer& x, const ffi::AnyBuffer* s_dec, const ffi::AnyBuffer& key,
                                       const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales, int64_t axis,
-                                      bool stochastic, int64_t rht_seed, AxisShape* shape) {
+                                      bool stochastic, int64_t rht_seed, AxisShape* shape,
+                                      const PackedLayout& layout = kNvfp4Packed) {
   const auto dims = x.dimensions();
   if (dims.size() != 2 || (axis != 0 && axis != 1)) {
     return ffi::Error::InvalidArgument("x must be a matrix and axis, the contraction axis, 0 or 1; got shape " +
@@ -217,46 +235,53 @@ inline ffi::Error CheckQuantizePacked(const ffi::AnyBuffer& x, const ffi::AnyBuf
     return axis == 1 ? CheckShape(b.dimensions(), {rows, k / divisor}, what)
                      : CheckShape(b.dimensions(), {k / divisor, rows}, what);
   };
-  return FirstError({CheckBlocks(k, "K (x.shape[axis])"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+  return FirstError({CheckPackedK(k, layout, "K (x.shape[axis])"),
+                     s_dec != nullptr ? CheckScalar(*s_dec, ffi::DataType::F32, "s_dec") : ffi::Error::Success(),
                      CheckScalar(key, ffi::DataType::U32, "key"), CheckSeed(rht_seed),
-                     check_u8(data, 2, "the data result"), check_u8(scales, kBlock, "the scales result"),
+                     check_u8(data, layout.per_byte, "the data result"),
+                     check_u8(scales, layout.block, "the scales result"),
                      CheckCounterRange(stochastic, rows * k, dims)});
 }
 
-// xla_fp4_dequantize_packed's operands and result: packed data and scales, s_dec, a (rows, K) result.
+// xla_fp4_dequantize_packed's operands and result: packed data and scales, s_dec (null for the MX formats), a
+// (rows, K) result.
 inline ffi::Error CheckDequantizePacked(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales,
-                                        const ffi::AnyBuffer& s_dec, const ffi::AnyBuffer& out, int64_t* rows,
-                                        int64_t* k) {
-  if (ffi::Error e = CheckPackedData(data, "data"); e.failure()) return e;
+                                        const ffi::AnyBuffer* s_dec, const ffi::AnyBuffer& out, int64_t* rows,
+                                        int64_t* k, const PackedLayout& layout = kNvfp4Packed) {
+  if (ffi::Error e = CheckPackedData(data, "data", layout); e.failure()) return e;
   *rows = data.dimensions()[0];
-  *k = 2 * data.dimensions()[1];
-  return FirstError({CheckPackedScales(scales, *rows, *k, "scales"), CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
+  *k = layout.per_byte * data.dimensions()[1];
+  return FirstError({CheckPackedScales(scales, *rows, *k, "scales", layout),
+                     s_dec != nullptr ? CheckScalar(*s_dec, ffi::DataType::F32, "s_dec") : ffi::Error::Success(),
                      CheckShape(out.dimensions(), {*rows, *k}, "the result")});
 }
 
 // xla_fp4_gemm_packed's operands and result: a (M, K/2) and (M, K/16), b (N, K/2) and (N, K/16) or with b_transposed
 // Bᵀ packed along N, (K, N/2) and (K, N/16), alpha a float32 scalar, C (M, N). Fills m, n, k.
+// The MX formats' GEMM (layout MxPacked(fp8)) takes no alpha (null): K/32 scales, K/2 (MXFP4) or K (MXFP8) data.
 inline ffi::Error CheckGemmPacked(const ffi::AnyBuffer& a_data, const ffi::AnyBuffer& a_scales,
                                   const ffi::AnyBuffer& b_data, const ffi::AnyBuffer& b_scales,
-                                  const ffi::AnyBuffer& alpha, const ffi::AnyBuffer& c, bool b_transposed, int64_t* m,
-                                  int64_t* n, int64_t* k) {
-  if (ffi::Error e = FirstError({CheckPackedData(a_data, "a_data"), CheckPackedData(b_data, "b_data")}); e.failure()) {
+                                  const ffi::AnyBuffer* alpha, const ffi::AnyBuffer& c, bool b_transposed, int64_t* m,
+                                  int64_t* n, int64_t* k, const PackedLayout& layout = kNvfp4Packed) {
+  if (ffi::Error e = FirstError({CheckPackedData(a_data, "a_data", layout), CheckPackedData(b_data, "b_data", layout)});
+      e.failure()) {
     return e;
   }
+  const int64_t per = layout.per_byte;
   *m = a_data.dimensions()[0];
-  *k = 2 * a_data.dimensions()[1];
-  *n = b_transposed ? 2 * b_data.dimensions()[1] : b_data.dimensions()[0];
-  const int64_t b_k = b_transposed ? b_data.dimensions()[0] : 2 * b_data.dimensions()[1];
+  *k = per * a_data.dimensions()[1];
+  *n = b_transposed ? per * b_data.dimensions()[1] : b_data.dimensions()[0];
+  const int64_t b_k = b_transposed ? b_data.dimensions()[0] : per * b_data.dimensions()[1];
   if (b_k != *k) {
     return ffi::Error::InvalidArgument(
         "a_data " + ShapeString(a_data.dimensions()) + " and b_data " + ShapeString(b_data.dimensions()) +
-        (b_transposed ? " must have K = a_data's 2 * K/2 rows in b_data (b_transposed: b is Bᵀ (K, N/2))"
-                      : " must have the same K/2 (TN layout: both operands K-major)"));
+        (b_transposed ? " must have K = a_data's K in b_data's rows (b_transposed: b is Bᵀ packed along N)"
+                      : " must have the same K (TN layout: both operands K-major)"));
   }
-  return FirstError({CheckPackedScales(a_scales, *m, *k, "a_scales"),
-                     b_transposed ? CheckPackedScales(b_scales, *k, *n, "b_scales (b_transposed: (K, N/16))")
-                                  : CheckPackedScales(b_scales, *n, *k, "b_scales"),
-                     CheckScalar(alpha, ffi::DataType::F32, "alpha"),
+  return FirstError({CheckPackedScales(a_scales, *m, *k, "a_scales", layout),
+                     b_transposed ? CheckPackedScales(b_scales, *k, *n, "b_scales (b_transposed: (K, N/block))", layout)
+                                  : CheckPackedScales(b_scales, *n, *k, "b_scales", layout),
+                     alpha != nullptr ? CheckScalar(*alpha, ffi::DataType::F32, "alpha") : ffi::Error::Success(),
                      CheckShape(c.dimensions(), {*m, *n}, "the result")});
 }
 

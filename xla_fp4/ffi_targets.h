@@ -36,6 +36,11 @@
 // fp8: E4M3 elements (MXFP8), else E2M1 (MXFP4).
 #define XLA_FP4_MX_QDQ_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, fp8)
+// The packed MX formats (numerics/packing.py): codes and E8M0 scales per 32, as xla_fp4_quantize_packed,
+// xla_fp4_dequantize_packed and xla_fp4_gemm_packed lay out NVFP4's, with no tensor scale (no s_dec, no alpha).
+#define XLA_FP4_MX_QUANTIZE_PACKED_ATTRIBUTES(A) XLA_FP4_MX_QDQ_ATTRIBUTES(A)
+#define XLA_FP4_MX_DEQUANTIZE_PACKED_ATTRIBUTES(A) A(bool, fp8)
+#define XLA_FP4_MX_GEMM_PACKED_ATTRIBUTES(A) A(bool, emulate) A(bool, b_transposed) A(bool, fp8)
 #define XLA_FP4_NO_ATTRIBUTES(A)
 
 // X(constant, handler stem, name, attribute list): every target, listed once. The name constants (kQdqTarget, ...) and
@@ -59,7 +64,12 @@
     XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES)                                                                     \
   X(kTelemetryStepTarget, TelemetryStep, "xla_fp4_telemetry_step", XLA_FP4_TELEMETRY_STEP_ATTRIBUTES)          \
   X(kTelemetryRecordTarget, TelemetryRecord, "xla_fp4_telemetry_record", XLA_FP4_TELEMETRY_RECORD_ATTRIBUTES)  \
-  X(kMxQdqTarget, MxQdq, "xla_fp4_mx_qdq", XLA_FP4_MX_QDQ_ATTRIBUTES)
+  X(kMxQdqTarget, MxQdq, "xla_fp4_mx_qdq", XLA_FP4_MX_QDQ_ATTRIBUTES)                                          \
+  X(kMxQuantizePackedTarget, MxQuantizePacked, "xla_fp4_mx_quantize_packed",                                  \
+    XLA_FP4_MX_QUANTIZE_PACKED_ATTRIBUTES)                                                                     \
+  X(kMxDequantizePackedTarget, MxDequantizePacked, "xla_fp4_mx_dequantize_packed",                            \
+    XLA_FP4_MX_DEQUANTIZE_PACKED_ATTRIBUTES)                                                                   \
+  X(kMxGemmPackedTarget, MxGemmPacked, "xla_fp4_mx_gemm_packed", XLA_FP4_MX_GEMM_PACKED_ATTRIBUTES)
 
 // XLA_FP4_DECLARE_HANDLERS(Cpu) / (Cuda): every target's handler on that platform (include xla/ffi/api/ffi.h first).
 #define XLA_FP4_DECLARE_HANDLER_Cpu_(constant, stem, name, attributes) XLA_FFI_DECLARE_HANDLER_SYMBOL(XlaFp4##stem##Cpu);

@@ -352,13 +352,32 @@ XLA_FP4_HOST_DEVICE inline float MxRoundElement(float v, bool fp8, bool stochast
   return stochastic ? RoundE2M1Stochastic(v, u) : RoundE2M1Nearest(v);
 }
 
-// The swizzled scale storage (numerics.padded_scale_shape): K/16 blocks rounded up to 4 columns, rows rounded up to
-// 128; the padding is zero.
-XLA_FP4_HOST_DEVICE inline int64_t PaddedScaleCols(int64_t k) {
-  return (k / kBlock + kScaleTileCols - 1) / kScaleTileCols * kScaleTileCols;
+// ---- packed storage (numerics/packing.py): codes K-major, one scale byte per row and block ----
+
+// A packed format's geometry: elements per code byte (two E2M1 codes, or one E4M3) and elements per scale.
+struct PackedLayout {
+  int64_t per_byte, block;
+};
+inline constexpr PackedLayout kNvfp4Packed{2, kBlock};
+XLA_FP4_HOST_DEVICE inline PackedLayout MxPacked(bool fp8) { return {fp8 ? 1 : 2, kMxBlock}; }
+
+// An MX block's E8M0 scale byte (OCP MX v1.0): 2^s stored as s + 127, 0xFF (NaN) for a block with a NaN or an Inf.
+XLA_FP4_HOST_DEVICE inline uint8_t MxScaleByte(float amax, bool bad, bool fp8) {
+  return bad ? uint8_t{0xFF} : static_cast<uint8_t>(MxScaleExponent(amax, fp8) + 127);
 }
-XLA_FP4_HOST_DEVICE inline int64_t PaddedScaleCount(int64_t rows, int64_t k) {
-  return (rows + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows * PaddedScaleCols(k);
+
+// The decode scale of an E8M0 byte, as MakeMxScale gives it: NaN for 0xFF, zero for 2^-127 (the subnormal rule).
+XLA_FP4_HOST_DEVICE inline float MxScaleOfByte(uint8_t byte) {
+  return byte == 0xFF ? FloatOf(0x7FC00000u) : MxDecodeScale(static_cast<int>(byte) - 127);
+}
+
+// The swizzled scale storage (numerics.padded_scale_shape): K/block blocks rounded up to 4 columns, rows rounded up
+// to 128; the padding is zero. The layout is the same for the MX formats' blocks of 32 (cuBLASLt's VEC32_UE8M0).
+XLA_FP4_HOST_DEVICE inline int64_t PaddedScaleCols(int64_t k, int64_t block = kBlock) {
+  return (k / block + kScaleTileCols - 1) / kScaleTileCols * kScaleTileCols;
+}
+XLA_FP4_HOST_DEVICE inline int64_t PaddedScaleCount(int64_t rows, int64_t k, int64_t block = kBlock) {
+  return (rows + kScaleTileRows - 1) / kScaleTileRows * kScaleTileRows * PaddedScaleCols(k, block);
 }
 
 // Index of the scale of (row, block) in cuBLASLt's swizzled layout (numerics/packing.py); `padded_cols` is K/16

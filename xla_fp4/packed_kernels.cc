@@ -9,6 +9,10 @@
 //   xla_fp4_gemm_packed(a_data (M, K/2), a_scales, b_data (N, K/2), b_scales, alpha) -> C (M, N)   ("TN": K-major)
 //   xla_fp4_ragged_gemm_packed(a_data, a_scales, b_data, b_scales, group_sizes, alpha) {ragged_k}: the grouped form
 //                          (expert GEMMs), one FP4 GEMM per group (ffi_checks.h CheckRaggedGemmPacked)
+// The packed MX formats, laid out alike with E8M0 scales per 32 and no tensor scale (fp8: E4M3 codes, one a byte):
+//   xla_fp4_mx_quantize_packed(x, key) {axis, ..., fp8} -> data u8 (rows, K/2 or K), scales u8 (rows, K/32)
+//   xla_fp4_mx_dequantize_packed(data, scales) {fp8} -> x (rows, K)
+//   xla_fp4_mx_gemm_packed(a_data, a_scales, b_data, b_scales) {emulate, b_transposed, fp8} -> C (M, N)
 #include <cstring>
 #include <vector>
 
@@ -64,10 +68,77 @@ void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, co
   });
 }
 
-// out[r, k] = (q * scale) * s_dec; with s_dec = 1 this is the exact q * scale that the GEMM multiplies.
+// MX block b of x (ForEachMxBlock) packed: its E8M0 scale byte at b (the scales have x's dims with the axis divided
+// by 32), its codes where its elements sit with the axis divided by 2 (E2M1: two codes adjacent along K share a byte,
+// the even one in the low nibble) or 1 (E4M3). The codes decode to xla_fp4_mx_qdq's values of the same recipe.
+template <bool kFp8, bool kStochastic>
+void PackMxBlock(uint8_t* data, uint8_t* scales, const Geometry& g, int64_t b, const float (&v)[kMxBlock], float amax,
+                 uint32_t mixed_key) {
+  const bool bad = IsNan(amax);
+  const MxScale ms = MakeMxScale(amax, bad, kFp8);
+  const int64_t base = MxBlockBase(g, b), i = b % g.inner;
+  scales[b] = MxScaleByte(amax, bad, kFp8);
+  float q[kMxBlock];
+  for (int j = 0; j < kMxBlock; ++j) {
+    const float u = kStochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(base + j * g.inner)))
+                                : 0.0f;
+    q[j] = MxRoundElement(v[j] * ms.inverse, kFp8, kStochastic, u);
+  }
+  if constexpr (kFp8) {
+    for (int j = 0; j < kMxBlock; ++j) data[base + j * g.inner] = E4M3Encode(q[j]);
+  } else {
+    uint8_t* out = data + (base - i) / 2 + i;  // the block's first pair; pairs are `inner` bytes apart
+    for (int j = 0; j < kMxBlock; j += 2) {
+      out[j / 2 * g.inner] = static_cast<uint8_t>(E2M1Code(q[j]) | (E2M1Code(q[j + 1]) << 4));
+    }
+  }
+}
+
+template <typename T>
+void MxQuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, uint32_t key,
+                          bool fp8, uint8_t* data, uint8_t* scales) {
+  const uint32_t mixed_key = Mix32(key);
+  WithBool(fp8, [&](auto f8) {
+    return WithBool(r.stochastic, [&](auto sr) {
+      ForEachMxBlock(pool, x, g, r, [&](int64_t b, const float (&v)[kMxBlock], float amax) {
+        PackMxBlock<decltype(f8)::value, decltype(sr)::value>(data, scales, g, b, v, amax, mixed_key);
+      });
+      return 0;
+    });
+  });
+}
+
+// Which packed format an operand holds: NVFP4 (E4M3 scales per 16, under s_dec) or an MX format (E8M0 per 32).
+struct PackedFormat {
+  bool mx = false, fp8 = false;
+  PackedLayout layout() const { return mx ? MxPacked(fp8) : kNvfp4Packed; }
+};
+
+// The element of code byte `byte` at position j of its block: E4M3 (MXFP8), or one of the byte's two E2M1 codes.
+inline float PackedElement(const uint8_t* codes, int64_t j, const PackedFormat& f) {
+  if (f.fp8) return E4M3Decode(codes[j]);
+  return E2M1Decode(j % 2 == 0 ? codes[j / 2] & 15 : codes[j / 2] >> 4);
+}
+
+// out[r, k] = (q * scale) * s_dec (MX: q * scale); with s_dec = 1 this is the exact q * scale that the GEMM
+// multiplies.
 template <typename T>
 void DequantizePackedImpl(ffi::ThreadPool& pool, const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k,
-                          float s_dec, T* out) {
+                          float s_dec, T* out, const PackedFormat& f = {}) {
+  if (f.mx) {
+    const int64_t row_bytes = k / f.layout().per_byte;
+    ParallelFor(pool, rows, k, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        for (int64_t kb = 0; kb < k / kMxBlock; ++kb) {
+          const float scale = MxScaleOfByte(scales[row * (k / kMxBlock) + kb]);
+          const uint8_t* codes = data + row * row_bytes + kb * (kMxBlock / f.layout().per_byte);
+          T* o = out + row * k + kb * kMxBlock;
+          for (int j = 0; j < kMxBlock; ++j) Store(o + j, MxDecodeElement(PackedElement(codes, j, f), scale));
+        }
+      }
+    });
+    return;
+  }
   ParallelFor(pool, rows, k, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t kb = 0; kb < k / kBlock; ++kb) {
@@ -108,18 +179,19 @@ void Accumulate(ffi::ThreadPool& pool, const float* a, const float* b, int64_t m
 
 // q·scale of packed (rows, K) operands, float32 (exact), for Accumulate.
 std::vector<float> Dequantized(ffi::ThreadPool& pool, const uint8_t* data, const uint8_t* scales, int64_t rows,
-                               int64_t k) {
+                               int64_t k, const PackedFormat& f = {}) {
   std::vector<float> out(rows * k);
-  DequantizePackedImpl(pool, data, scales, rows, k, 1.0f, out.data());
+  DequantizePackedImpl(pool, data, scales, rows, k, 1.0f, out.data(), f);
   return out;
 }
 
-// C = alpha * A·Bᵀ; with b_transposed b is Bᵀ (k, n), decoded, then transposed (exact).
+// C = alpha * A·Bᵀ (MX: alpha 1); with b_transposed b is Bᵀ (k, n), decoded, then transposed (exact).
 template <typename T>
 void GemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const uint8_t* a_scales, const uint8_t* b_data,
-                    const uint8_t* b_scales, int64_t m, int64_t n, int64_t k, bool b_transposed, float alpha, T* c) {
-  const std::vector<float> a = Dequantized(pool, a_data, a_scales, m, k);
-  std::vector<float> b = Dequantized(pool, b_data, b_scales, b_transposed ? k : n, b_transposed ? n : k);
+                    const uint8_t* b_scales, int64_t m, int64_t n, int64_t k, bool b_transposed, float alpha, T* c,
+                    const PackedFormat& f = {}) {
+  const std::vector<float> a = Dequantized(pool, a_data, a_scales, m, k, f);
+  std::vector<float> b = Dequantized(pool, b_data, b_scales, b_transposed ? k : n, b_transposed ? n : k, f);
   if (b_transposed) {
     std::vector<float> bt(n * k);
     for (int64_t i = 0; i < k; ++i) {
@@ -162,7 +234,7 @@ ffi::Error QuantizePackedCommon(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::A
                                 ffi::AnyBuffer& data, ffi::AnyBuffer& scales, ffi::AnyBuffer* stats, int32_t step,
                                 int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
   Geometry g;
-  if (ffi::Error e = CheckQuantizePacked(x, s_dec, key, data, scales, axis, stochastic, rht_seed, &g); e.failure()) {
+  if (ffi::Error e = CheckQuantizePacked(x, &s_dec, key, data, scales, axis, stochastic, rht_seed, &g); e.failure()) {
     return e;
   }
   float* row = nullptr;
@@ -214,7 +286,7 @@ ffi::Error QuantizePackedStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::A
 ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
                                ffi::Result<ffi::AnyBuffer> out) {
   int64_t rows = 0, k = 0;
-  if (ffi::Error e = CheckDequantizePacked(data, scales, s_dec, *out, &rows, &k); e.failure()) return e;
+  if (ffi::Error e = CheckDequantizePacked(data, scales, &s_dec, *out, &rows, &k); e.failure()) return e;
   const float s = *static_cast<const float*>(s_dec.untyped_data());
   return DispatchFloat(out->element_type(), "the result", [&](auto tag) {
     using T = decltype(tag);
@@ -229,7 +301,7 @@ ffi::Error GemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBu
                          ffi::AnyBuffer b_scales, ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> c,
                          bool /*emulate: this reference GEMM is the emulation*/, bool b_transposed) {
   int64_t m, n, k;
-  if (ffi::Error e = CheckGemmPacked(a_data, a_scales, b_data, b_scales, alpha, *c, b_transposed, &m, &n, &k);
+  if (ffi::Error e = CheckGemmPacked(a_data, a_scales, b_data, b_scales, &alpha, *c, b_transposed, &m, &n, &k);
       e.failure()) {
     return e;
   }
@@ -241,6 +313,60 @@ ffi::Error GemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBu
                    static_cast<const uint8_t*>(b_data.untyped_data()),
                    static_cast<const uint8_t*>(b_scales.untyped_data()), m, n, k, b_transposed, al,
                    static_cast<T*>(c->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error MxQuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer key,
+                               ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
+                               bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool fp8) {
+  Geometry g;
+  if (ffi::Error e = CheckQuantizePacked(x, nullptr, key, *data, *scales, axis, stochastic, rht_seed, &g,
+                                         MxPacked(fp8));
+      e.failure()) {
+    return e;
+  }
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    MxQuantizePackedImpl(pool, static_cast<const T*>(x.untyped_data()), g, recipe,
+                         *static_cast<const uint32_t*>(key.untyped_data()), fp8,
+                         static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error MxDequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                                 ffi::Result<ffi::AnyBuffer> out, bool fp8) {
+  int64_t rows = 0, k = 0;
+  if (ffi::Error e = CheckDequantizePacked(data, scales, nullptr, *out, &rows, &k, MxPacked(fp8)); e.failure()) {
+    return e;
+  }
+  return DispatchFloat(out->element_type(), "the result", [&](auto tag) {
+    using T = decltype(tag);
+    DequantizePackedImpl(pool, static_cast<const uint8_t*>(data.untyped_data()),
+                         static_cast<const uint8_t*>(scales.untyped_data()), rows, k, 1.0f,
+                         static_cast<T*>(out->untyped_data()), PackedFormat{true, fp8});
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error MxGemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data,
+                           ffi::AnyBuffer b_scales, ffi::Result<ffi::AnyBuffer> c,
+                           bool /*emulate: this reference GEMM is the emulation*/, bool b_transposed, bool fp8) {
+  int64_t m, n, k;
+  if (ffi::Error e = CheckGemmPacked(a_data, a_scales, b_data, b_scales, nullptr, *c, b_transposed, &m, &n, &k,
+                                     MxPacked(fp8));
+      e.failure()) {
+    return e;
+  }
+  return DispatchFloat(c->element_type(), "the result", [&](auto tag) {
+    using T = decltype(tag);
+    GemmPackedImpl(pool, static_cast<const uint8_t*>(a_data.untyped_data()),
+                   static_cast<const uint8_t*>(a_scales.untyped_data()),
+                   static_cast<const uint8_t*>(b_data.untyped_data()),
+                   static_cast<const uint8_t*>(b_scales.untyped_data()), m, n, k, b_transposed, 1.0f,
+                   static_cast<T*>(c->untyped_data()), PackedFormat{true, fp8});
     return ffi::Error::Success();
   });
 }
@@ -329,3 +455,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RaggedGemmPackedCpu, xla_fp4::cpu::RaggedGem
                                   .Arg<ffi::AnyBuffer>()  // alpha, one per group
                                   .Ret<ffi::AnyBuffer>()
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxQuantizePackedCpu, xla_fp4::cpu::MxQuantizePackedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x (rows, K) or (K, rows)
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Ret<ffi::AnyBuffer>()  // data
+                                  .Ret<ffi::AnyBuffer>()  // scales
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_QUANTIZE_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxDequantizePackedCpu, xla_fp4::cpu::MxDequantizePackedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // data
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Ret<ffi::AnyBuffer>()
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_DEQUANTIZE_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxGemmPackedCpu, xla_fp4::cpu::MxGemmPackedFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // a_data
+                                  .Arg<ffi::AnyBuffer>()  // a_scales
+                                  .Arg<ffi::AnyBuffer>()  // b_data
+                                  .Arg<ffi::AnyBuffer>()  // b_scales
+                                  .Ret<ffi::AnyBuffer>()
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_GEMM_PACKED_ATTRIBUTES));

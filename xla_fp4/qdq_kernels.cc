@@ -209,22 +209,12 @@ void BlockAmaxImpl(ffi::ThreadPool& pool, const T* x, float* amax, uint32_t* dig
 
 // ---- xla_fp4_mx_qdq: the OCP MX formats (numerics/mx.py) ----
 
-// The 32 values of one MX block along K at (o, block, i), after the RHT where it applies; whether any is NaN or Inf.
-template <typename T>
-bool LoadMxBlock(const T* x, const Geometry& g, int64_t o, int64_t block, int64_t i, const Recipe& r, float (&v)[kMxBlock],
-                 float* amax) {
-  const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
-  for (int j = 0; j < kMxBlock; ++j) v[j] = Load(x + base + j * g.inner);
-  return MxPrepareBlock(v, r, amax);
-}
-
 // Block b's elements (v: its values, loaded) as q * 2^s of the block's (tile's) amax, or NaN where that is NaN. The
 // element format and the rounding are template parameters, so that the element loop has no branch and vectorizes.
 template <bool kFp8, bool kStochastic, typename T>
 void StoreMxBlock(T* y, const Geometry& g, int64_t b, const float (&v)[kMxBlock], float amax, uint32_t mixed_key) {
-  const int64_t blocks = g.k / kMxBlock, o = b / (blocks * g.inner), block = (b / g.inner) % blocks, i = b % g.inner;
   const MxScale ms = MakeMxScale(amax, IsNan(amax), kFp8);
-  const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
+  const int64_t base = MxBlockBase(g, b);
   float out[kMxBlock];
   for (int j = 0; j < kMxBlock; ++j) {
     const float u = kStochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(base + j * g.inner)))
@@ -234,67 +224,17 @@ void StoreMxBlock(T* y, const Geometry& g, int64_t b, const float (&v)[kMxBlock]
   for (int j = 0; j < kMxBlock; ++j) Store(y + base + j * g.inner, out[j]);
 }
 
-template <typename T>
-void StoreMxBlock(T* y, const Geometry& g, int64_t b, const float (&v)[kMxBlock], float amax, bool fp8, bool stochastic,
-                  uint32_t mixed_key) {
-  WithBool(fp8, [&](auto f8) {
-    return WithBool(stochastic, [&](auto sr) {
-      StoreMxBlock<decltype(f8)::value, decltype(sr)::value>(y, g, b, v, amax, mixed_key);
-      return 0;
-    });
-  });
-}
-
-// y = q * 2^s per block: in one pass over x for 1x32 blocks; for 32x32 tiles (whose blocks share the tile's amax) the
-// blocks' maxima first (NaN where a block holds NaN or Inf), then the elements.
+// y = q * 2^s per block (32x32 tile with block_2d).
 template <typename T>
 void MxQdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, uint32_t key, bool fp8) {
-  const int64_t blocks = g.k / kMxBlock, n = g.outer * blocks * g.inner;
   const uint32_t mixed_key = Mix32(key);
-  auto locate = [&](int64_t b, float (&v)[kMxBlock], float* m) {
-    return LoadMxBlock(x, g, b / (blocks * g.inner), (b / g.inner) % blocks, b % g.inner, r, v, m);
-  };
-  if (!r.block_2d) {
-    ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
-      float v[kMxBlock];
-      for (int64_t b = begin; b < end; ++b) {
-        float m;
-        const bool bad = locate(b, v, &m);
-        StoreMxBlock(y, g, b, v, bad ? FloatOf(0x7FC00000u) : m, fp8, r.stochastic, mixed_key);
-      }
+  WithBool(fp8, [&](auto f8) {
+    return WithBool(r.stochastic, [&](auto sr) {
+      ForEachMxBlock(pool, x, g, r, [&](int64_t b, const float (&v)[kMxBlock], float amax) {
+        StoreMxBlock<decltype(f8)::value, decltype(sr)::value>(y, g, b, v, amax, mixed_key);
+      });
+      return 0;
     });
-    return;
-  }
-  std::vector<float> amax(n);
-  ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
-    float v[kMxBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      float m;
-      amax[b] = locate(b, v, &m) ? FloatOf(0x7FC00000u) : m;
-    }
-  });
-  // the tile's amax: 32 consecutive partner positions (inner, or outer where inner is 1)
-  const bool along_inner = g.inner > 1;
-  const int64_t stride = along_inner ? 1 : blocks * g.inner, extent = along_inner ? g.inner : g.outer;
-  for (int64_t b = 0; b < n; ++b) {
-    const int64_t pos = along_inner ? b % g.inner : b / (blocks * g.inner);
-    if (pos % kMxBlock != 0) continue;
-    float m = 0.0f;
-    bool bad = false;
-    for (int64_t t = 0; t < kMxBlock && pos + t < extent; ++t) {
-      const float a = amax[b + t * stride];
-      bad |= IsNan(a);
-      m = a > m ? a : m;
-    }
-    for (int64_t t = 0; t < kMxBlock && pos + t < extent; ++t) amax[b + t * stride] = bad ? FloatOf(0x7FC00000u) : m;
-  }
-  ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
-    float v[kMxBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      float unused;
-      locate(b, v, &unused);
-      StoreMxBlock(y, g, b, v, amax[b], fp8, r.stochastic, mixed_key);
-    }
   });
 }
 

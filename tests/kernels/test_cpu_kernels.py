@@ -406,3 +406,88 @@ def test_mx_qdq_matches_its_twin(shape, axis, dtype, fp8):
 def test_mx_qdq_says_what_it_needs():
   with pytest.raises(Exception, match="multiple of 32"):
     kernels.mx_qdq(jnp.ones((4, 48)), axis=1)
+
+
+# ---- the packed MX formats (xla_fp4_mx_quantize_packed, xla_fp4_mx_dequantize_packed, xla_fp4_mx_gemm_packed) ----
+
+def _mx_operand(seed, shape, dtype=jnp.float32):
+  """Rows of very different magnitudes (E8M0 scales from 2^-20 to 2^14), a zero block and a NaN block."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * np.exp2(rng.integers(-20, 12, (shape[0], 1)))
+  x[0, :32] = 0.0
+  x[1, 40] = np.nan
+  return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mx_packed_matches_the_reference_packing_and_decodes_to_mx_qdq(fp8, dtype):
+  """The kernel's codes and E8M0 bytes equal numerics.packing.pack_mx (from numerics/mx.py, not the kernels) byte for
+  byte, NaN block included (0xFF), in every recipe the format takes; they decode (kernel and reference alike) to
+  xla_fp4_mx_qdq's values bit for bit; along axis 0 (x as (K, rows), read in place) the bytes are the transposes."""
+  x = _mx_operand(7, (48, 96), dtype)
+  fmt = "mxfp8" if fp8 else "mxfp4"
+  for block_2d in (False, True):
+    for stochastic in ([False] if fp8 else [False, True]):
+      for rht in (False, True):
+        attrs = dict(block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=3, fp8=fp8)
+        data, scales = kernels.mx_quantize_packed(x, 99, axis=1, **attrs)
+        assert data.shape == (48, 96 if fp8 else 48) and scales.shape == (48, 3)
+        qdq = kernels.mx_qdq(x, 99, axis=1, **attrs)
+        decoded = kernels.mx_dequantize_packed(data, scales, fp8=fp8, dtype=dtype)
+        assert_same_bits(decoded, qdq)
+        if not rht:  # the reference packs x as given (the RHT is the kernels' own step)
+          ref_data, ref_scales = nv.pack_mx(x, fmt, block_2d=block_2d,
+                                            rounding="stochastic" if stochastic else "nearest", key=99)
+          np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
+          live = ~np.isnan(np.asarray(qdq, np.float32)).reshape(48, 3, 32).any(-1)  # a NaN block's codes are unread
+          per = 1 if fp8 else 2
+          np.testing.assert_array_equal(np.asarray(data).reshape(48, 3, 32 // per)[live],
+                                        np.asarray(ref_data).reshape(48, 3, 32 // per)[live])
+          assert_same_bits(nv.unpack_mx(ref_data, ref_scales, fmt).astype(dtype), qdq)
+        if not stochastic:
+          t_data, t_scales = kernels.mx_quantize_packed(x.T, 99, axis=0, **attrs)
+          np.testing.assert_array_equal(np.asarray(t_data).T, np.asarray(data))
+          np.testing.assert_array_equal(np.asarray(t_scales).T, np.asarray(scales))
+  scales = np.asarray(kernels.mx_quantize_packed(x, fp8=fp8)[1])
+  assert scales[1, 1] == 0xFF and scales[0, 0] == 0  # the NaN block; the zero block's 2^-127
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["mxfp4", "mxfp8"])
+def test_mx_gemm_packed_is_the_dot_of_the_decoded_operands(fp8):
+  """C = A·Bᵀ of the decoded operands (exact q·scale), float32 accumulation, no alpha: within K float32 roundings
+  of the float64 product, and within float32 summation order of the emulated MX GEMM (numerics.dot_general); the
+  output dtype is the caller's; b_transposed reads a weight's 32x32-tiled copy along its other axis bit for bit."""
+  fmt = "mxfp8" if fp8 else "mxfp4"
+  m, n, k = 40, 64, 96
+  a = jax.random.normal(jax.random.key(1), (m, k), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (k, n), jnp.float32)  # x @ w: B = wᵀ
+  tiles = not fp8  # MXFP8 weights take 1x32 blocks (the format record)
+  a_data, a_scales = kernels.mx_quantize_packed(a, fp8=fp8)
+  b_data, b_scales = kernels.mx_quantize_packed(w, axis=0, fp8=fp8, block_2d=tiles)
+  b_data, b_scales = b_data.T, b_scales.T  # K-major (N, K)
+  c = np.asarray(kernels.mx_gemm_packed(a_data, a_scales, b_data, b_scales, fp8=fp8))
+  a64 = np.asarray(kernels.mx_dequantize_packed(a_data, a_scales, fp8=fp8), np.float64)
+  b64 = np.asarray(kernels.mx_dequantize_packed(b_data, b_scales, fp8=fp8), np.float64)
+  exact = a64 @ b64.T
+  np.testing.assert_allclose(c, exact, rtol=0, atol=k * 2.0**-24 * np.abs(a64).max() * np.abs(b64).max())
+  emulated = jax.jit(lambda a, w: nv.dot_general(a, w, (((1,), (0,)), ((), ())),
+                                                 a_recipe=nv.OperandRecipe(format=fmt),
+                                                 b_recipe=nv.OperandRecipe(format=fmt, block_2d=tiles)))(a, w)
+  np.testing.assert_allclose(c, np.asarray(emulated), rtol=1e-5, atol=1e-6 * np.abs(exact).max())
+  assert kernels.mx_gemm_packed(a_data, a_scales, b_data, b_scales, fp8=fp8, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+  if tiles:
+    g = jax.random.normal(jax.random.key(3), (24, n), jnp.float32)  # the dgrad contracts w's N
+    g_data, g_scales = kernels.mx_quantize_packed(g, fp8=fp8)
+    fwd = (np.asarray(kernels.mx_quantize_packed(w, axis=0, fp8=fp8, block_2d=True)[i]).T for i in (0, 1))
+    again = kernels.mx_quantize_packed(w, axis=1, fp8=fp8, block_2d=True)  # (K_f, N_f/2): the dgrad's own packing
+    shared = kernels.mx_gemm_packed(g_data, g_scales, *fwd, fp8=fp8, b_transposed=True)
+    assert_same_bits(shared, kernels.mx_gemm_packed(g_data, g_scales, *again, fp8=fp8))
+
+
+def test_mx_packed_says_what_it_needs():
+  with pytest.raises(Exception, match="multiple of 32"):
+    kernels.mx_quantize_packed(jnp.ones((4, 48)))
+  data, scales = kernels.mx_quantize_packed(jnp.ones((4, 64)))
+  with pytest.raises(Exception, match=r"a_scales must have shape \(4, 2\)"):
+    kernels.mx_gemm_packed(data, scales[:, :1], data, scales).block_until_ready()

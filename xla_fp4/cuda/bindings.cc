@@ -61,16 +61,22 @@ NB_MODULE(_xla_fp4_cuda, m) {
         "cuBLASLt >= 12.8); otherwise (False, reason). Initializes the CUDA runtime: call it after JAX has started.");
   // The FP4 GEMM's helper kernels (packed_kernels.cu), which run on any CUDA device, for their bit-for-bit tests
   // against numerics/packing.py (tests/kernels/test_cuda_kernels.py): host bytes in, host bytes out.
-  m.def("swizzle_scales", [](Bytes scales, int64_t rows, int64_t k, int64_t stride, Bytes out) {
+  m.def("swizzle_scales", [](Bytes scales, int64_t rows, int64_t k, int64_t stride, Bytes out, int64_t block) {
     DeviceBytes in(scales.data(), scales.shape(0)), swizzled(out.shape(0));
-    Run(xla_fp4::cuda::SwizzleScales(nullptr, in.get(), rows, k, swizzled.get(), stride));
+    Run(xla_fp4::cuda::SwizzleScales(nullptr, in.get(), rows, k, swizzled.get(), stride, block));
     swizzled.CopyTo(out);
-  }, "SwizzleScales of (rows, k/16) scales with row stride `stride` (0: k/16) into `out`.");
-  m.def("transpose_tiles", [](Bytes data, Bytes scales, int64_t k, int64_t n, Bytes out_data, Bytes out_scales) {
+  }, nb::arg("scales"), nb::arg("rows"), nb::arg("k"), nb::arg("stride"), nb::arg("out"), nb::arg("block") = 16,
+  "SwizzleScales of (rows, k/block) scales with row stride `stride` (0: k/block) into `out`.");
+  m.def("transpose_tiles", [](Bytes data, Bytes scales, int64_t k, int64_t n, Bytes out_data, Bytes out_scales,
+                              int64_t per_byte, int64_t block) {
     DeviceBytes d(data.data(), data.shape(0)), s(scales.data(), scales.shape(0));
     DeviceBytes od(out_data.shape(0)), os(out_scales.shape(0));
-    Run(xla_fp4::cuda::TransposeTiles(nullptr, d.get(), s.get(), k, n, od.get(), os.get()));
+    Run(xla_fp4::cuda::TransposeTiles(nullptr, d.get(), s.get(), k, n, od.get(), os.get(),
+                                      xla_fp4::PackedLayout{per_byte, block}));
     od.CopyTo(out_data);
     os.CopyTo(out_scales);
-  }, "TransposeTiles: B's packed (n, k/2) codes and (n, k/16) scales from B transposed's (k, n/2) and (k, n/16).");
+  }, nb::arg("data"), nb::arg("scales"), nb::arg("k"), nb::arg("n"), nb::arg("out_data"), nb::arg("out_scales"),
+  nb::arg("per_byte") = 2, nb::arg("block") = 16,
+  "TransposeTiles: B's packed (n, k/per_byte) codes and (n, k/block) scales from B transposed's (k, n/per_byte) and "
+  "(k, n/block).");
 }

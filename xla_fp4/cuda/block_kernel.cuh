@@ -117,6 +117,76 @@ __global__ void QuantizeKernel(const T* x, BlockGrid g, Recipe r, const float* s
   sink(g, b, bs, ts, q, amax);
 }
 
+// ---- the OCP MX formats' blocks of 32 (numerics/mx.py): xla_fp4_mx_qdq and xla_fp4_mx_quantize_packed ----
+
+// x as (outer, K, inner) in MX blocks of 32 along K: one thread per 1x32 block, or with block_2d per 32x32 tile (its
+// 32 blocks, fewer at the end, along the partner dim: inner, or outer where inner is 1), as the CPU kernels walk
+// them (cpu_common.h ForEachMxBlock).
+struct MxGrid {
+  int64_t outer, k, inner;
+  bool block_2d, fp8;
+  __host__ __device__ int64_t Threads() const {
+    const int64_t blocks = k / kMxBlock;
+    if (!block_2d) return outer * blocks * inner;
+    return blocks * (inner > 1 ? (inner + kMxBlock - 1) / kMxBlock * outer : (outer + kMxBlock - 1) / kMxBlock * inner);
+  }
+};
+
+// The 32 values of the MX block at (o, block, i), after the RHT where it applies; whether any is NaN or Inf.
+template <typename T>
+__device__ bool LoadMxBlock(const T* x, const MxGrid& g, int64_t o, int64_t block, int64_t i, const Recipe& r,
+                            float* v, float* amax) {
+  const int64_t base = (o * g.k + block * kMxBlock) * g.inner + i;
+  for (int j = 0; j < kMxBlock; ++j) v[j] = ToFloat(x[base + j * g.inner]);
+  return MxPrepareBlock(v, r, amax);
+}
+
+// Each block of the thread's block or tile rounded onto the element grid and handed to the sink:
+// sink(g, base, scale_at, q, scale, scale_byte), base its first element in x (elements `inner` apart), scale_at its
+// position in x's dims with the axis divided by 32, q its 32 elements (x / 2^s rounded), and its scale (MakeMxScale)
+// and E8M0 byte. Stochastic rounding draws from the element's row-major position, as on the CPU.
+template <typename T, typename Sink>
+__global__ void MxKernel(const T* x, MxGrid g, Recipe r, const uint32_t* key, Sink sink) {
+  const int64_t t = ThreadIndex();
+  if (t >= g.Threads()) return;
+  const int64_t blocks = g.k / kMxBlock;
+  const bool along_inner = g.inner > 1;
+  int width = 1;  // the tile's blocks: 32, fewer in a partial tile at the end of the partner dim
+  int64_t o, block, i;
+  if (!r.block_2d) {
+    o = t / (blocks * g.inner), block = (t / g.inner) % blocks, i = t % g.inner;
+  } else if (along_inner) {
+    const int64_t per = (g.inner + kMxBlock - 1) / kMxBlock;
+    o = t / (blocks * per), block = (t / per) % blocks, i = (t % per) * kMxBlock;
+    width = static_cast<int>(g.inner - i < kMxBlock ? g.inner - i : kMxBlock);
+  } else {
+    o = (t / blocks) * kMxBlock, block = t % blocks, i = 0;
+    width = static_cast<int>(g.outer - o < kMxBlock ? g.outer - o : kMxBlock);
+  }
+  float v[kMxBlock];
+  float m = 0.0f, a;
+  bool bad = false;
+  for (int w = 0; w < width; ++w) {
+    bad |= LoadMxBlock(x, g, o + (along_inner ? 0 : w), block, i + (along_inner ? w : 0), r, v, &a);
+    m = a > m ? a : m;
+  }
+  const MxScale ms = MakeMxScale(m, bad, g.fp8);
+  const uint8_t byte = MxScaleByte(m, bad, g.fp8);
+  const uint32_t mixed_key = Mix32(*key);
+  float q[kMxBlock];
+  for (int w = 0; w < width; ++w) {
+    const int64_t ow = o + (along_inner ? 0 : w), iw = i + (along_inner ? w : 0);
+    LoadMxBlock(x, g, ow, block, iw, r, v, &a);
+    const int64_t base = (ow * g.k + block * kMxBlock) * g.inner + iw;
+    for (int j = 0; j < kMxBlock; ++j) {
+      const float u =
+          r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(base + j * g.inner))) : 0.0f;
+      q[j] = MxRoundElement(v[j] * ms.inverse, g.fp8, r.stochastic, u);
+    }
+    sink(g, base, (ow * blocks + block) * g.inner + iw, q, ms, byte);
+  }
+}
+
 }  // namespace xla_fp4::cuda
 
 #endif  // XLA_FP4_CUDA_BLOCK_KERNEL_CUH_

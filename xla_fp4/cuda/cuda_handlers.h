@@ -11,6 +11,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_fp4/ffi_targets.h"
+#include "xla_fp4/nvfp4_format.h"
 
 XLA_FP4_DECLARE_HANDLERS(Cuda)  // XlaFp4<stem>Cuda for every target of ffi_targets.h
 
@@ -20,16 +21,17 @@ namespace xla_fp4::cuda {
 // Otherwise (false, why not).
 std::pair<bool, std::string> Fp4GemmSupported();
 
-// `out` (numerics/packing.py's swizzled layout, PaddedScaleCount(rows, k) bytes) = the (rows, K/16) scales laid out as
-// cuBLASLt's FP4 GEMM reads them: 128x4 tiles, the padding zero. Enqueued on `stream`. `stride`: the scales' row
-// stride in bytes where they are columns of a wider matrix (a group's range of K), 0 where they are K/16 apart.
+// `out` (numerics/packing.py's swizzled layout, PaddedScaleCount(rows, k, block) bytes) = the (rows, K/block) scales
+// laid out as cuBLASLt's block-scaled GEMM reads them: 128x4 tiles, the padding zero. Enqueued on `stream`. `stride`:
+// the scales' row stride in bytes where they are columns of a wider matrix (a group's range of K), 0 where they are
+// K/block apart. `block`: 16 (NVFP4) or 32 (the MX formats).
 xla::ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out,
-                              int64_t stride = 0);
+                              int64_t stride = 0, int64_t block = kBlock);
 
-// B's packed codes (n, k/2) and scales (n, k/16) from Bᵀ's (k, n/2) and (k, n/16), whose scales are uniform over
-// 16x16 tiles (xla_fp4_gemm_packed's b_transposed). Enqueued on `stream`.
+// B's packed codes (n, k/per_byte) and scales (n, k/block) from Bᵀ's (k, n/per_byte) and (k, n/block), whose scales
+// are uniform over block x block tiles (the GEMMs' b_transposed). Enqueued on `stream`.
 xla::ffi::Error TransposeTiles(cudaStream_t stream, const uint8_t* data, const uint8_t* scales, int64_t k, int64_t n,
-                               uint8_t* out_data, uint8_t* out_scales);
+                               uint8_t* out_data, uint8_t* out_scales, const PackedLayout& layout = kNvfp4Packed);
 
 }  // namespace xla_fp4::cuda
 

@@ -6,6 +6,9 @@
 // cuBLASLt is column-major, so the row-major C (M, N) is computed as the column-major Cᵀ (N, M) = op(B)·A with
 // cuBLASLt's "A" = our b (transposed: TN, the only layout FP4 supports) and cuBLASLt's "B" = our a.
 //
+// xla_fp4_mx_gemm_packed is the same GEMM in the OCP MX formats: E2M1 (MXFP4) or E4M3 (MXFP8) codes with E8M0 scales
+// per 32 (VEC32_UE8M0, swizzled alike) and no tensor scale (alpha is a device one).
+//
 // xla_fp4_ragged_gemm_packed (expert GEMMs: ffi_checks.h CheckRaggedGemmPacked) runs the same GEMM once per group: on
 // a group's rows of a (its forward and dgrad) or on a group's range of K (its wgrad: the operands' columns, so the
 // layouts' leading dimension is the whole K and the scales are swizzled from a strided range). The group sizes live
@@ -71,8 +74,21 @@ ffi::Error SetAttr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t att
                   "cublasLtMatmulDescSetAttribute");
 }
 
+// What cuBLASLt multiplies: the packed format's element type, its block scales' mode and its storage geometry.
+// NVFP4: E2M1 codes with E4M3 scales per 16 (VEC16_UE4M3); the MX formats: E2M1 (MXFP4) or E4M3 (MXFP8) codes with
+// E8M0 scales per 32 (VEC32_UE8M0), whose swizzled layout is NVFP4's with blocks of 32.
+struct GemmFormat {
+  cudaDataType element;
+  int32_t scale_mode;
+  PackedLayout layout;
+};
+constexpr GemmFormat kNvfp4Gemm{CUDA_R_4F_E2M1, CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3, kNvfp4Packed};
+GemmFormat MxGemm(bool fp8) {
+  return {fp8 ? CUDA_R_8F_E4M3 : CUDA_R_4F_E2M1, CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0, MxPacked(fp8)};
+}
+
 // The descriptor without the scale pointers: used for the heuristic query and, completed, for each call.
-ffi::Error MakeMatmulDesc(MatmulDesc& out) {
+ffi::Error MakeMatmulDesc(const GemmFormat& format, MatmulDesc& out) {
   cublasLtMatmulDesc_t desc;
   XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                                    "cublasLtMatmulDescCreate"));
@@ -80,9 +96,8 @@ ffi::Error MakeMatmulDesc(MatmulDesc& out) {
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, int32_t{CUBLASLT_POINTER_MODE_DEVICE}));
-  const int32_t vec16 = CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
-  XLA_FP4_RETURN_IF_ERROR(SetAttr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, vec16));
-  return SetAttr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, vec16);
+  XLA_FP4_RETURN_IF_ERROR(SetAttr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, format.scale_mode));
+  return SetAttr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, format.scale_mode);
 }
 
 ffi::Error MakeLayout(cudaDataType type, int64_t rows, int64_t cols, int64_t ld, Layout& out) {
@@ -98,9 +113,10 @@ struct Layouts {
   Layout a, b, c;
 };
 
-ffi::Error MakeLayouts(int64_t m, int64_t n, int64_t k, cudaDataType out_type, int64_t lda, int64_t ldb, Layouts& out) {
-  XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, n, ldb, out.a));
-  XLA_FP4_RETURN_IF_ERROR(MakeLayout(CUDA_R_4F_E2M1, k, m, lda, out.b));
+ffi::Error MakeLayouts(cudaDataType element, int64_t m, int64_t n, int64_t k, cudaDataType out_type, int64_t lda,
+                       int64_t ldb, Layouts& out) {
+  XLA_FP4_RETURN_IF_ERROR(MakeLayout(element, k, n, ldb, out.a));
+  XLA_FP4_RETURN_IF_ERROR(MakeLayout(element, k, m, lda, out.b));
   return MakeLayout(out_type, n, m, n, out.c);
 }
 
@@ -109,15 +125,21 @@ struct Plan {
   size_t workspace_bytes;
 };
 
-// A shape class: device, M (a group's rounded up), N, K, output type, our a's and b's row strides (elements), and the
-// alignments (bytes) the class's pointers are guaranteed for a, b and C.
+// A shape class: device, the operands' element type (E2M1 or E4M3) and scale mode, M (a group's rounded up), N, K,
+// output type, our a's and b's row strides (elements), and the alignments (bytes) the class's pointers are guaranteed
+// for a, b and C.
 struct PlanKey {
   int device;
+  cudaDataType element;
+  int32_t scale_mode;
   int64_t m, n, k;
   cudaDataType out_type;
   int64_t lda, ldb;
   uint32_t a_alignment, b_alignment, c_alignment;
-  auto Tie() const { return std::tie(device, m, n, k, out_type, lda, ldb, a_alignment, b_alignment, c_alignment); }
+  auto Tie() const {
+    return std::tie(device, element, scale_mode, m, n, k, out_type, lda, ldb, a_alignment, b_alignment, c_alignment);
+  }
+  GemmFormat Format() const { return {element, scale_mode, {}}; }
   bool operator<(const PlanKey& o) const { return Tie() < o.Tie(); }
 };
 
@@ -156,10 +178,12 @@ ffi::Error OnDevice(int device, F&& f) {
   return status;
 }
 
-// A device's cuBLASLt handle and the device zero that beta points at (POINTER_MODE_DEVICE applies to beta too).
+// A device's cuBLASLt handle, the device zero that beta points at (POINTER_MODE_DEVICE applies to beta too) and the
+// one that the MX GEMMs' alpha points at.
 struct DeviceContext {
   cublasLtHandle_t handle = nullptr;
   float* beta_zero = nullptr;
+  float* one = nullptr;  // the MX GEMMs' alpha: no tensor scale (beta_zero + 1)
 };
 
 class PlanCache {
@@ -179,9 +203,12 @@ class PlanCache {
       DeviceContext made;  // kept only once complete: a failed start is retried by the next call
       XLA_FP4_RETURN_IF_ERROR(OnDevice(device, [&]() -> ffi::Error {
         XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtCreate(&made.handle), "cublasLtCreate"));
-        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&made.beta_zero, sizeof(float)), "cudaMalloc(beta)"));
-        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(made.beta_zero, 0, sizeof(float), stream),
-                                           "cudaMemsetAsync"));
+        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&made.beta_zero, 2 * sizeof(float)), "cudaMalloc(beta)"));
+        made.one = made.beta_zero + 1;
+        const float constants[2] = {0.0f, 1.0f};
+        XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(made.beta_zero, constants, sizeof(constants),
+                                                           cudaMemcpyHostToDevice, stream),
+                                           "cudaMemcpyAsync"));
         // Once per device: makes the zero visible to every stream that later uses it.
         return CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       }));
@@ -228,9 +255,9 @@ class PlanCache {
 
   static ffi::Error Build(const PlanKey& key, cublasLtHandle_t handle, Plan& plan) {
     Layouts layouts;
-    XLA_FP4_RETURN_IF_ERROR(MakeLayouts(key.m, key.n, key.k, key.out_type, key.lda, key.ldb, layouts));
+    XLA_FP4_RETURN_IF_ERROR(MakeLayouts(key.element, key.m, key.n, key.k, key.out_type, key.lda, key.ldb, layouts));
     MatmulDesc desc;
-    XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
+    XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(key.Format(), desc));
     cublasLtMatmulPreference_t raw_pref;
     XLA_FP4_RETURN_IF_ERROR(LtStatus(cublasLtMatmulPreferenceCreate(&raw_pref), "cublasLtMatmulPreferenceCreate"));
     Preference pref(raw_pref);
@@ -254,7 +281,7 @@ class PlanCache {
                                      "cublasLtMatmulAlgoGetHeuristic"));
     if (found == 0) {
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        "cuBLASLt has no FP4 GEMM algorithm for M=" + std::to_string(key.m) + ", N=" +
+                        "cuBLASLt has no block-scaled GEMM algorithm for M=" + std::to_string(key.m) + ", N=" +
                             std::to_string(key.n) + ", K=" + std::to_string(key.k) + " on device " +
                             std::to_string(key.device) + "; keep this GEMM in the emulated backend");
     }
@@ -292,11 +319,15 @@ struct Fp4GemmCall {
   const float* alpha;  // on the device
   void* c;
   int64_t m, n, k;
+  GemmFormat format = kNvfp4Gemm;
 
   PlanKey Exact(int device, cudaDataType out_type) const {
-    return {device, m, n, k, out_type, lda, ldb, Alignment(a), Alignment(b), Alignment(c)};
+    return {device, format.element, format.scale_mode, m, n, k, out_type, lda, ldb, Alignment(a), Alignment(b),
+            Alignment(c)};
   }
-  int64_t SwizzledBytes() const { return PaddedScaleCount(m, k) + PaddedScaleCount(n, k); }
+  int64_t SwizzledBytes() const {
+    return PaddedScaleCount(m, k, format.layout.block) + PaddedScaleCount(n, k, format.layout.block);
+  }
 };
 
 // A call's layouts and algorithm, chosen before its scratch is allocated.
@@ -308,9 +339,10 @@ struct Prepared {
 // Prepares `call` in shape class `key` (PlanCache::Lookup).
 ffi::Error Prepare(const DeviceContext& device, const PlanKey& key, cudaDataType out_type, const Fp4GemmCall& call,
                    Prepared& out) {
-  XLA_FP4_RETURN_IF_ERROR(MakeLayouts(call.m, call.n, call.k, out_type, call.lda, call.ldb, out.layouts));
+  XLA_FP4_RETURN_IF_ERROR(
+      MakeLayouts(call.format.element, call.m, call.n, call.k, out_type, call.lda, call.ldb, out.layouts));
   MatmulDesc desc;
-  XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
+  XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(call.format, desc));
   return PlanCache::Get().Lookup(key, call.Exact(key.device, out_type), device.handle, desc.get(), out.layouts,
                                  out.plan);
 }
@@ -318,12 +350,15 @@ ffi::Error Prepare(const DeviceContext& device, const PlanKey& key, cudaDataType
 // Enqueues `call`: its scales swizzled into `swizzled` (call.SwizzledBytes()), then cuBLASLt's GEMM.
 ffi::Error RunFp4Gemm(cudaStream_t stream, const DeviceContext& device, const Fp4GemmCall& call, const Prepared& p,
                       uint8_t* swizzled, void* workspace) {
+  const int64_t block = call.format.layout.block;
   uint8_t* a_swizzled = swizzled;
-  uint8_t* b_swizzled = swizzled + PaddedScaleCount(call.m, call.k);
-  XLA_FP4_RETURN_IF_ERROR(SwizzleScales(stream, call.a_scales, call.m, call.k, a_swizzled, call.a_scale_stride));
-  XLA_FP4_RETURN_IF_ERROR(SwizzleScales(stream, call.b_scales, call.n, call.k, b_swizzled, call.b_scale_stride));
+  uint8_t* b_swizzled = swizzled + PaddedScaleCount(call.m, call.k, block);
+  XLA_FP4_RETURN_IF_ERROR(
+      SwizzleScales(stream, call.a_scales, call.m, call.k, a_swizzled, call.a_scale_stride, block));
+  XLA_FP4_RETURN_IF_ERROR(
+      SwizzleScales(stream, call.b_scales, call.n, call.k, b_swizzled, call.b_scale_stride, block));
   MatmulDesc desc;
-  XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(desc));
+  XLA_FP4_RETURN_IF_ERROR(MakeMatmulDesc(call.format, desc));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                   static_cast<const void*>(b_swizzled)));
   XLA_FP4_RETURN_IF_ERROR(SetAttr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
@@ -351,42 +386,63 @@ ffi::Error AllocateScratch(ffi::ScratchAllocator& scratch, int64_t swizzled_byte
   return ffi::Error::Success();
 }
 
+// The dense GEMM of either format: alpha on the device (NVFP4's s_dec_a * s_dec_b), or null for the MX formats.
+ffi::Error DenseGemm(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer& a_data,
+                     ffi::AnyBuffer& a_scales, ffi::AnyBuffer& b_data, ffi::AnyBuffer& b_scales,
+                     const ffi::AnyBuffer* alpha, ffi::AnyBuffer& out, bool b_transposed, const GemmFormat& format,
+                     const char* target) {
+  int64_t m, n, k;
+  XLA_FP4_RETURN_IF_ERROR(
+      CheckGemmPacked(a_data, a_scales, b_data, b_scales, alpha, out, b_transposed, &m, &n, &k, format.layout));
+  cudaDataType out_type;
+  XLA_FP4_RETURN_IF_ERROR(OutputType(out.element_type(), target, &out_type));
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) return CudaStatus(cudaMemsetAsync(out.untyped_data(), 0, out.size_bytes(), stream), "cudaMemsetAsync");
+
+  const PackedLayout layout = format.layout;
+  const uint8_t* b = static_cast<const uint8_t*>(b_data.untyped_data());
+  const uint8_t* b_scales_ptr = static_cast<const uint8_t*>(b_scales.untyped_data());
+  if (b_transposed) {  // cuBLASLt's block-scaled GEMM reads both operands K-major: B's tiles, read along the other axis
+    const int64_t data_bytes = n * (k / layout.per_byte);
+    std::optional<void*> t = scratch.Allocate(data_bytes + n * (k / layout.block), 256);
+    if (!t) return ffi::Error(ffi::ErrorCode::kResourceExhausted, std::string(target) + ": no memory for B's tiles");
+    uint8_t* data = static_cast<uint8_t*>(*t);
+    XLA_FP4_RETURN_IF_ERROR(TransposeTiles(stream, b, b_scales_ptr, k, n, data, data + data_bytes, layout));
+    b = data;
+    b_scales_ptr = data + data_bytes;
+  }
+  int device;
+  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));
+  DeviceContext context;
+  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Device(device, stream, context));
+  const float* alpha_ptr = alpha != nullptr ? static_cast<const float*>(alpha->untyped_data()) : context.one;
+  const Fp4GemmCall call{static_cast<const uint8_t*>(a_data.untyped_data()), k,
+                         static_cast<const uint8_t*>(a_scales.untyped_data()), 0, b, k, b_scales_ptr, 0, alpha_ptr,
+                         out.untyped_data(), m, n, k, format};
+  Prepared prepared;
+  XLA_FP4_RETURN_IF_ERROR(Prepare(context, call.Exact(device, out_type), out_type, call, prepared));
+  uint8_t* swizzled = nullptr;
+  void* workspace = nullptr;
+  XLA_FP4_RETURN_IF_ERROR(
+      AllocateScratch(scratch, call.SwizzledBytes(), prepared.plan.workspace_bytes, target, &swizzled, &workspace));
+  return RunFp4Gemm(stream, context, call, prepared, swizzled, workspace);
+}
+
 ffi::Error GemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
                       ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data, ffi::AnyBuffer b_scales,
                       ffi::AnyBuffer alpha, ffi::Result<ffi::AnyBuffer> out,
                       bool /*emulate: partitioned shards use XLA's dot instead; the numbers are the same*/,
                       bool b_transposed) {
-  int64_t m, n, k;
-  XLA_FP4_RETURN_IF_ERROR(CheckGemmPacked(a_data, a_scales, b_data, b_scales, alpha, *out, b_transposed, &m, &n, &k));
-  cudaDataType out_type;
-  XLA_FP4_RETURN_IF_ERROR(OutputType(out->element_type(), "xla_fp4_gemm_packed", &out_type));
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) return CudaStatus(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream), "cudaMemsetAsync");
+  return DenseGemm(stream, scratch, a_data, a_scales, b_data, b_scales, &alpha, *out, b_transposed, kNvfp4Gemm,
+                   "xla_fp4_gemm_packed");
+}
 
-  const uint8_t* b = static_cast<const uint8_t*>(b_data.untyped_data());
-  const uint8_t* b_scales_ptr = static_cast<const uint8_t*>(b_scales.untyped_data());
-  if (b_transposed) {  // cuBLASLt's FP4 GEMM reads both operands K-major: B's tiles, read along the other axis
-    std::optional<void*> t = scratch.Allocate(n * (k / 2) + n * (k / kBlock), 256);
-    if (!t) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "xla_fp4_gemm_packed: no memory for B's tiles");
-    uint8_t* data = static_cast<uint8_t*>(*t);
-    XLA_FP4_RETURN_IF_ERROR(TransposeTiles(stream, b, b_scales_ptr, k, n, data, data + n * (k / 2)));
-    b = data;
-    b_scales_ptr = data + n * (k / 2);
-  }
-  const Fp4GemmCall call{static_cast<const uint8_t*>(a_data.untyped_data()), k,
-                         static_cast<const uint8_t*>(a_scales.untyped_data()), 0, b, k, b_scales_ptr, 0,
-                         static_cast<const float*>(alpha.untyped_data()), out->untyped_data(), m, n, k};
-  int device;
-  XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice"));
-  DeviceContext context;
-  XLA_FP4_RETURN_IF_ERROR(PlanCache::Get().Device(device, stream, context));
-  Prepared prepared;
-  XLA_FP4_RETURN_IF_ERROR(Prepare(context, call.Exact(device, out_type), out_type, call, prepared));
-  uint8_t* swizzled = nullptr;
-  void* workspace = nullptr;
-  XLA_FP4_RETURN_IF_ERROR(AllocateScratch(scratch, call.SwizzledBytes(), prepared.plan.workspace_bytes,
-                                          "xla_fp4_gemm_packed", &swizzled, &workspace));
-  return RunFp4Gemm(stream, context, call, prepared, swizzled, workspace);
+// The MX formats' GEMM: E8M0 scales per 32 and no tensor scale (alpha one).
+ffi::Error MxGemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
+                        ffi::AnyBuffer a_scales, ffi::AnyBuffer b_data, ffi::AnyBuffer b_scales,
+                        ffi::Result<ffi::AnyBuffer> out, bool /*emulate*/, bool b_transposed, bool fp8) {
+  return DenseGemm(stream, scratch, a_data, a_scales, b_data, b_scales, nullptr, *out, b_transposed, MxGemm(fp8),
+                   "xla_fp4_mx_gemm_packed");
 }
 
 ffi::Error RaggedGemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a_data,
@@ -456,7 +512,8 @@ ffi::Error RaggedGemmPacked(cudaStream_t stream, ffi::ScratchAllocator scratch, 
     // A group's rows (or its K, within the whole K its layouts stride over) rounded up.
     const int64_t m = ragged_k ? call.m : GroupRowsClass(call.m);
     const int64_t k = ragged_k ? std::min(GroupRowsClass(call.k), s.k) : call.k;
-    const PlanKey key{device, m, call.n, k, out_type, call.lda, call.ldb, a_alignment, b_alignment, c_alignment};
+    const PlanKey key{device, call.format.element, call.format.scale_mode, m, call.n, k, out_type, call.lda, call.ldb,
+                      a_alignment, b_alignment, c_alignment};
     XLA_FP4_RETURN_IF_ERROR(Prepare(context, key, out_type, call, prepared[i]));
     swizzled_bytes = std::max(swizzled_bytes, call.SwizzledBytes());
     workspace_bytes = std::max(workspace_bytes, prepared[i].plan.workspace_bytes);
@@ -522,3 +579,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RaggedGemmPackedCuda, xla_fp4::cuda::RaggedG
                                   .Arg<xla::ffi::AnyBuffer>()  // alpha, float32 (G,)
                                   .Ret<xla::ffi::AnyBuffer>()  // C (M, N), or (G, M, N) with ragged_k
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_RAGGED_GEMM_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxGemmPackedCuda, xla_fp4::cuda::MxGemmPacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_data, uint8 (M, K/2) (MXFP4) or (M, K) (MXFP8)
+                                  .Arg<xla::ffi::AnyBuffer>()  // a_scales, uint8 E8M0 (M, K/32)
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_data, uint8 (N, K/2) or (N, K)
+                                  .Arg<xla::ffi::AnyBuffer>()  // b_scales, uint8 E8M0 (N, K/32)
+                                  .Ret<xla::ffi::AnyBuffer>()  // C (M, N), float32, bfloat16 or float16
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_GEMM_PACKED_ATTRIBUTES));

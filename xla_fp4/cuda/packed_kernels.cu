@@ -68,7 +68,7 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
                           bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
   AxisShape shape;
-  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
+  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, &s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
   const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
   const Recipe r(block_2d, stochastic, rht, rht_seed);
@@ -91,7 +91,7 @@ ffi::Error QuantizePackedStats(cudaStream_t stream, ffi::ScratchAllocator scratc
                                ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis, bool block_2d, bool stochastic,
                                bool rht, int64_t rht_seed) {
   AxisShape shape;
-  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
+  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, &s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
   XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_quantize_packed_stats"));
   StatsAccumulators acc;
   XLA_FP4_RETURN_IF_ERROR(StatsAccumulators::Allocate(scratch, stream, &acc));
@@ -117,7 +117,7 @@ ffi::Error QuantizePackedStats(cudaStream_t stream, ffi::ScratchAllocator scratc
 ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
                             ffi::Result<ffi::AnyBuffer> y) {
   int64_t rows = 0, k = 0;
-  XLA_FP4_RETURN_IF_ERROR(CheckDequantizePacked(data, scales, s_dec, *y, &rows, &k));
+  XLA_FP4_RETURN_IF_ERROR(CheckDequantizePacked(data, scales, &s_dec, *y, &rows, &k));
   const BlockGrid g = BlockGrid::Make(rows, k, 1, /*block_2d=*/false);
   if (g.Threads() == 0) return ffi::Error::Success();
   return DispatchFloat(y->element_type(), "the result", [&](auto tag) {
@@ -126,6 +126,74 @@ ffi::Error DequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBu
         static_cast<const uint8_t*>(data.untyped_data()), static_cast<const uint8_t*>(scales.untyped_data()),
         static_cast<const float*>(s_dec.untyped_data()), g, static_cast<T*>(y->untyped_data()));
     return LaunchStatus("xla_fp4_dequantize_packed kernel");
+  });
+}
+
+// xla_fp4_mx_quantize_packed's sink (block_kernel.cuh MxKernel): the block's E8M0 byte, and its codes where its
+// elements sit with the axis divided by 1 (E4M3) or 2 (E2M1 pairs along K, the even code low), as on the CPU
+// (packed_kernels.cc PackMxBlock).
+struct MxPackSink {
+  uint8_t* data;
+  uint8_t* scales;
+  __device__ void operator()(const MxGrid& g, int64_t base, int64_t scale_at, const float* q, const MxScale&,
+                             uint8_t scale_byte) const {
+    scales[scale_at] = scale_byte;
+    if (g.fp8) {
+      for (int j = 0; j < kMxBlock; ++j) data[base + j * g.inner] = E4M3Encode(q[j]);
+      return;
+    }
+    const int64_t i = scale_at % g.inner;
+    uint8_t* out = data + (base - i) / 2 + i;
+    for (int j = 0; j < kMxBlock; j += 2) {
+      out[j / 2 * g.inner] = static_cast<uint8_t>(E2M1Code(q[j]) | (E2M1Code(q[j + 1]) << 4));
+    }
+  }
+};
+
+// One thread per MX block of a packed (rows, K) matrix: its elements decoded, q * 2^s.
+template <typename T>
+__global__ void MxDequantizePackedKernel(const uint8_t* data, const uint8_t* scales, int64_t rows, int64_t k, bool fp8,
+                                         T* y) {
+  const int64_t b = ThreadIndex();
+  if (b >= rows * (k / kMxBlock)) return;
+  const float scale = MxScaleOfByte(scales[b]);
+  const uint8_t* codes = data + b * (fp8 ? kMxBlock : kMxBlock / 2);
+  for (int j = 0; j < kMxBlock; ++j) {
+    const float q = fp8 ? E4M3Decode(codes[j]) : E2M1Decode(j % 2 == 0 ? codes[j / 2] & 15 : codes[j / 2] >> 4);
+    y[b * kMxBlock + j] = FromFloat<T>(MxDecodeElement(q, scale));
+  }
+}
+
+ffi::Error MxQuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> data,
+                            ffi::Result<ffi::AnyBuffer> scales, int64_t axis, bool block_2d, bool stochastic, bool rht,
+                            int64_t rht_seed, bool fp8) {
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(
+      CheckQuantizePacked(x, nullptr, key, *data, *scales, axis, stochastic, rht_seed, &shape, MxPacked(fp8)));
+  const MxGrid g{shape.outer, shape.k, shape.inner, block_2d, fp8};
+  if (g.Threads() == 0) return ffi::Error::Success();
+  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const MxPackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data())};
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    MxKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), g, r, static_cast<const uint32_t*>(key.untyped_data()), sink);
+    return LaunchStatus("xla_fp4_mx_quantize_packed kernel");
+  });
+}
+
+ffi::Error MxDequantizePacked(cudaStream_t stream, ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                              ffi::Result<ffi::AnyBuffer> y, bool fp8) {
+  int64_t rows = 0, k = 0;
+  XLA_FP4_RETURN_IF_ERROR(CheckDequantizePacked(data, scales, nullptr, *y, &rows, &k, MxPacked(fp8)));
+  const int64_t threads = rows * (k / kMxBlock);
+  if (threads == 0) return ffi::Error::Success();
+  return DispatchFloat(y->element_type(), "the result", [&](auto tag) {
+    using T = decltype(tag);
+    MxDequantizePackedKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const uint8_t*>(data.untyped_data()), static_cast<const uint8_t*>(scales.untyped_data()), rows, k,
+        fp8, static_cast<T*>(y->untyped_data()));
+    return LaunchStatus("xla_fp4_mx_dequantize_packed kernel");
   });
 }
 
@@ -138,40 +206,47 @@ __global__ void SwizzleScalesKernel(const uint8_t* scales, int64_t rows, int64_t
   out[SwizzledScaleIndex(row, block, padded_cols)] = row < rows && block < cols ? scales[row * stride + block] : 0;
 }
 
-// One thread per byte of the result: codes (n, k/2) of B from Bᵀ's (k, n/2), even element in the low nibble; and
-// one per scale: B's (n, k/16) from Bᵀ's (k, n/16), uniform over 16x16 tiles (the first row of a tile stands for it).
+// One thread per byte of the result: codes (n, k/per_byte) of B from Bᵀ's (k, n/per_byte) (E2M1 pairs: the even
+// element in the low nibble; E4M3: one a byte); and one per scale: B's (n, k/block) from Bᵀ's (k, n/block), uniform
+// over block x block tiles (the first row of a tile stands for it).
 __global__ void TransposeTilesKernel(const uint8_t* data, const uint8_t* scales, int64_t k, int64_t n,
-                                     uint8_t* out_data, uint8_t* out_scales) {
-  const int64_t i = ThreadIndex();
-  if (i < n * (k / 2)) {
-    const int64_t row = i / (k / 2), pair = i % (k / 2), shift = 4 * (row % 2);
-    const uint8_t lo = (data[(2 * pair) * (n / 2) + row / 2] >> shift) & 0xF;
-    const uint8_t hi = (data[(2 * pair + 1) * (n / 2) + row / 2] >> shift) & 0xF;
-    out_data[i] = static_cast<uint8_t>(lo | (hi << 4));
+                                     PackedLayout layout, uint8_t* out_data, uint8_t* out_scales) {
+  const int64_t i = ThreadIndex(), per = layout.per_byte, block = layout.block;
+  if (i < n * (k / per)) {
+    const int64_t row = i / (k / per), col = i % (k / per);
+    if (per == 1) {
+      out_data[i] = data[col * n + row];
+    } else {
+      const int64_t shift = 4 * (row % 2);
+      const uint8_t lo = (data[(2 * col) * (n / 2) + row / 2] >> shift) & 0xF;
+      const uint8_t hi = (data[(2 * col + 1) * (n / 2) + row / 2] >> shift) & 0xF;
+      out_data[i] = static_cast<uint8_t>(lo | (hi << 4));
+    }
   }
-  if (i < n * (k / kBlock)) {
-    const int64_t row = i / (k / kBlock), block = i % (k / kBlock);
-    out_scales[i] = scales[(block * kBlock) * (n / kBlock) + row / kBlock];
+  if (i < n * (k / block)) {
+    const int64_t row = i / (k / block), b = i % (k / block);
+    out_scales[i] = scales[(b * block) * (n / block) + row / block];
   }
 }
 
 }  // namespace
 
 ffi::Error TransposeTiles(cudaStream_t stream, const uint8_t* data, const uint8_t* scales, int64_t k, int64_t n,
-                          uint8_t* out_data, uint8_t* out_scales) {
-  const int64_t threads = n * (k / 2);
+                          uint8_t* out_data, uint8_t* out_scales, const PackedLayout& layout) {
+  const int64_t threads = n * (k / layout.per_byte);
   if (threads == 0) return ffi::Error::Success();
-  TransposeTilesKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(data, scales, k, n, out_data, out_scales);
+  TransposeTilesKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(data, scales, k, n, layout, out_data,
+                                                                           out_scales);
   return LaunchStatus("xla_fp4 packed tile transpose kernel");
 }
 
 ffi::Error SwizzleScales(cudaStream_t stream, const uint8_t* scales, int64_t rows, int64_t k, uint8_t* out,
-                         int64_t stride) {
-  const int64_t padded_cols = PaddedScaleCols(k), padded_rows = PaddedScaleCount(rows, k) / padded_cols;
+                         int64_t stride, int64_t block) {
+  const int64_t padded_cols = PaddedScaleCols(k, block), padded_rows = PaddedScaleCount(rows, k, block) / padded_cols;
   const int64_t threads = padded_rows * padded_cols;
   if (threads == 0) return ffi::Error::Success();
   SwizzleScalesKernel<<<GridSize(threads), kThreadsPerBlock, 0, stream>>>(
-      scales, rows, k / kBlock, stride > 0 ? stride : k / kBlock, padded_rows, padded_cols, out);
+      scales, rows, k / block, stride > 0 ? stride : k / block, padded_rows, padded_cols, out);
   return LaunchStatus("xla_fp4 scale swizzle kernel");
 }
 
@@ -207,3 +282,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda, xla_fp4::cuda::Dequant
                                   .Arg<xla::ffi::AnyBuffer>()  // scales, uint8 (rows, K/16)
                                   .Arg<xla::ffi::AnyBuffer>()  // s_dec (float32 scalar)
                                   .Ret<xla::ffi::AnyBuffer>());  // (rows, K), float32 / bfloat16 / float16
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxQuantizePackedCuda, xla_fp4::cuda::MxQuantizePacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x (rows, K) or (K, rows) (axis 0)
+                                  .Arg<xla::ffi::AnyBuffer>()  // key (uint32 scalar)
+                                  .Ret<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2 or K) or (K/2 or K, rows)
+                                  .Ret<xla::ffi::AnyBuffer>()  // scales, uint8 E8M0 (rows, K/32) or (K/32, rows)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_QUANTIZE_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4MxDequantizePackedCuda, xla_fp4::cuda::MxDequantizePacked,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // data, uint8 (rows, K/2 or K)
+                                  .Arg<xla::ffi::AnyBuffer>()  // scales, uint8 E8M0 (rows, K/32)
+                                  .Ret<xla::ffi::AnyBuffer>()  // (rows, K), float32 / bfloat16 / float16
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_MX_DEQUANTIZE_PACKED_ATTRIBUTES));

@@ -115,71 +115,28 @@ __global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, uint32
   *key = (stochastic ? stats[1] : 0u) ^ salt;
 }
 
-// xla_fp4_mx_qdq: one thread per 1x32 block, or per 32x32 tile with block_2d (its 32 blocks, fewer at the end, along
-// the partner dim: inner, or outer where inner is 1), as the CPU kernel computes it (qdq_kernels.cc MxQdqImpl).
+// xla_fp4_mx_qdq's sink (block_kernel.cuh MxKernel): the block's values decoded into y.
 template <typename T>
-__device__ bool LoadMxBlock(const T* x, int64_t k, int64_t inner, int64_t o, int64_t block, int64_t i, const Recipe& r,
-                            float* v, float* amax) {
-  const int64_t base = (o * k + block * kMxBlock) * inner + i;
-  for (int j = 0; j < kMxBlock; ++j) v[j] = ToFloat(x[base + j * inner]);
-  return MxPrepareBlock(v, r, amax);
-}
-
-template <typename T>
-__global__ void MxQdqKernel(const T* x, T* y, int64_t outer, int64_t k, int64_t inner, Recipe r, const uint32_t* key,
-                            bool fp8, int64_t groups) {
-  const int64_t t = ThreadIndex();
-  if (t >= groups) return;
-  const int64_t blocks = k / kMxBlock;
-  const bool along_inner = inner > 1;
-  int width = 1;  // the tile's blocks: 32, fewer in a partial tile at the end of the partner dim
-  int64_t o, block, i;
-  if (!r.block_2d) {
-    o = t / (blocks * inner), block = (t / inner) % blocks, i = t % inner;
-  } else if (along_inner) {
-    const int64_t per = (inner + kMxBlock - 1) / kMxBlock;
-    o = t / (blocks * per), block = (t / per) % blocks, i = (t % per) * kMxBlock;
-    width = static_cast<int>(inner - i < kMxBlock ? inner - i : kMxBlock);
-  } else {
-    o = (t / blocks) * kMxBlock, block = t % blocks, i = 0;
-    width = static_cast<int>(outer - o < kMxBlock ? outer - o : kMxBlock);
+struct MxQdqSink {
+  T* y;
+  __device__ void operator()(const MxGrid& g, int64_t base, int64_t /*scale_at*/, const float* q, const MxScale& ms,
+                             uint8_t /*scale_byte*/) const {
+    for (int j = 0; j < kMxBlock; ++j) y[base + j * g.inner] = FromFloat<T>(MxDecodeElement(q[j], ms.scale));
   }
-  float v[kMxBlock];
-  float m = 0.0f, a;
-  bool bad = false;
-  for (int w = 0; w < width; ++w) {
-    bad |= LoadMxBlock(x, k, inner, o + (along_inner ? 0 : w), block, i + (along_inner ? w : 0), r, v, &a);
-    m = a > m ? a : m;
-  }
-  const MxScale ms = MakeMxScale(m, bad, fp8);
-  const uint32_t mixed_key = Mix32(*key);
-  for (int w = 0; w < width; ++w) {
-    const int64_t ow = o + (along_inner ? 0 : w), iw = i + (along_inner ? w : 0);
-    LoadMxBlock(x, k, inner, ow, block, iw, r, v, &a);
-    const int64_t base = (ow * k + block * kMxBlock) * inner + iw;
-    for (int j = 0; j < kMxBlock; ++j) {
-      const int64_t at = base + j * inner;
-      const float u = r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(at))) : 0.0f;
-      y[at] = FromFloat<T>(MxDecodeElement(MxRoundElement(v[j] * ms.inverse, fp8, r.stochastic, u), ms.scale));
-    }
-  }
-}
+};
 
 ffi::Error MxQdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> y, int64_t axis,
                  bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool fp8) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckMxQdq(x, *y, key, axis, stochastic, rht_seed, &shape));
-  const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
-  const int64_t tiles_along = (inner > 1 ? (inner + kMxBlock - 1) / kMxBlock * outer
-                                         : (outer + kMxBlock - 1) / kMxBlock * inner);
-  const int64_t groups = block_2d ? tiles_along * (k / kMxBlock) : outer * (k / kMxBlock) * inner;
-  if (groups == 0) return ffi::Error::Success();
+  const MxGrid g{shape.outer, shape.k, shape.inner, block_2d, fp8};
+  if (g.Threads() == 0) return ffi::Error::Success();
   const Recipe r(block_2d, stochastic, rht, rht_seed);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    MxQdqKernel<<<GridSize(groups), kThreadsPerBlock, 0, stream>>>(
-        static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), outer, k, inner, r,
-        static_cast<const uint32_t*>(key.untyped_data()), fp8, groups);
+    MxKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), g, r, static_cast<const uint32_t*>(key.untyped_data()),
+        MxQdqSink<T>{static_cast<T*>(y->untyped_data())});
     return LaunchStatus("xla_fp4_mx_qdq kernel");
   });
 }

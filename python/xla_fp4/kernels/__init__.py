@@ -72,7 +72,15 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       an OCP MX format's q * 2^s of (rht(x) if rht else x): per 32-block along the axis (32x32 tile with block_2d)
       s = the smallest integer with amax <= elem_max * 2^s (6 for E2M1, 448 for E4M3 with fp8), in [-127, 127];
       elements E2M1 (nearest-even, or stochastic with the key's bits) or E4M3 (nearest-even); a block with NaN or
-      Inf decodes to NaN. K a multiple of 32; whole tensors only.                        (== numerics.mx)
+      Inf decodes to NaN. K a multiple of 32; on whole tensors and shards.              (== numerics.mx)
+  xla_fp4_mx_quantize_packed(x: f32|bf16|f16[rows, K], key: u32[]) -> (data: u8[rows, K/2 or K], scales: u8[rows, K/32])
+      attrs as xla_fp4_mx_qdq's: its blocks packed (== numerics.packing.pack_mx): E2M1 pairs, the even element in the
+      low nibble, or with fp8 E4M3 bytes; E8M0 scales, s + 127, 0xFF for a NaN block. axis 0 as for
+      xla_fp4_quantize_packed. Decodes to xla_fp4_mx_qdq's values bit for bit.
+  xla_fp4_mx_dequantize_packed(data, scales) -> f32|bf16|f16[rows, K]; attrs fp8: bool     (== numerics.unpack_mx)
+  xla_fp4_mx_gemm_packed(a_data, a_scales, b_data, b_scales) -> f32|bf16|f16[M, N]
+      attrs emulate, b_transposed (32x32 tiles), fp8: xla_fp4_gemm_packed's product of two packed MX operands, with
+      no alpha (the MX formats have no tensor scale). On Blackwell cuBLASLt's VEC32_UE8M0 block-scaled GEMM.
   xla_fp4_telemetry_step() -> i32[]; attrs module: i64, site: i64, every: i64, calls: i64     (side effect)
       counts this call per (module, site, device), on the host: the n-th call (from 0) is in step n // calls, which it
       returns where step % every == 0, else -1 (not recorded). Every device counts the same sequence.
@@ -242,6 +250,29 @@ def gemm_packed(a_data, a_scales, b_data, b_scales, alpha, *, dtype=jnp.float32,
   return _call(targets.GEMM_PACKED, [jnp.asarray(a_data), _u8_scales(a_scales), jnp.asarray(b_data),
                                      _u8_scales(b_scales), _scalar(alpha, jnp.float32)], dtype=dtype, emulate=False,
                b_transposed=b_transposed)
+
+
+def mx_quantize_packed(x, key=0, *, axis=1, fp8=False, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+  """x (rows, K) -> (data uint8 (rows, K/2), or (rows, K) with `fp8`; E8M0 scales uint8 (rows, K/32)) in an OCP MX
+  format (numerics.packing.pack_mx) with the C++ kernel; axis 0 as for quantize_packed."""
+  x = jnp.asarray(x)
+  if x.ndim != 2 or axis not in (0, 1):
+    raise ValueError(f"mx_quantize_packed takes a matrix and K's axis 0 or 1, got shape {x.shape} and axis {axis}")
+  return _call(targets.MX_QUANTIZE_PACKED, [x, _scalar(key, jnp.uint32)], axis=axis, block_2d=block_2d,
+               stochastic=stochastic, rht=rht, rht_seed=rht_seed, fp8=fp8)
+
+
+def mx_dequantize_packed(data, scales, *, fp8=False, dtype=jnp.float32):
+  """Packed MX data and E8M0 scales (rows, K/32) -> (rows, K) in `dtype`."""
+  return _call(targets.MX_DEQUANTIZE_PACKED, [jnp.asarray(data), jnp.asarray(scales)], dtype=dtype, fp8=fp8)
+
+
+def mx_gemm_packed(a_data, a_scales, b_data, b_scales, *, fp8=False, dtype=jnp.float32, b_transposed=False):
+  """C (M, N) = A·Bᵀ of two packed K-major MX operands, float32 accumulation (the CPU reference; cuBLASLt's
+  block-scaled GEMM on Blackwell); with b_transposed, b is Bᵀ (K, N) packed along N in 32x32 tiles."""
+  return _call(targets.MX_GEMM_PACKED, [jnp.asarray(a_data), jnp.asarray(a_scales), jnp.asarray(b_data),
+                                        jnp.asarray(b_scales)], dtype=dtype, emulate=False, b_transposed=b_transposed,
+               fp8=fp8)
 
 
 def ragged_gemm_packed(a_data, a_scales, b_data, b_scales, group_sizes, alpha, *, ragged_k=False, dtype=jnp.float32):

@@ -49,6 +49,7 @@ class Packed:
   kind: str
   key_operand: Optional[int] = None  # the stochastic-rounding key: each shard mixes its index into it
   device_stats: bool = False  # telemetry: the last result is the statistics row, as BlockLocal.device_stats says
+  block: int = BLOCK  # elements along K per scale: NVFP4's 16, the MX formats' 32 (codes per byte: `codes_per_byte`)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one record per target: compared and hashed by identity
@@ -129,23 +130,33 @@ def _block_maxima(operands, attrs, dtype):
       [jax.ShapeDtypeStruct(tuple(shape), np.uint32)] if attrs["digest"] else [])
 
 
-def _packed(operands, attrs, dtype):
-  """Codes and scales: x's dims with the axis (K) divided by 2 and by 16."""
-  def along_k(divisor):
-    shape = list(operands[0].shape)
-    shape[attrs["axis"]] //= divisor
-    return jax.ShapeDtypeStruct(tuple(shape), np.uint8)
-  return [along_k(2), along_k(BLOCK)]
+def codes_per_byte(attrs):
+  """Elements per code byte of a packed target's call: two E2M1 codes (NVFP4, MXFP4), one E4M3 code (MXFP8, `fp8`)."""
+  return 1 if attrs.get("fp8") else 2
+
+
+def _packed_as(block):
+  def results(operands, attrs, dtype):
+    """Codes and scales: x's dims with the axis (K) divided by the codes per byte and by the block."""
+    def along_k(divisor):
+      shape = list(operands[0].shape)
+      shape[attrs["axis"]] //= divisor
+      return jax.ShapeDtypeStruct(tuple(shape), np.uint8)
+    return [along_k(codes_per_byte(attrs)), along_k(block)]
+  return results
+
+
+_packed = _packed_as(BLOCK)
 
 
 def _unpacked(operands, attrs, dtype):
-  rows, half = operands[0].shape
-  return [jax.ShapeDtypeStruct((rows, 2 * half), dtype)]
+  rows, cols = operands[0].shape
+  return [jax.ShapeDtypeStruct((rows, codes_per_byte(attrs) * cols), dtype)]
 
 
 def _product(operands, attrs, dtype):
-  """C (M, N): N is b's rows, or with b_transposed twice its packed columns."""
-  n = 2 * operands[2].shape[1] if attrs["b_transposed"] else operands[2].shape[0]
+  """C (M, N): N is b's rows, or with b_transposed its packed columns times the codes per byte."""
+  n = codes_per_byte(attrs) * operands[2].shape[1] if attrs["b_transposed"] else operands[2].shape[0]
   return [jax.ShapeDtypeStruct((operands[0].shape[0], n), dtype)]
 
 
@@ -211,6 +222,17 @@ GEMM_PACKED = _target("xla_fp4_gemm_packed", {"emulate": bool, "b_transposed": b
 # a's rows (or with `ragged_k` of K) each with their own B and alpha; numerics/grouped.py packs its operands.
 RAGGED_GEMM_PACKED = _target("xla_fp4_ragged_gemm_packed", {"ragged_k": bool}, _ragged_product)
 
+# The packed MX formats (numerics/packing.py pack_mx): xla_fp4_mx_qdq's blocks as E2M1 pairs (or E4M3 bytes with
+# `fp8`) and E8M0 scales per 32, no tensor scale; the GEMM multiplies them with alpha one (cuBLASLt's VEC32_UE8M0
+# scales on Blackwell); the dequantizer is the emulate backend's GEMM on shards. Partitioned as NVFP4's packed targets
+# with blocks of 32 (sharding/packed.py).
+MX_QUANTIZE_PACKED = _target("xla_fp4_mx_quantize_packed", {"axis": int, **_QUANTIZE, "fp8": bool},
+                             _packed_as(MX_BLOCK), packed=Packed("quantize", key_operand=1, block=MX_BLOCK),
+                             quantizes=True)
+MX_DEQUANTIZE_PACKED = _target("xla_fp4_mx_dequantize_packed", {"fp8": bool}, _unpacked)
+MX_GEMM_PACKED = _target("xla_fp4_mx_gemm_packed", {"emulate": bool, "b_transposed": bool, "fp8": bool}, _product,
+                         packed=Packed("gemm", block=MX_BLOCK), counts_as_dot=True)
+
 # Telemetry (telemetry.py reads what they record): the step of this call of one GEMM (int32; -1: not recorded),
 # decided on the host (`calls` calls per step); the GEMM's statistics (float32 rows of numerics/telemetry.py FIELDS),
 # with that step and the block index, whose result is the step passed through (XLA's partitioner needs a result to give
@@ -223,5 +245,6 @@ TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": i
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
 ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
-       QUANTIZE_PACKED_STATS, DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD, MX_QDQ)
+       QUANTIZE_PACKED_STATS, DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD, MX_QDQ,
+       MX_QUANTIZE_PACKED, MX_DEQUANTIZE_PACKED, MX_GEMM_PACKED)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

@@ -11,7 +11,8 @@ from xla_fp4.numerics.formats import (BLOCK, E2M1_MAX, E2M1_VALUES, E4M3_MAX, GL
                                       uniform_from_bits)
 from xla_fp4.numerics.gemm import OperandRecipe, dot_general
 from xla_fp4.numerics.grouped import ragged_contracting_dot, ragged_dot
-from xla_fp4.numerics.packing import PackedNVFP4, pack, padded_scale_shape, swizzle_scales, unpack, unswizzle_scales
+from xla_fp4.numerics.packing import (PackedNVFP4, pack, pack_mx, padded_scale_shape, swizzle_scales, unpack, unpack_mx,
+                                     unswizzle_scales)
 from xla_fp4.numerics.nvfp4 import (NVFP4Tensor, Rounding, amax, block_amax, block_digest, dequantize,
                                      global_decode_scale, qdq, quantize, tensor_digest)
 from xla_fp4.numerics.rht import hadamard_matrix, random_hadamard_transform, rht_signs

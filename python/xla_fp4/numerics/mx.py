@@ -37,7 +37,7 @@ def scale_exponent(amax, elem_max):
   return jnp.clip(jnp.where(exponent == 0, E8M0_MIN_EXP, s), E8M0_MIN_EXP, E8M0_MAX_EXP).astype(jnp.int32)
 
 
-def _pow2(s):
+def pow2(s):
   """2^s as float32 for s in [-127, 127], from its bits (2^-127 is the subnormal 0x00400000)."""
   bits = jnp.where(s >= -126, (s + 127).astype(jnp.uint32) << 23, jnp.uint32(0x00400000))
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
@@ -78,21 +78,29 @@ def _round_elements(v, fmt, stochastic, bits):
   return formats.round_e2m1_nearest(v)
 
 
-def unscaled_values(x32, axis, fmt, block_2d=False, stochastic=False, key=None, bits=None):
-  """q * 2^s of float32 `x32` in its own shape (exact), the operand of the emulated GEMM; `fmt` a formats.Format of
-  the MX kind; stochastic rounding (E2M1 only) draws formats.random_bits(key) in row-major order, or `bits`."""
+def quantize(x32, axis, fmt, block_2d=False, stochastic=False, key=None, bits=None):
+  """(q, s, nan) of float32 `x32` blocked as (outer, K/32, 32, inner): q the elements x / 2^s on the element grid,
+  s each block's int32 scale exponent (outer, K/32, 1, inner), nan where a block (tile) holds a NaN or an Inf (its
+  scale is E8M0's NaN). `fmt` a formats.Format of the MX kind; stochastic rounding (E2M1 only) draws
+  formats.random_bits(key) in row-major order, or `bits`."""
   xb, _ = _blocked(formats.flush_subnormal(x32), axis)
   amax = _block_amax(xb, block_2d)
-  s = scale_exponent(jnp.where(jnp.isnan(amax), jnp.float32(0), amax), fmt.elem_max)
+  s = scale_exponent(jnp.where(jnp.isnan(amax), jnp.float32(0), amax), fmt.elem_max)[:, :, None, :]
   nan = jnp.isnan(amax)[:, :, None, :]
   # x * 2^-s rather than x / 2^s: 2^-s is a normal float32 for every s a finite float32 amax gives (s <= 126), where
   # 2^s is subnormal at s = -127 (a zero block's), which XLA CPU flushes to zero.
-  inverse = jnp.where(nan, jnp.float32(jnp.nan), _pow2(-s)[:, :, None, :])
+  inverse = jnp.where(nan, jnp.float32(jnp.nan), pow2(-s))
   if stochastic and bits is None:
     bits = formats.random_bits(key, x32.shape)
   q = _round_elements(xb * inverse, fmt, stochastic, None if bits is None else bits.reshape(xb.shape))
+  return q, s, nan
+
+
+def unscaled_values(x32, axis, fmt, block_2d=False, stochastic=False, key=None, bits=None):
+  """q * 2^s of float32 `x32` in its own shape (exact), the operand of the emulated GEMM (`quantize`'s arguments)."""
+  q, s, nan = quantize(x32, axis, fmt, block_2d, stochastic, key, bits)
   # E8M0's one subnormal scale, 2^-127, decodes as zero (nvfp4_format.h MxDecodeScale), as does a subnormal value.
-  scale = jnp.where(s >= -126, _pow2(s), jnp.float32(0))[:, :, None, :]
+  scale = jnp.where(s >= -126, pow2(s), jnp.float32(0))
   return jnp.where(nan, jnp.float32(jnp.nan), formats.flush_subnormal(q * scale)).reshape(x32.shape)
 
 

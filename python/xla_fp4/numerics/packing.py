@@ -1,4 +1,5 @@
-"""Packed NVFP4 storage: two E2M1 codes per byte, one E4M3 scale per row and 16-element block of K.
+"""Packed storage: NVFP4's two E2M1 codes per byte and one E4M3 scale per row and 16-element block of K; the MX
+formats' (`pack_mx`) codes, E2M1 pairs (MXFP4) or E4M3 bytes (MXFP8), and one E8M0 scale per 32.
 
 Rows are the non-contraction dim of a GEMM operand (M for A, N for B) and K is contiguous ("TN": both operands K-major).
 Element k of a row sits in byte k // 2, the even element in the low nibble. The scales are a (rows, K/16) matrix, row
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xla_fp4.numerics import formats, mx
 from xla_fp4.numerics import nvfp4 as qz
 from xla_fp4.numerics.formats import BLOCK, E2M1_VALUES
 
@@ -31,8 +33,8 @@ class PackedNVFP4:
   shape: tuple = dataclasses.field(metadata=dict(static=True))  # the logical shape; K is the last dim
 
 
-def padded_scale_shape(rows, k):
-  cols = k // BLOCK
+def padded_scale_shape(rows, k, block=BLOCK):
+  cols = k // block
   return -(-rows // TILE_ROWS) * TILE_ROWS, -(-cols // TILE_COLS) * TILE_COLS
 
 
@@ -49,7 +51,7 @@ def e2m1_from_codes(codes):
 
 
 def swizzle_scales(scales2d):
-  """(rows, K/16) scales -> flat cuBLASLt tile layout."""
+  """(rows, K/block) scales -> flat cuBLASLt tile layout (the same for NVFP4's blocks of 16 and MX's of 32)."""
   rows, cols = scales2d.shape
   rp, cp = padded_scale_shape(rows, cols * BLOCK)
   s = jnp.zeros((rp, cp), scales2d.dtype).at[:rows, :cols].set(scales2d)
@@ -85,3 +87,35 @@ def unpack(p: PackedNVFP4, block_2d=False) -> qz.NVFP4Tensor:
   return qz.NVFP4Tensor(values=e2m1_from_codes(codes),
                         scales=p.scales.reshape(shape[:-1] + (k // BLOCK,)),
                         global_scale=p.global_scale, axis=len(shape) - 1, block_2d=block_2d)
+
+
+def pack_mx(x, fmt, *, block_2d=False, rounding="nearest", key=None):
+  """x (rows, K) quantized along K in the MX format `fmt` ("mxfp4" / "mxfp8") -> (codes, scales) as the packed MX
+  kernels store them: codes uint8 (rows, K/2) E2M1 pairs (the even element in the low nibble) or (rows, K) E4M3
+  bytes; scales uint8 (rows, K/32), E8M0: the exponent s stored as s + 127, 0xFF for a block with a NaN or an Inf.
+  From numerics/mx.py's quantize (the reference), not from the kernels."""
+  fmt = formats.FORMATS[fmt] if isinstance(fmt, str) else fmt
+  x32 = jnp.asarray(x).astype(jnp.float32)
+  rows, k = x32.shape
+  stochastic = rounding == "stochastic"
+  q, s, nan = mx.quantize(x32, -1, fmt, block_2d, stochastic, formats.key_to_u32(key) if stochastic else None)
+  scales = jnp.where(nan, jnp.uint8(0xFF), (s + 127).astype(jnp.uint8)).reshape(rows, k // mx.MX_BLOCK)
+  q = jnp.where(nan, jnp.float32(0), q).reshape(rows, k)  # a NaN block's codes are not read (its scale is NaN)
+  if fmt.element == "e4m3":
+    return jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8), scales
+  codes = e2m1_codes(q).reshape(rows, k // 2, 2)
+  return codes[..., 0] | (codes[..., 1] << 4), scales
+
+
+def unpack_mx(codes, scales, fmt):
+  """The float32 values q * 2^s of pack_mx's (codes, scales): 2^-127 decodes as zero, 0xFF as NaN."""
+  fmt = formats.FORMATS[fmt] if isinstance(fmt, str) else fmt
+  rows = codes.shape[0]
+  if fmt.element == "e4m3":
+    q = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+  else:
+    q = e2m1_from_codes(jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(rows, -1)).astype(jnp.float32)
+  s = scales.astype(jnp.int32) - 127
+  scale = jnp.where(s >= -126, mx.pow2(s), jnp.float32(0))
+  scale = jnp.where(scales == 0xFF, jnp.float32(jnp.nan), scale)
+  return (q.reshape(rows, -1, 32) * scale[:, :, None]).reshape(q.shape)

@@ -301,10 +301,10 @@ def _operand_plans(site: DotSite, decision: Decision, form: Form):
   return plans, order
 
 
-def _dense_only(d: Decision) -> Optional[str]:
+def _dense_only(d: Decision, grouped: bool) -> Optional[str]:
   """Why a decision runs the emulated dense GEMM whatever the backend, or None."""
-  if d.decision is not Verdict.NVFP4:
-    return f"{d.decision} runs the emulated GEMM (the FP4 GEMM and the packed forms are NVFP4's)"
+  if d.decision is not Verdict.NVFP4 and grouped:
+    return f"{d.decision} expert GEMMs run the emulated GEMM (the grouped FP4 GEMM is NVFP4's)"
   if d.lhs.four_over_six:
     return "Four Over Six runs the emulated GEMM (no kernel or FP4 GEMM takes it yet)"
   return None
@@ -327,12 +327,11 @@ def plan(analysis: Analysis, decisions, *, partitioned: bool, native: bool, cuda
       notes.append("block index unavailable per iteration: every iteration runs in NVFP4")
     grouped = record.site.groups is not None
     form = Form.GROUPED if grouped else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR
-    dense_only = _dense_only(d)
+    dense_only = _dense_only(d, grouped)
     if dense_only:
-      # The MX formats, and kept iterations in MXFP8, run the emulated dense GEMM: block-local scales need no
-      # per-expert form (a chlo.ragged_dot keeps its own op: numerics/grouped_mx.py); the FP4 GEMM and the packed
-      # forms are NVFP4's.
-      # Four Over Six keeps the grouped recipe's per-expert scales (numerics/grouped.py), emulated
+      # The MX formats' expert GEMMs run the emulated dense GEMM: block-local scales need no per-expert form (a
+      # chlo.ragged_dot keeps its own op: numerics/grouped_mx.py); the grouped FP4 GEMM is NVFP4's. Four Over Six
+      # keeps the grouped recipe's per-expert scales (numerics/grouped.py), emulated.
       ragged = grouped and record.site.groups.kind is not Grouping.SLICES
       per_expert = grouped and (ragged or d.decision is Verdict.NVFP4)
       form = Form.GROUPED if per_expert else Form.PARTITIONED if partitioned else Form.WHOLE_TENSOR

@@ -1,5 +1,10 @@
 """How XLA's sharding runs the packed targets on shards (docs/design.md §5): quantize on the shard, move the packed
-operands (4.5 bits an element), multiply on the device.
+operands (NVFP4 4.5 bits an element, MXFP4 4.25, MXFP8 8.25), multiply on the device.
+
+The MX formats' targets (xla_fp4_mx_quantize_packed, xla_fp4_mx_gemm_packed) run as NVFP4's below, with blocks of
+32 (Packed.block) instead of 16, one E4M3 code a byte for MXFP8 (targets.codes_per_byte), 32x32 weight tiles, and no
+s_dec or alpha. K splits in units of 32 elements in every format: two NVFP4 blocks (cuBLASLt's FP4 GEMM takes K in
+multiples of 32), one MX block.
 
 xla_fp4_quantize_packed(x [R, K], s_dec, key) -> codes [R, K/2], scales [R, K/16] (or, with axis 0, x [K, R] ->
 [K/2, R], [K/16, R]): the packed form has x's dims, so a shard of x that holds whole blocks quantizes alone and its
@@ -43,8 +48,15 @@ from xla_fp4.numerics.formats import BLOCK
 from xla_fp4.sharding import device_rows
 from xla_fp4.sharding import shards
 
-K_PAIR = 2 * BLOCK  # K splits in whole pairs of blocks: cuBLASLt's FP4 GEMM takes K in multiples of 32
+K_UNIT = 32  # K splits in whole units of 32 elements: a pair of NVFP4 blocks (cuBLASLt's FP4 GEMM), one MX block
 PACKED = {t.name: t.packed for t in targets.ALL if t.packed is not None}
+# The emulate backend's GEMM on shards dequantizes with the target of its format.
+_DEQUANTIZE = {targets.GEMM_PACKED.name: targets.DEQUANTIZE_PACKED, targets.MX_GEMM_PACKED.name: targets.MX_DEQUANTIZE_PACKED}
+
+
+def _layout(target, attrs):
+  """(codes per byte, elements per scale) of a call to a packed target."""
+  return targets.codes_per_byte(attrs), PACKED[target].block
 
 
 # -- propagation: the Shardy rules ----------------------------------------------------------------------------------
@@ -64,7 +76,8 @@ class _Factors:
 
 
 def _rows(f, rows, group):
-  """The factors of a rows dim whose shards keep whole groups of `group` rows (16 for 16x16 tiles, else 1)."""
+  """The factors of a rows dim whose shards keep whole groups of `group` rows (the tile's side for 2D tiles, else
+  1)."""
   if group == 1:
     return [f.new(rows)]
   if rows % group == 0 and rows > group:
@@ -72,23 +85,27 @@ def _rows(f, rows, group):
   return [f.new(rows, True)]
 
 
-def _k(f, k, with_x=True, reduction=False):
-  """(x's K (None without x), the codes' K/2, the scales' K/16) factors: pairs of blocks may split, never a pair."""
-  if k % K_PAIR == 0 and k > K_PAIR:
-    pairs = f.new(k // K_PAIR, reduction=reduction)
-    x = [pairs, f.new(K_PAIR, True)] if with_x else None
-    return x, [pairs, f.new(K_PAIR // 2, True)], [pairs, f.new(2, True)]
+def _k(f, k, layout, with_x=True, reduction=False):
+  """(x's K (None without x), the codes' K/per_byte, the scales' K/block) factors: units of 32 elements may split,
+  never a unit."""
+  per_byte, block = layout
+  if k % K_UNIT == 0 and k > K_UNIT:
+    units = f.new(k // K_UNIT, reduction=reduction)
+    x = [units, f.new(K_UNIT, True)] if with_x else None
+    within = K_UNIT // block  # scales per unit: 2 NVFP4 blocks, one MX block
+    return x, [units, f.new(K_UNIT // per_byte, True)], [units] + ([f.new(within, True)] if within > 1 else [])
   x = [f.new(k, True)] if with_x else None
-  return x, [f.new(k // 2, True)], [f.new(k // BLOCK, True)]
+  return x, [f.new(k // per_byte, True)], [f.new(k // block, True)]
 
 
-def _tiles(f, n):
-  """(C's N, b's N/2, b's N/16) factors of a b_transposed GEMM (b is Bᵀ, packed along N in 16x16 tiles): whole tiles
-  may split, never a tile."""
-  if n % BLOCK == 0 and n > BLOCK:
-    tiles = f.new(n // BLOCK)
-    return [tiles, f.new(BLOCK, True)], [tiles, f.new(BLOCK // 2, True)], [tiles]
-  return [f.new(n, True)], [f.new(n // 2, True)], [f.new(n // BLOCK, True)]
+def _tiles(f, n, layout):
+  """(C's N, b's N/per_byte, b's N/block) factors of a b_transposed GEMM (b is Bᵀ, packed along N in block x block
+  tiles): whole tiles may split, never a tile."""
+  per_byte, block = layout
+  if n % block == 0 and n > block:
+    tiles = f.new(n // block)
+    return [tiles, f.new(block, True)], [tiles, f.new(block // per_byte, True)], [tiles]
+  return [f.new(n, True)], [f.new(n // per_byte, True)], [f.new(n // block, True)]
 
 
 def _mapping(dims):
@@ -106,27 +123,30 @@ def sharding_rule(target, operand_types, result_types, attrs):
   shapes = [list(ir.RankedTensorType(t).shape) for t in operand_types]
   scalar = _mapping([])
   f = _Factors()
+  layout = _layout(target, attrs)
   if PACKED[target].kind == "quantize":
     axis = attrs["axis"]
     rows, k = shapes[0][1 - axis], shapes[0][axis]
-    row_dims = _rows(f, rows, BLOCK if attrs["block_2d"] else 1)
-    x_k, codes_k, scales_k = _k(f, k)
+    row_dims = _rows(f, rows, layout[1] if attrs["block_2d"] else 1)
+    x_k, codes_k, scales_k = _k(f, k, layout)
     ordered = lambda k_dims: _mapping([row_dims, k_dims] if axis == 1 else [k_dims, row_dims])  # noqa: E731
     results = [ordered(codes_k), ordered(scales_k)]
     if PACKED[target].device_stats:  # the [devices, FIELDS] rows: factors of their own (their sdy.sharding fixes them)
       results.append(_mapping([[f.new(n)] for n in ir.RankedTensorType(result_types[-1]).shape]))
     return _rule(f, [ordered(x_k)] + [scalar] * (len(shapes) - 1), results)
-  (m, half), (n, _) = shapes[0], shapes[2]
+  (m, cols), (n, _) = shapes[0], shapes[2]
+  k = layout[0] * cols
   m_dims = _rows(f, m, 1)
-  if attrs["b_transposed"]:  # b is Bᵀ (K, N/2): K's pairs of blocks split its rows, N's tiles its columns
-    k_rows, codes_k, scales_k = _k(f, 2 * half, reduction=True)
-    n_dims, n_codes, n_scales = _tiles(f, 2 * shapes[2][1])
+  if attrs["b_transposed"]:  # b is Bᵀ (K, N/per_byte): K's units split its rows, N's tiles its columns
+    k_rows, codes_k, scales_k = _k(f, k, layout, reduction=True)
+    n_dims, n_codes, n_scales = _tiles(f, layout[0] * shapes[2][1], layout)
     b_mappings = [_mapping([k_rows, n_codes]), _mapping([k_rows, n_scales])]
   else:
     n_dims = _rows(f, n, 1)
-    _, codes_k, scales_k = _k(f, 2 * half, with_x=False, reduction=True)
+    _, codes_k, scales_k = _k(f, k, layout, with_x=False, reduction=True)
     b_mappings = [_mapping([n_dims, codes_k]), _mapping([n_dims, scales_k])]
-  return _rule(f, [_mapping([m_dims, codes_k]), _mapping([m_dims, scales_k]), *b_mappings, scalar],
+  alpha = [scalar] * (len(shapes) - 4)  # NVFP4's alpha; the MX GEMM has none
+  return _rule(f, [_mapping([m_dims, codes_k]), _mapping([m_dims, scales_k]), *b_mappings, *alpha],
                [_mapping([m_dims, n_dims])])
 
 
@@ -180,12 +200,12 @@ def _num_devices(shardings):
   return max((int(np.max(s.tile_assignment_devices())) + 1 for s in tiled), default=1)
 
 
-def _quantize_sharding(x_shape, sharding, block_2d, axis):
+def _quantize_sharding(x_shape, sharding, block_2d, axis, block):
   """The sharding of x, its codes and its scales (the same dims; K is dim `axis`): `sharding` with the dims replicated
-  whose shards would split a group of rows (16x16 tiles) or a pair of blocks."""
+  whose shards would split a group of rows (block x block tiles) or a unit of K."""
   tiles = shards.tiles_and_devices(sharding, 2)[0]
   bad = set()
-  for dim, group in ((1 - axis, BLOCK if block_2d else 1), (axis, K_PAIR)):
+  for dim, group in ((1 - axis, block if block_2d else 1), (axis, K_UNIT)):
     if tiles[dim] > 1 and (x_shape[dim] % tiles[dim] or (x_shape[dim] // tiles[dim]) % group):
       bad.add(dim)
   return shards.replicate_dims(sharding, 2, bad)
@@ -201,7 +221,8 @@ def _partition_quantize(target, arg_shapes, arg_shardings, result_shape, result_
   if _whole(shardings[0]):
     module = shards.kernel_module(target, attrs, arg_shapes, results, None)
     return module, [shardings[0]] * len(arg_shapes), result_sharding
-  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), shardings[0], attrs["block_2d"], attrs["axis"])
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), shardings[0], attrs["block_2d"], attrs["axis"],
+                                PACKED[target].block)
   stats = PACKED[target].device_stats
   num = results[-1].dimensions()[0] if stats else _num_devices([sharding])
   table = shards.shard_index_table(sharding, 2, num)
@@ -217,18 +238,21 @@ def _partition_quantize(target, arg_shapes, arg_shardings, result_shape, result_
           xc.HloSharding.tuple_sharding(result_shape, out))
 
 
-def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_sharding=None, b_transposed=False):
-  """How shards run C = A·Bᵀ (codes of shapes (M, K/2), (N, K/2), or with b_transposed b is Bᵀ (K, N/2)): the
+def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_sharding=None, b_transposed=False,
+              layout=(2, BLOCK)):
+  """How shards run C = A·Bᵀ (codes of shapes (M, K/2), (N, K/2), or with b_transposed b is Bᵀ (K, N/2); `layout`
+  (codes per byte, block) divides them otherwise for the MX formats): the
   (pieces, {device: piece}) splits of M, N and K, the first choice whose pieces tile the devices evenly: M and N as
   the result's sharding (what its readers need) splits them, then the operands' own splits, then without the smaller
   operand's row split (its rows are gathered), then without the other's; with K split as both operands split it, then
   whole."""
-  m = a_shape[0]
-  mi, ka = _split(a_sharding, a_shape, 0, 1), _split(a_sharding, a_shape, 1, K_PAIR // 2)
-  if b_transposed:  # B's rows are b's columns, in whole 16x16 tiles; K is b's rows, in pairs of blocks
-    n, ni, kb = 2 * b_shape[1], _split(b_sharding, b_shape, 1, BLOCK // 2), _split(b_sharding, b_shape, 0, K_PAIR)
+  m, (per_byte, block) = a_shape[0], layout
+  mi, ka = _split(a_sharding, a_shape, 0, 1), _split(a_sharding, a_shape, 1, K_UNIT // per_byte)
+  if b_transposed:  # B's rows are b's columns, in whole tiles; K is b's rows, in units of 32
+    n = per_byte * b_shape[1]
+    ni, kb = _split(b_sharding, b_shape, 1, block // per_byte), _split(b_sharding, b_shape, 0, K_UNIT)
   else:
-    n, ni, kb = b_shape[0], _split(b_sharding, b_shape, 0, 1), _split(b_sharding, b_shape, 1, K_PAIR // 2)
+    n, ni, kb = b_shape[0], _split(b_sharding, b_shape, 0, 1), _split(b_sharding, b_shape, 1, K_UNIT // per_byte)
   whole = (1, {})
   rows = [(mi, ni), (whole, ni), (mi, whole)] if m <= n else [(mi, ni), (mi, whole), (whole, ni)]
   if result_sharding is not None:
@@ -240,16 +264,15 @@ def gemm_plan(a_shape, b_shape, a_sharding, b_sharding, num_devices, result_shar
   return whole, whole, whole
 
 
-def _partition_gemm(arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
-  target = targets.GEMM_PACKED.name
+def _partition_gemm(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
   attrs = shards.decode_config(target, backend_config)
   if _whole(result_sharding):
-    module = _gemm_module(attrs, arg_shapes, result_shape, None)
+    module = _gemm_module(target, attrs, arg_shapes, result_shape, None)
     return module, [result_sharding] * len(arg_shapes), result_sharding
   a_shape, b_shape = list(arg_shapes[0].dimensions()), list(arg_shapes[2].dimensions())
   num = _num_devices([*arg_shardings, result_sharding])
   mm, nn, kk = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, result_sharding,
-                         attrs["b_transposed"])
+                         attrs["b_transposed"], _layout(target, attrs))
   a, out = _grid([mm, kk], num), _grid([mm, nn], num)
   b = _grid([kk, nn] if attrs["b_transposed"] else [nn, kk], num)
   groups = None
@@ -258,38 +281,40 @@ def _partition_gemm(arg_shapes, arg_shardings, result_shape, result_sharding, ba
     for d in range(num):
       cells.setdefault((mm[1].get(d, 0), nn[1].get(d, 0)), {}).setdefault(kk[1][d], []).append(d)
     groups = [list(g) for by_piece in cells.values() for g in zip(*[by_piece[p] for p in sorted(by_piece)])]
-  shardings = [a, a, b, b, xc.HloSharding.replicate()]
+  shardings = [a, a, b, b] + [xc.HloSharding.replicate()] * (len(arg_shapes) - 4)  # NVFP4's alpha
   local = [s.tile(shape) for s, shape in zip(shardings, arg_shapes)]
-  return _gemm_module(attrs, local, out.tile(result_shape), groups), shardings, out
+  return _gemm_module(target, attrs, local, out.tile(result_shape), groups), shardings, out
 
 
-def _gemm_module(attrs, arg_shapes, result_shape, groups):
+def _gemm_module(target, attrs, arg_shapes, result_shape, groups):
   """@main(the device's shards) -> its tile of C; `groups`: the all-reduce groups of a split K, or None. A split K's
   partial sums are added unscaled and alpha multiplies their sum, as one device multiplies its whole sum: sums of
   q·scale products are exact in f32 wherever one device's sum is, so the shards' sum equals it bit for bit, where
-  partial sums each multiplied by alpha round apart (docs/design.md §5)."""
+  partial sums each multiplied by alpha round apart (docs/design.md §5). The MX formats have no alpha."""
   def body(operands):
     out_type = shards.ir_type(result_shape)
     f32 = ir.F32Type.get()
     acc_type = ir.RankedTensorType.get(out_type.shape, f32)
-    alpha = operands[4]
+    alpha = operands[4] if len(operands) > 4 else None
     one = hlo.ConstantOp(ir.DenseElementsAttr.get(np.array(1.0, np.float32))).result
     if attrs["emulate"]:
-      dtype = out_type.element_type
-      a, b = (kernels.custom_call(targets.DEQUANTIZE_PACKED.name, [ir.RankedTensorType.get(
-          [ir.RankedTensorType(codes.type).shape[0], 2 * ir.RankedTensorType(codes.type).shape[1]], dtype)],
-          [codes, scales, one], kernels.backend_config_attributes(targets.DEQUANTIZE_PACKED.name, {})).results[0]
+      dtype, dequantize, per_byte = out_type.element_type, _DEQUANTIZE[target], targets.codes_per_byte(attrs)
+      own = {name: attrs[name] for name in dequantize.attributes}  # the MX dequantizer's `fp8`
+      a, b = (kernels.custom_call(dequantize.name, [ir.RankedTensorType.get(
+          [ir.RankedTensorType(codes.type).shape[0], per_byte * ir.RankedTensorType(codes.type).shape[1]], dtype)],
+          [codes, scales] + ([one] if alpha is not None else []),
+          kernels.backend_config_attributes(dequantize.name, own)).results[0]
           for codes, scales in (operands[0:2], operands[2:4]))
       numbers = hlo.DotDimensionNumbers.get(lhs_batching_dimensions=[], rhs_batching_dimensions=[],
                                             lhs_contracting_dimensions=[1],
                                             rhs_contracting_dimensions=[0 if attrs["b_transposed"] else 1])
-      y, scale_after = hlo.DotGeneralOp(acc_type, a, b, numbers).result, True
+      y, scale_after = hlo.DotGeneralOp(acc_type, a, b, numbers).result, alpha is not None
     else:
       split = groups is not None
-      y = kernels.custom_call(targets.GEMM_PACKED.name, [acc_type if split else out_type],
-                              operands[:4] + [one if split else alpha],
-                              kernels.backend_config_attributes(targets.GEMM_PACKED.name, attrs)).results[0]
-      scale_after = split
+      y = kernels.custom_call(target, [acc_type if split else out_type],
+                              operands[:4] + ([one if split else alpha] if alpha is not None else []),
+                              kernels.backend_config_attributes(target, attrs)).results[0]
+      scale_after = split and alpha is not None
     if groups is not None:
       y = _all_reduce(y, groups)
     if scale_after:
@@ -311,18 +336,20 @@ def _infer_quantize(target, arg_shapes, arg_shardings, result_shape, backend_con
   if arg_shardings[0] is None:
     return None
   attrs = shards.decode_config(target, backend_config)
-  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"], attrs["axis"])
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"], attrs["axis"],
+                                PACKED[target].block)
   out = [sharding, sharding]
   if PACKED[target].device_stats:
     out.append(device_rows.device_rows(result_shape.tuple_shapes()[-1].dimensions()[0]))
   return xc.HloSharding.tuple_sharding(result_shape, out)
 
 
-def _infer_gemm(arg_shapes, arg_shardings, result_shape, backend_config):
+def _infer_gemm(target, arg_shapes, arg_shardings, result_shape, backend_config):
   a_shape, b_shape = list(arg_shapes[0].dimensions()), list(arg_shapes[2].dimensions())
   num = _num_devices(arg_shardings)
-  transposed = shards.decode_config(targets.GEMM_PACKED.name, backend_config)["b_transposed"]
-  mm, nn, _ = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, b_transposed=transposed)
+  attrs = shards.decode_config(target, backend_config)
+  mm, nn, _ = gemm_plan(a_shape, b_shape, arg_shardings[0], arg_shardings[2], num, b_transposed=attrs["b_transposed"],
+                        layout=_layout(target, attrs))
   return _grid([mm, nn], num)
 
 
@@ -330,7 +357,8 @@ def callbacks(target):
   """The keyword arguments of xla_client.register_custom_call_partitioner for a packed `target` (Target.packed)."""
   keep_user = lambda user_sharding, shape, backend_config: user_sharding  # noqa: E731
   if target.packed.kind == "gemm":
-    return dict(partition=_partition_gemm, infer_sharding_from_operands=_infer_gemm, prop_user_sharding=keep_user)
+    return dict(partition=functools.partial(_partition_gemm, target.name),
+                infer_sharding_from_operands=functools.partial(_infer_gemm, target.name), prop_user_sharding=keep_user)
   return dict(partition=functools.partial(_partition_quantize, target.name),
               infer_sharding_from_operands=functools.partial(_infer_quantize, target.name),
               prop_user_sharding=keep_user)

@@ -14,17 +14,27 @@ the form partitions (sharding/packed.py); in a partitioned program it is also th
 `emulate` making shards dequantize and use XLA's dot. An operand whose plan has `tiles_alike` (a weight in 16x16
 tiles with nearest rounding) is packed once: a dgrad takes its forward's codes as Bᵀ (`b_transposed`), so both GEMMs
 read one value, which FSDP gathers once (reuse.py).
+
+The MX formats (numerics/packing.py pack_mx) take the same pattern without a tensor scale: no block maxima, decode
+scale or alpha; the key is the salt, or with stochastic rounding the stochastic_key twin's digest of x and the salt
+(as quantize._mx); weights in 32x32 tiles (MXFP4) are packed once alike:
+
+  %codes, %scales = xla_fp4_mx_quantize_packed(%x_read, %key) {axis, block_2d, stochastic, rht, rht_seed, fp8}
+  %y = xla_fp4_mx_gemm_packed(%codes_a, %scales_a, %codes_b, %scales_b) {emulate, b_transposed, fp8}
+
+With telemetry an MX operand is measured by its statistics twin (probes.py), as in the emulated forms.
 """
 
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
+from xla_fp4.numerics import kernel_twins
 from xla_fp4.passes.rewrite import dims
 from xla_fp4.passes.rewrite import quantize
 from xla_fp4.passes.rewrite.context import dtype_name
 from xla_fp4.passes.rewrite.probes import device_rows_type
-from xla_fp4.passes.rewrite.values import tensor_type
+from xla_fp4.passes.rewrite.values import const, f32, scalar_type, tensor_type, u32
 
 
 def emit(ctx, probe, plan):
@@ -49,11 +59,16 @@ def fp4_gemm(ctx, probe, lhs, rhs, lc, rc, plan, element_type):
   for i, ((x, axis), s_dec, key, codes) in enumerate(zip(operands, (sa, sb), (ka, kb), (pa[0], pb[0]))):
     probe.measure(i, x=x, axis=axis, recipe=plan.operands[i].recipe, salt=ctx.salt_value(plan.operands[i]),
                   s_dec=s_dec, key=key, row=probe.row(codes))
-  alpha = hlo.MulOp(sa, sb).result
-  operands, attrs = [*pa, *pb, alpha], dict(emulate=ctx.emulate, b_transposed=b_transposed)
+  attrs = dict(emulate=ctx.emulate, b_transposed=b_transposed)
+  fmt = plan.operands[0].recipe.format
+  if fmt == "nvfp4":
+    target, operands = targets.GEMM_PACKED, [*pa, *pb, hlo.MulOp(sa, sb).result]
+  else:
+    target, operands = targets.MX_GEMM_PACKED, [*pa, *pb]
+    attrs["fp8"] = fmt == "mxfp8"
   dtype = dtype_name(ir.RankedTensorType.get([], element_type))  # the GEMM writes the dot's own output type
-  return ctx.kernels.call(targets.GEMM_PACKED, operands, attrs,
-                          result_types=targets.GEMM_PACKED.result_types([v.type for v in operands], attrs, dtype))[0]
+  return ctx.kernels.call(target, operands, attrs,
+                          result_types=target.result_types([v.type for v in operands], attrs, dtype))[0]
 
 
 def _packed_tiles(ctx, probe, x, axis, measured, operand, user, transposable):
@@ -74,11 +89,19 @@ def _packed_tiles(ctx, probe, x, axis, measured, operand, user, transposable):
 def _packed(ctx, probe, x, axis, measured, operand, user):
   """((codes, scales) K-major, s_dec, key) of the matrix x quantized along `axis` (dims.as_read); `measured`: (the
   same values, their K axis), from which the decode scale and the stochastic-rounding key are taken. Where K is x's
-  first axis the codes and scales come (K/2, rows), (K/16, rows) and are transposed as bytes."""
-  s_dec, key = quantize.scale_and_key(ctx, *measured, operand, user)
+  first axis the codes and scales come (K/2, rows), (K/16, rows) and are transposed as bytes. An MX operand's s_dec is
+  1 (it has none)."""
   recipe = operand.recipe
   attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)
   row = None
+  if recipe.format != "nvfp4":
+    key = ctx.salt(operand)
+    if recipe.stochastic:
+      key = ctx.twins.call(kernel_twins.stochastic_key, [measured[0], key], [scalar_type(u32())])[0]
+    packed = ctx.kernels.call(targets.MX_QUANTIZE_PACKED, [x, key], dict(attrs, fp8=recipe.format == "mxfp8"))
+    s_dec = const(1.0, f32())
+    return tuple(_k_major(packed, axis)), s_dec, key
+  s_dec, key = quantize.scale_and_key(ctx, *measured, operand, user)
   if probe.step is not None and (ctx.mesh is not None or not ctx.kernels.partitioned):
     # The quantizer also measures what it does to x (each device to its shard), in the same pass.
     target = targets.QUANTIZE_PACKED.with_stats
@@ -88,7 +111,11 @@ def _packed(ctx, probe, x, axis, measured, operand, user):
     *packed, row = ctx.kernels.call(target, [x, s_dec, key, probe.step], attrs, result_types=types)
   else:
     packed = ctx.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key], attrs)
-  if axis == 0:
-    packed = [hlo.TransposeOp(v, ir.DenseI64ArrayAttr.get([1, 0])).result for v in packed]
+  packed = _k_major(packed, axis)
   probe.keep_row(packed[0], row)
   return tuple(packed), s_dec, key
+
+
+def _k_major(packed, axis):
+  """Codes and scales K-major: where K was x's first axis, transposed as bytes."""
+  return [hlo.TransposeOp(v, ir.DenseI64ArrayAttr.get([1, 0])).result for v in packed] if axis == 0 else list(packed)
