@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent("""
     import xla_fp4
     import sharding as bench
     rows = []
-    for backend, fmt in (("emulate", "nvfp4"), ("native", "nvfp4"), ("emulate", "mxfp4"), ("emulate", "mxfp8")):
+    for backend, fmt in (("emulate", "nvfp4"), ("native", "nvfp4"), ("emulate", "mxfp4"), ("emulate", "mxfp8"),
+                         ("native", "mxfp4"), ("native", "mxfp8")):
       xla_fp4.enable(strict=True, backend=backend, format=fmt, stochastic_rounding=False, keep_head=False,
                      keep_first=0, keep_last=0)
       for layout, spec in bench.LAYOUTS.items():
@@ -41,9 +42,10 @@ SCRIPT = textwrap.dedent("""
         a = [np.asarray(v, np.float64) for v in jax.tree.leaves(sharded)]
         b = [np.asarray(v, np.float64) for v in jax.tree.leaves(one)]
         rel = float(np.sqrt(sum(np.sum((u - v) ** 2) for u, v in zip(a, b)) / sum(np.sum(v ** 2) for v in b)))
-        rows.append(dict(layout=layout, backend=backend if fmt == "nvfp4" else fmt, rel_l2=rel,
-                         equal=all(np.array_equal(u, v) for u, v in zip(a, b)),
-                         mx_kernels=hlo.count('custom_call_target="xla_fp4_mx_qdq"')))
+        name = backend if fmt == "nvfp4" else fmt if backend == "emulate" else f"native_{fmt}"
+        rows.append(dict(layout=layout, backend=name, rel_l2=rel, equal=all(np.array_equal(u, v) for u, v in zip(a, b)),
+                         mx_kernels=hlo.count('custom_call_target="xla_fp4_mx_qdq"'),
+                         mx_gemms=hlo.count('custom_call_target="xla_fp4_mx_gemm_packed"')))
     # The program the deviation was seen on: 4 layers, D 256, F 1024, 2048 tokens, w1 split along F and w2 along K over
     # "model" of a 2x4 mesh, the tokens over "data"; the native backend.
     xla_fp4.enable(strict=True, backend="native", stochastic_rounding=False, keep_head=False, keep_first=0,
@@ -80,13 +82,16 @@ def rows(measured):
   return {(r["layout"], r["backend"]): r for r in measured["rows"]}
 
 
-@pytest.mark.parametrize("backend", ["emulate", "native", "mxfp4", "mxfp8"])  # the MX formats: the emulated GEMM
+# mxfp4, mxfp8: the emulate backend (the MX quantizer and XLA's dot); native_mx*: the packed MX GEMM
+@pytest.mark.parametrize("backend", ["emulate", "native", "mxfp4", "mxfp8", "native_mxfp4", "native_mxfp8"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_computes_what_one_device_computes(rows, layout, backend):
   row = rows[(layout, backend)]
   assert row["rel_l2"] <= 1e-5, row
   if backend.startswith("mx"):  # the MX quantizer runs on shards (its partitioner), not as XLA's code of its twin
     assert row["mx_kernels"] > 0, row
+  if backend.startswith("native_mx"):  # every GEMM the packed MX GEMM, on shards
+    assert row["mx_gemms"] > 0 and row["mx_kernels"] == 0, row
   if layout in EXACT and backend in ("emulate", "native"):
     assert row["equal"], row
 

@@ -3,7 +3,8 @@ backend can move packed operands (XLA_FP4_PACKED_GATHERS), and both keep one dev
 parallelism; FSDP gathers its weights packed.
 
 One subprocess (8 host devices): a residual MLP train step (float32, d_model 256, d_ff 1024, 1024 tokens), every
-layer in NVFP4 with nearest rounding, per layout and backend, costs read from the compiled HLO side by side.
+layer in NVFP4 with nearest rounding, per layout and backend, costs read from the compiled HLO side by side; and the
+same in the packed MX formats (MXFP4, MXFP8: xla_fp4_mx_quantize_packed, xla_fp4_mx_gemm_packed).
 """
 
 import json
@@ -37,7 +38,9 @@ SCRIPT = textwrap.dedent("""
       args = ((put(w1, s1), put(w2, s2)), put(x, sx))
       out = {}
       for name, options in (("none", None), ("native", dict(backend="native")),
-                            ("emulate_packed", dict(backend="emulate", packed_gathers=True))):
+                            ("emulate_packed", dict(backend="emulate", packed_gathers=True)),
+                            *((f"{b}_{f}", dict(backend=b.split("_")[0], packed_gathers=True, format=f))
+                              for b in ("native", "emulate_packed") for f in ("mxfp4", "mxfp8"))):
         if options is None:
           xla_fp4.disable()
         else:
@@ -51,10 +54,11 @@ SCRIPT = textwrap.dedent("""
                                                                       for b in single)))
         wide_gathers = sum(1 for line in text.splitlines()
                            if " all-gather(" in line and line.split("=", 1)[1].split()[0].startswith("f32["))
-        gemms = text.count('custom_call_target="xla_fp4_gemm_packed"')
+        gemms = sum(text.count(f'custom_call_target="xla_fp4_{t}gemm_packed"') for t in ("", "mx_"))
         out[name] = dict(flops=c.dot_flops, bytes=c.large_collective_bytes, gemms=gemms,
                          weight_gathers=c.collective_bytes_by_kind["weight_gathers"],
-                         quantize_packed=text.count('custom_call_target="xla_fp4_quantize_packed"'),
+                         quantize_packed=sum(text.count(f'custom_call_target="xla_fp4_{t}quantize_packed"')
+                                             for t in ("", "mx_")),
                          wide_gathers=wide_gathers, temp=compiled.memory_analysis().temp_size_in_bytes,
                          rel_l2_sharded_minus_single=diff)
       rows.append(dict(layout=layout, **out))
@@ -68,16 +72,20 @@ def rows():
   return {r["layout"]: r for r in json.loads(run_python(["-c", SCRIPT]).strip().splitlines()[-1])}
 
 
+MX = [f"{b}_{f}" for b in ("native", "emulate_packed") for f in ("mxfp4", "mxfp8")]
+
+
+@pytest.mark.parametrize("native", ["native", "native_mxfp4", "native_mxfp8"])
 @pytest.mark.parametrize("layout", ["data_parallel", "fsdp", "tensor_parallel"])
-def test_native_runs_every_gemm_packed_on_shards(rows, layout):
+def test_native_runs_every_gemm_packed_on_shards(rows, layout, native):
   row = rows[layout]
-  # fprop x2, the dgrad into layer 1, wgrad x2: every GEMM of the step is the FP4 GEMM, none an XLA dot
-  assert row["native"]["gemms"] == 5, row
-  assert row["native"]["flops"] <= 1.05 * row["none"]["flops"], row
-  assert row["emulate_packed"]["flops"] <= 1.05 * row["none"]["flops"], row
+  # fprop x2, the dgrad into layer 1, wgrad x2: every GEMM of the step is the FP4 (or MX) GEMM, none an XLA dot
+  assert row[native]["gemms"] == 5, row
+  assert row[native]["flops"] <= 1.05 * row["none"]["flops"], row
+  assert row[native.replace("native", "emulate_packed")]["flops"] <= 1.05 * row["none"]["flops"], row
 
 
-@pytest.mark.parametrize("backend", ["native", "emulate_packed"])
+@pytest.mark.parametrize("backend", ["native", "emulate_packed"] + MX)
 @pytest.mark.parametrize("layout", ["data_parallel", "fsdp", "tensor_parallel"])
 def test_sharded_packed_step_equals_one_device(rows, layout, backend):
   """Nearest rounding: shards quantize what one device does; a split K (the wgrad over tokens, the row-parallel layer)
@@ -85,7 +93,7 @@ def test_sharded_packed_step_equals_one_device(rows, layout, backend):
   row = rows[layout]
   # The emulate backend packs where a weight is gathered: with weights whole on every device (data parallelism) its
   # dots keep the emulated form.
-  packs = backend == "native" or layout != "data_parallel"
+  packs = backend.startswith("native") or layout != "data_parallel"
   assert (row[backend]["quantize_packed"] > 0) == packs, row
   assert row[backend]["rel_l2_sharded_minus_single"] <= 1e-5, row
 
@@ -104,7 +112,18 @@ def test_fsdp_gathers_weights_packed(rows, backend):
   assert row[backend]["weight_gathers"] <= 0.15 * row["none"]["weight_gathers"], row
 
 
-@pytest.mark.parametrize("backend", ["native", "emulate_packed"])
+@pytest.mark.parametrize("backend", MX)
+def test_fsdp_gathers_mx_weights_packed(rows, backend):
+  """An MX weight moves at its format's bits: MXFP4 4.25 of 32 (0.13x, gathered once: the dgrad reads the fprop's
+  32x32-tiled copy), MXFP8 8.25 (0.26x) per copy; MXFP8's weights take 1x32 blocks (the format record), so the fprop
+  and the dgrad each gather their own copy (0.52x), still half the float32 gather."""
+  row = rows["fsdp"]
+  assert row[backend]["wide_gathers"] == 0, row
+  bound = 0.14 if backend.endswith("mxfp4") else 2 * 0.26
+  assert row[backend]["weight_gathers"] <= bound * row["none"]["weight_gathers"], row
+
+
+@pytest.mark.parametrize("backend", ["native", "emulate_packed"] + MX)
 @pytest.mark.parametrize("layout", ["data_parallel", "tensor_parallel"])
 def test_data_and_tensor_parallel_move_no_more(rows, layout, backend):
   row = rows[layout]

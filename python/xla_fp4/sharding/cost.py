@@ -24,6 +24,7 @@ import math
 import re
 
 from xla_fp4.kernels import targets
+from xla_fp4.numerics.formats import BLOCK
 
 # The frontend attribute of the pass's kept-iteration case (passes/rewrite/emitter.py): how many iterations of its stack
 # run each branch ("kept,other").
@@ -35,7 +36,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
-_PACKED_GEMM = re.compile('custom_call_target="(?:' + "|".join(t.name for t in targets.ALL if t.counts_as_dot) + ')"')
+_PACKED_GEMM = re.compile('custom_call_target="(' + "|".join(t.name for t in targets.ALL if t.counts_as_dot) + ')"')
 _QUANTIZING = re.compile('custom_call_target="(?:' + "|".join(t.name for t in targets.ALL if t.quantizes) + ')"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _PARAMETER = re.compile(r"\bparameter\((\d+)\)")
@@ -89,10 +90,12 @@ def _instruction_cost(ins):
     (_, lhs), = _result_arrays(ins.operands()[0])
     contracting = [int(d) for d in _CONTRACTING.search(ins.to_string()).group(1).split(",") if d]
     return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting), 0, 0, []
-  if op == "kCustomCall" and _PACKED_GEMM.search(ins.to_string()):  # C (M, N) of a (M, K/2) and b (N, K/2)
+  gemm = _PACKED_GEMM.search(ins.to_string()) if op == "kCustomCall" else None
+  if gemm:  # C (M, N) of a's codes and scales (M, K/block): K from the scales (the codes hold 1 or 2 a byte)
     (_, out), = _result_arrays(ins)
-    (_, a), = _result_arrays(ins.operands()[0])
-    return 2 * math.prod(out) * 2 * a[1], 0, 1, []
+    (_, a_scales), = _result_arrays(ins.operands()[1])
+    packed = targets.BY_NAME[gemm.group(1)].packed
+    return 2 * math.prod(out) * (packed.block if packed else BLOCK) * a_scales[-1], 0, 1, []
   if op == "kCustomCall" and _QUANTIZING.search(ins.to_string()):
     (_, dims), = _result_arrays(ins.operands()[0])
     return 0, math.prod(dims), 0, []
