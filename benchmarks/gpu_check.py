@@ -187,6 +187,8 @@ KERNELS = {
     "block_amax": lambda k, x, s: k.block_amax(x),
     "mx_qdq mxfp4": lambda k, x, s: k.mx_qdq(x),
     "mx_qdq mxfp8": lambda k, x, s: k.mx_qdq(x, fp8=True),
+    "mx_quantize_packed mxfp4": lambda k, x, s: k.mx_quantize_packed(x),
+    "mx_quantize_packed mxfp8": lambda k, x, s: k.mx_quantize_packed(x, fp8=True),
 }
 
 
@@ -278,6 +280,16 @@ def main(argv=None):
         ok="xla_fp4_gemm_packed" in native[2] and loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL,
         targets=native[2], loss_rel_diff=loss_diff, grad_rel_l2=grad_diff)
     result["step_seconds"].update(native=native[3], ratio_native=native[3] / baseline[3])
+    for fmt in ("mxfp4", "mxfp8"):  # cuBLASLt's VEC32_UE8M0 block-scaled GEMMs against the same format emulated
+      xla_fp4.enable(backend="emulate", format=fmt)
+      emulated_mx = _run(step, params, batch, device, 0)
+      xla_fp4.enable(backend="native", format=fmt)
+      native_mx = _run(step, params, batch, device, args.repeats)
+      loss_diff, grad_diff = _compare(native_mx, emulated_mx)
+      checks[f"native {fmt} == emulate {fmt} on the device"] = dict(
+          ok="xla_fp4_mx_gemm_packed" in native_mx[2] and loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL,
+          targets=native_mx[2], loss_rel_diff=loss_diff, grad_rel_l2=grad_diff)
+      result["step_seconds"][f"native_{fmt}"] = native_mx[3]
     xla_fp4.disable()
     checks["expert layer native on the device == grouped reference"] = _check_experts(device, cpu, "native")
   xla_fp4.disable()

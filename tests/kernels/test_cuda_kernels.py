@@ -423,3 +423,78 @@ def test_fp4_gemm_fails_loudly_where_unsupported(gpu):
   _, _, (a_data, a_scales), (b_data, b_scales), alpha = _gemm_operands(128, 128, 128)
   with pytest.raises(Exception, match="cuBLASLt|cublasLt"):
     _run(gpu, kernels.gemm_packed, a_data, a_scales, b_data, b_scales, alpha)
+
+
+# ---- the packed MX formats ----
+
+@pytest.mark.parametrize("fp8,block_2d,stochastic,rht", [(False, False, False, False), (False, True, False, False),
+                                                         (False, False, True, True), (True, False, False, False),
+                                                         (True, False, False, True)])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_mx_quantize_packed_matches_the_cpu_kernel(gpu, axis, fp8, block_2d, stochastic, rht):
+  """xla_fp4_mx_quantize_packed on the device: the CPU kernel's codes and E8M0 bytes (which the CPU tests hold to
+  numerics.packing.pack_mx) byte for byte, along either axis, a NaN block's scale 0xFF; the dequantizer likewise."""
+  flags = dict(fp8=fp8, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=RHT_SEED, axis=axis)
+  for dtype in DTYPES:
+    x = _data((96, 64) if axis == 1 else (64, 96), dtype, seed=4)
+    x.reshape(-1)[7] = np.nan
+    got = _run(gpu, kernels.mx_quantize_packed, x, np.uint32(11), **flags)
+    want = _run(_cpu(), kernels.mx_quantize_packed, x, np.uint32(11), **flags)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+    data, scales = (want[0].T, want[1].T) if axis == 0 else want
+    for out in DTYPES:
+      assert_same_bits(_run(gpu, kernels.mx_dequantize_packed, data, scales, fp8=fp8, dtype=out),
+                       _run(_cpu(), kernels.mx_dequantize_packed, data, scales, fp8=fp8, dtype=out))
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 128, 128), (80, 72, 160), (64, 320, 1024)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["mxfp4", "mxfp8"])
+def test_mx_gemm_matches_the_cpu_reference(fp4_gemm, m, n, k, fp8):
+  """xla_fp4_mx_gemm_packed through cuBLASLt's VEC32_UE8M0 block-scaled GEMM (E2M1 or E4M3 operands, scales per 32
+  swizzled in the 128x4 layout) against the C++ reference on the same packed operands, three output dtypes, and a
+  weight's 32x32-tiled copy read along its other axis (b_transposed, MXFP4); float32 summation order only."""
+  a, b = _data((m, k), jnp.float32, seed=1), _data((n, k), jnp.float32, seed=2)
+  pa = _run(_cpu(), kernels.mx_quantize_packed, a, np.uint32(0), fp8=fp8)
+  pb = _run(_cpu(), kernels.mx_quantize_packed, b, np.uint32(0), fp8=fp8, block_2d=not fp8)
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    got = _run(fp4_gemm, kernels.mx_gemm_packed, *pa, *pb, fp8=fp8, dtype=dtype).astype(np.float32)
+    want = _run(_cpu(), kernels.mx_gemm_packed, *pa, *pb, fp8=fp8, dtype=dtype).astype(np.float32)
+    rtol = {jnp.bfloat16: 2.0**-7, jnp.float16: 2.0**-10}.get(dtype, 1e-5)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=k * 2.0**-23 * np.abs(want).max() + 1e-30)
+  if not fp8 and n % 32 == 0:
+    t = _run(_cpu(), kernels.mx_quantize_packed, np.ascontiguousarray(b.T), np.uint32(0), block_2d=True)  # (K, N/2)
+    got = _run(fp4_gemm, kernels.mx_gemm_packed, *pa, *t, b_transposed=True)
+    want = _run(_cpu(), kernels.mx_gemm_packed, *pa, *t, b_transposed=True)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=k * 2.0**-23 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows,k", [(128, 128), (200, 96), (37, 320)])
+def test_mx_scale_swizzle_matches_numerics(gpu, rows, k):
+  """SwizzleScales with blocks of 32 (the MX GEMM's E8M0 scales): numerics.packing.swizzle_scales of (rows, K/32)."""
+  from xla_fp4.numerics import packing
+  cuda = registry._load_cuda()[0]
+  scales = np.random.default_rng(rows + k).integers(1, 256, (rows, k // 32), dtype=np.uint8)
+  want = np.asarray(packing.swizzle_scales(jnp.asarray(scales)))
+  got = np.full(want.size, 0xAB, np.uint8)
+  cuda.swizzle_scales(scales.reshape(-1), rows, k, 0, got, block=32)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["e2m1", "e4m3"])
+def test_mx_tile_transpose_matches_the_packing_of_b(gpu, fp8):
+  """TransposeTiles with 32x32 tiles (and one E4M3 code a byte): B's packed codes and scales from Bᵀ's, bit for bit the
+  packing of B itself (in 32x32 tiles B and Bᵀ quantize alike)."""
+  cuda = registry._load_cuda()[0]
+  k, n = 128, 96
+  w = _data((n, k), jnp.float32, seed=3)
+  per = 1 if fp8 else 2
+  t_data, t_scales = _run(_cpu(), kernels.mx_quantize_packed, w.T.copy(), np.uint32(0), fp8=fp8, block_2d=True)
+  want_data, want_scales = _run(_cpu(), kernels.mx_quantize_packed, w, np.uint32(0), fp8=fp8, block_2d=True)
+  got_data = np.full(n * (k // per), 0xAB, np.uint8)
+  got_scales = np.full(n * (k // 32), 0xAB, np.uint8)
+  cuda.transpose_tiles(np.ascontiguousarray(t_data).reshape(-1), np.ascontiguousarray(t_scales).reshape(-1), k, n,
+                       got_data, got_scales, per_byte=per, block=32)
+  np.testing.assert_array_equal(got_data.reshape(n, k // per), want_data)
+  np.testing.assert_array_equal(got_scales.reshape(n, k // 32), want_scales)
