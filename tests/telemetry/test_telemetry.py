@@ -256,12 +256,17 @@ def test_kept_blocks_record_nothing(tmp_path):
   assert sorted({r["block"] for r in records}) == [1, 2, 3, 4]
 
 
-def test_native_backend_records_the_same_statistics(tmp_path):
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8"])
+def test_native_backend_records_the_same_statistics(tmp_path, fmt):
+  """The packed forms measure what the emulated forms do: NVFP4's packed quantizer from its own pass, the MX
+  formats' from the quantizer's twin in recorded steps (the packed MX quantizer has no measuring form)."""
   w, x, t = _data()
-  _, emulated = _run(tmp_path / "emulate", _linear_step(), (w, x, t), backend="emulate", stochastic_rounding=False)
-  _, native = _run(tmp_path / "native", _linear_step(), (w, x, t), backend="native", stochastic_rounding=False)
+  options = dict(stochastic_rounding=False, format=fmt)
+  _, emulated = _run(tmp_path / "emulate", _linear_step(), (w, x, t), backend="emulate", **options)
+  _, native = _run(tmp_path / "native", _linear_step(), (w, x, t), backend="native", **options)
   key = lambda r: (r["role"], r["operand"])  # noqa: E731
-  assert sorted(map(key, native)) == sorted(map(key, emulated))
+  assert sorted(map(key, native)) == sorted(map(key, emulated)) and len(native) == 6
+  assert {r["format"] for r in native} == {fmt}
   for a in native:
     b = next(r for r in emulated if key(r) == key(a))
     for field in ("amax", "s_dec", "underflow", "scale_underflow"):

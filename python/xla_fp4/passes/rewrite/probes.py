@@ -45,6 +45,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
+from xla_fp4.numerics import kernel_twins
 from xla_fp4.numerics import telemetry as stats
 from xla_fp4.passes.analysis.records import Role
 from xla_fp4.passes.policy import Operand
@@ -270,7 +271,11 @@ class Probes:
     for m in measures:
       recipe = dict(block_2d=m.recipe.block_2d, rht=m.recipe.rht, rht_seed=self.seed)
       if m.recipe.format != "nvfp4":  # an MX format: q·scale and no tensor scale (numerics/telemetry.py)
-        rows.append(self.twins.call(stats.mx_operand_stats, [m.x, m.q], [_row_type()], axis=m.axis,
+        q = m.q
+        if q is None:  # the packed form holds codes: the same q·scale from the quantizer's twin, in recorded steps
+          q = self.twins.call(kernel_twins.mx_qdq, [m.x, m.key], [m.x.type], axis=m.axis,
+                              stochastic=m.recipe.stochastic, fp8=m.recipe.format == "mxfp8", **recipe)[0]
+        rows.append(self.twins.call(stats.mx_operand_stats, [m.x, q], [_row_type()], axis=m.axis,
                                     fmt=m.recipe.format, **recipe)[0])
       elif m.groups is not None:
         rows.append(self.twins.call(stats.sliced_stats, [m.x, m.q, m.s_dec], [_row_type()], groups=m.groups,
