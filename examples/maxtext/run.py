@@ -212,16 +212,16 @@ NATIVE_STEP0_TOLERANCE = 0.002
 NATIVE_TOLERANCE = 0.02
 
 
-def native_run(python, name, work, steps, sharded):
-  """The NVFP4 run with XLA_FP4_BACKEND=native beside the emulate backend's, both with nearest rounding: (summary,
-  violations). Their losses must match; sharded, the native train step must run FP4 GEMMs and keep issue 8's
-  targets."""
+def native_run(python, name, work, steps, sharded, fmt=None):
+  """The quantized run (NVFP4, or XLA_FP4_FORMAT `fmt`) with XLA_FP4_BACKEND=native beside the emulate backend's, both
+  with nearest rounding: (summary, violations). Their losses must match; sharded, the native train step must run
+  packed GEMMs (the FP4 GEMM, or the MX formats') and keep issue 8's targets."""
   runs = {}
   for backend in ("emulate", "native"):
     dump = work / f"dump_{backend}_nearest"
     dump.mkdir(parents=True, exist_ok=True)
     runs[backend] = train(python, f"{name}_fp4_{backend}_nearest", CONFIGS[name], steps, True, dump,
-                          work / f"fp4_{backend}_nearest.log", sharded, backend=backend, nearest=True)
+                          work / f"fp4_{backend}_nearest.log", sharded, backend=backend, nearest=True, fmt=fmt)
     if runs[backend]["returncode"] != 0 or len(runs[backend]["losses"]) != steps:
       return dict(log=runs[backend]["log"]), [f"the {backend} run with nearest rounding failed: {runs[backend]['log']}"]
   run, emulate = runs["native"], runs["emulate"]
@@ -237,7 +237,7 @@ def native_run(python, name, work, steps, sharded):
     out["per_device_cost"], more = sharded_cost(python, work / "dump_native_nearest", base_dump_dir=work / "dump")
     bad += more
     if out["per_device_cost"] and not out["per_device_cost"]["packed_gemms"]:
-      bad.append("the sharded native train step runs no FP4 GEMM")
+      bad.append("the sharded native train step runs no packed GEMM")
   return out, bad
 
 
@@ -435,7 +435,7 @@ def main(argv=None):
         entry["one_device"], bad = one_device_check(python, name, work)
         entry["policy_violations"] += bad
       if args.native:
-        entry["native"], bad = native_run(python, name, work, args.steps, sharded)
+        entry["native"], bad = native_run(python, name, work, args.steps, sharded, args.format)
         entry["policy_violations"] += bad
       if args.telemetry:
         entry["telemetry"], bad = telemetry_run(python, name, nvfp4, work, args.steps, sharded)
