@@ -224,12 +224,13 @@ enum class RhtAlong { kNone, kRows, kCols };
 
 struct View {
   int64_t lines, cols;
+  bool k_along_cols;  // K runs along the view's rows (the axis is the last one), else down its columns
   int64_t tiles() const { return (lines + kBlock - 1) / kBlock * ((cols + kBlock - 1) / kBlock); }
 };
 
 inline View ViewOf(const Geometry& g, Blocks blocks) {
-  if (blocks == Blocks::kRow) return {g.size() / kBlock, kBlock};
-  return g.axis_last() ? View{g.outer, g.k} : View{g.outer * g.k, g.inner};
+  if (blocks == Blocks::kRow) return {g.size() / kBlock, kBlock, true};
+  return g.axis_last() ? View{g.outer, g.k, true} : View{g.outer * g.k, g.inner, false};
 }
 
 // Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would.
@@ -305,17 +306,52 @@ inline int BlockOf(int i, int j) {
   return kBlocks == Blocks::kRow ? i : (kBlocks == Blocks::kCol ? j : 0);
 }
 
+// Four Over Six (arXiv 2512.02010; numerics/nvfp4.py _four_over_six): the E4M3 code of each block (16x16 tile) that
+// decodes it with the smaller sum of squared errors, its scale to 6 or its scale to 4 (a tie keeps 6). The errors of a
+// block are summed by halves over its 16 elements along K and, for a tile, over its 16 blocks, as the twin sums them;
+// both candidates round with the same random bits. v: the tile as loaded (a partial tile's padding is zero and adds
+// no error).
+template <Blocks kBlocks, bool kStochastic>
+inline void ChooseFourOverSix(const float (&v)[kBlock][kBlock], const uint32_t (&am)[kBlock], const View& view,
+                              const TilePos& p, const TensorParams& tensor, uint8_t (&code)[kBlock]) {
+  float sse[2][kBlock];
+  BlockScale scales[2][kBlock];
+  for (int b = 0; b < kBlock; ++b) {
+    scales[0][b] = MakeBlockScale(AmaxFromBits(am[b]), tensor.scale);
+    scales[1][b] = MakeBlockScaleToFour(AmaxFromBits(am[b]), tensor.scale);
+  }
+  for (int c = 0; c < 2; ++c) {
+    alignas(64) float e[kBlock][kBlock];  // e[line of 16 along K][element]
+    for (int i = 0; i < kBlock; ++i) {
+      const uint32_t index0 = static_cast<uint32_t>(p.base + i * view.cols);
+      for (int j = 0; j < kBlock; ++j) {
+        const float u =
+            kStochastic ? UniformFromBits(RandomBits(tensor.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
+        const float err = SquaredError(v[i][j], scales[c][BlockOf<kBlocks>(i, j)], tensor.scale.s_dec, kStochastic, u);
+        (view.k_along_cols ? e[i][j] : e[j][i]) = err;
+      }
+    }
+    for (int l = 0; l < kBlock; ++l) sse[c][l] = TreeSum16(e[l]);
+    if constexpr (kBlocks == Blocks::kTile) {
+      const float tile = TreeSum16(sse[c]);
+      for (int l = 0; l < kBlock; ++l) sse[c][l] = tile;
+    }
+  }
+  // A line of 16 along K is block BlockOf's index: kRow's lines, kCol's columns (e transposed), a tile's one block.
+  for (int b = 0; b < kBlock; ++b) code[b] = sse[1][b] < sse[0][b] ? scales[1][b].code : scales[0][b].code;
+}
+
 // The one tile walker of the quantizing kernels: loads tiles [t_begin, t_end) of `view` (the RHT applied), measures
 // each block's amax, makes its E4M3 scale and quantizes every element to its E2M1 value q, which with kDecode becomes
 // q * scale * decode_scale in the same loop (where it vectorizes; a compile-time choice, as a run-time one stops the
 // stochastic loop from vectorizing), then hands the tile to sink(p, v, code) with code[b] the E4M3 code of block b
-// (BlockOf<kBlocks>).
+// (BlockOf<kBlocks>). With `four_over_six` each block's code is ChooseFourOverSix's.
 template <Blocks kBlocks, bool kStochastic, RhtAlong kRht, bool kDecode, typename T, typename Sink>
 // flatten: with the sink inlined by request only, GCC left the stochastic variant 20% slower (measured).
 XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, const View& view,
                                                                  const TensorParams& tensor, const float* sign_quarter,
-                                                                 float decode_scale, int64_t t_begin, int64_t t_end,
-                                                                 Sink&& sink) {
+                                                                 float decode_scale, bool four_over_six,
+                                                                 int64_t t_begin, int64_t t_end, Sink&& sink) {
   alignas(64) float v[kBlock][kBlock];
   alignas(64) uint32_t am[kBlock];
   alignas(64) float inv[kBlock], scale[kBlock];
@@ -349,7 +385,11 @@ XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, co
       }
     }
     // MakeBlockScale, split in two loops of fixed trip count that vectorize.
-    for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * tensor.scale.s_enc_over_6);
+    if (four_over_six) {
+      ChooseFourOverSix<kBlocks, kStochastic>(v, am, view, p, tensor, code);
+    } else {
+      for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * tensor.scale.s_enc_over_6);
+    }
     for (int b = 0; b < kBlock; ++b) {
       scale[b] = E4M3Decode(code[b]);
       const float denom = FlushSubnormal(scale[b] * tensor.scale.s_dec);
@@ -408,7 +448,7 @@ void ForEachQuantizedTile(ffi::ThreadPool& pool, const T* x, const Geometry& g, 
   auto run = [&](auto blocks_c, auto stochastic, auto along) {
     ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
       QuantizeTiles<decltype(blocks_c)::value, decltype(stochastic)::value, decltype(along)::value, kDecode>(
-          x, view, tensor, sq, decode_scale, begin, end,
+          x, view, tensor, sq, decode_scale, r.four_over_six, begin, end,
           [&](const TilePos& p, float (&v)[kBlock][kBlock], const uint8_t* code) { sink(blocks_c, view, p, v, code); });
     });
     return 0;

@@ -7,18 +7,22 @@
 #include <cstdint>
 
 // A(type, name): each target's attributes, in the order of its handlers' parameters.
-#define XLA_FP4_QDQ_ATTRIBUTES(A) \
-  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, apply_global_scale)
+// four_over_six: each block's scale to 4 or to 6, whichever decodes it better (arXiv 2512.02010; numerics/nvfp4.py);
+// the quantizers that measure s_dec themselves take amax / 1536 with it.
+#define XLA_FP4_QDQ_ATTRIBUTES(A)                                                                                   \
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, apply_global_scale) \
+  A(bool, four_over_six)
 #define XLA_FP4_QDQ_AND_STATS_ATTRIBUTES(A) \
-  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
-#define XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES(A) \
-  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt)
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, four_over_six)
+#define XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES(A)                                                                 \
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(int64_t, salt) \
+  A(bool, four_over_six)
 #define XLA_FP4_RHT_ATTRIBUTES(A) A(int64_t, axis) A(int64_t, rht_seed)
 // digest: a second result, uint32 shaped like the maxima: each block's wrapping sum of its elements' bits (16-bit
 // floats zero-extended), whose sum is x's digest (the stochastic-rounding key's), read in the same pass over x.
 #define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed) A(bool, digest)
 #define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) \
-  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed)
+  A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, four_over_six)
 // emulate: how XLA's partitioner runs the GEMM on shards (sharding/partition.py): the dequantized operands through
 // XLA's dot (the emulate backend of a partitioned program) instead of the FP4 GEMM. The handlers compute the same
 // numbers either way. b_transposed: b is given as B's transpose packed along N, b_data (K, N/2) and b_scales

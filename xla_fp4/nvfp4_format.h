@@ -25,6 +25,8 @@ inline constexpr float kGlobalScaleDivisor = kE2M1Max * kE4M3Max;  // s_dec = am
 // s_dec is computed as amax * (1 / 2688) rounded to float32, which is what XLA makes of a division by a constant; every
 // implementation (kernels, pure-JAX reference, the pass) uses this one form so that they agree bit for bit.
 inline constexpr float kInvGlobalScaleDivisor = 1.0f / kGlobalScaleDivisor;
+// Four Over Six (arXiv 2512.02010) takes E4M3's range as 256, so that 1.5 times any block scale fits: amax / 1536.
+inline constexpr float kInvFourOverSixDivisor = 1.0f / (6.0f * 256.0f);
 // np.float32(1/6): the reference multiplies by this constant rather than dividing by 6.
 inline constexpr float kInvE2M1Max = 0x1.555556p-3f;
 inline constexpr int kScaleTileRows = 128;  // cuBLASLt's swizzled scale tile: 128 rows x 4 blocks
@@ -222,12 +224,15 @@ struct RhtSigns {
 };
 
 // How one call quantizes, from its attributes (python/xla_fp4/kernels/__init__.py): 16x16 tiles or 1x16 blocks, stochastic or
-// nearest rounding, the RHT along the axis or none. The CPU and the CUDA kernels take it alike (by value on a GPU).
+// nearest rounding, the RHT along the axis or none, and NVFP4's block scales to 6 or (Four Over Six) to 4 or 6. The CPU
+// and the CUDA kernels take it alike (by value on a GPU).
 struct Recipe {
   bool block_2d, stochastic, rht;
   RhtSigns signs;
-  Recipe(bool block_2d, bool stochastic, bool rht, int64_t rht_seed)
-      : block_2d(block_2d), stochastic(stochastic), rht(rht), signs(static_cast<uint32_t>(rht_seed)) {}
+  bool four_over_six;
+  Recipe(bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool four_over_six = false)
+      : block_2d(block_2d), stochastic(stochastic), rht(rht), signs(static_cast<uint32_t>(rht_seed)),
+        four_over_six(four_over_six) {}
   const RhtSigns* rht_signs() const { return rht ? &signs : nullptr; }
 };
 
@@ -240,9 +245,11 @@ XLA_FP4_HOST_DEVICE inline uint32_t MagnitudeBits(float v) {
   return a < 0x7F800000u ? a : 0x7F800000u;
 }
 
-// The global decode scale of a tensor whose amax (as MagnitudeBits) is `amax_bits`.
-XLA_FP4_HOST_DEVICE inline float GlobalDecodeScale(uint32_t amax_bits) {
-  return FlushSubnormal(FloatOf(amax_bits) * kInvGlobalScaleDivisor);  // a subnormal s_dec: the tensor encodes zeros
+// The global decode scale of a tensor whose amax (as MagnitudeBits) is `amax_bits`: amax / 2688, or amax / 1536 for
+// Four Over Six.
+XLA_FP4_HOST_DEVICE inline float GlobalDecodeScale(uint32_t amax_bits, bool four_over_six = false) {
+  const float inverse = four_over_six ? kInvFourOverSixDivisor : kInvGlobalScaleDivisor;
+  return FlushSubnormal(FloatOf(amax_bits) * inverse);  // a subnormal s_dec: the tensor encodes zeros
 }
 
 // Per-tensor constants derived from the global decode scale s_dec.
@@ -265,14 +272,24 @@ struct BlockScale {
   bool zero;        // scale * s_dec == 0: the block encodes zeros
 };
 
-XLA_FP4_HOST_DEVICE inline BlockScale MakeBlockScale(float block_amax, TensorScale t) {
+XLA_FP4_HOST_DEVICE inline BlockScale BlockScaleOfCode(uint8_t code, TensorScale t) {
   BlockScale b;
-  b.code = E4M3Encode(block_amax * t.s_enc_over_6);
-  b.scale = E4M3Decode(b.code);
+  b.code = code;
+  b.scale = E4M3Decode(code);
   const float denom = FlushSubnormal(b.scale * t.s_dec);  // 1 / a subnormal overflows
   b.inv_denom = 1.0f / denom;
   b.zero = denom == 0.0f;
   return b;
+}
+
+// The block scale that maps the block's largest magnitude to 6, E4M3-rounded.
+XLA_FP4_HOST_DEVICE inline BlockScale MakeBlockScale(float block_amax, TensorScale t) {
+  return BlockScaleOfCode(E4M3Encode(block_amax * t.s_enc_over_6), t);
+}
+
+// Four Over Six's other candidate: the scale that maps it to 4 (1.5 times the scale to 6, before the E4M3 rounding).
+XLA_FP4_HOST_DEVICE inline BlockScale MakeBlockScaleToFour(float block_amax, TensorScale t) {
+  return BlockScaleOfCode(E4M3Encode(block_amax * t.s_enc_over_6 * 1.5f), t);
 }
 
 // E2M1 value of x in its block; `u` is used only when `stochastic`.
@@ -285,6 +302,22 @@ XLA_FP4_HOST_DEVICE inline float QuantizeElement(float x, BlockScale b, bool sto
 // (q * scale) * s_dec: the first product is exact, so there is one rounding.
 XLA_FP4_HOST_DEVICE inline float DecodeElement(float q, float scale, float s_dec) {
   return FlushSubnormal((q * scale) * s_dec);
+}
+
+// Four Over Six's measure of a candidate scale: the squared error of x's element decoded with it.
+XLA_FP4_HOST_DEVICE inline float SquaredError(float x, BlockScale b, float s_dec, bool stochastic, float u) {
+  const float e = x - DecodeElement(QuantizeElement(x, b, stochastic, u), b.scale, s_dec);
+  return e * e;
+}
+
+// The sum of 16 values by halves, (v0 + v8) + (v4 + v12) ..., as numerics/nvfp4.py _tree_sum adds them.
+XLA_FP4_HOST_DEVICE inline float TreeSum16(const float* v) {
+  float a[kBlock];
+  for (int l = 0; l < kBlock; ++l) a[l] = v[l];
+  for (int width = kBlock / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) a[l] += a[l + width];
+  }
+  return a[0];
 }
 
 // ---- the OCP MX formats (numerics/mx.py): E2M1 or E4M3 elements, an E8M0 (power of two) scale per 32 ----

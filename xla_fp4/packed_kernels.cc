@@ -232,7 +232,8 @@ void RaggedGemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const ui
 // stats: null, or (telemetry) the statistics row and the step, -1 where it is not recorded.
 ffi::Error QuantizePackedCommon(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& s_dec, ffi::AnyBuffer& key,
                                 ffi::AnyBuffer& data, ffi::AnyBuffer& scales, ffi::AnyBuffer* stats, int32_t step,
-                                int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+                                int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
+                                bool four_over_six) {
   Geometry g;
   if (ffi::Error e = CheckQuantizePacked(x, &s_dec, key, data, scales, axis, stochastic, rht_seed, &g); e.failure()) {
     return e;
@@ -247,7 +248,7 @@ ffi::Error QuantizePackedCommon(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::A
     std::fill_n(row, telemetry::kNumFields, 0.0f);
     if (step < 0) row = nullptr;  // not a recorded step: zeros
   }
-  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
   const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
                                                *static_cast<const uint32_t*>(key.untyped_data()));
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
@@ -268,9 +269,9 @@ ffi::Error QuantizePackedCommon(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::A
 
 ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                              ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
-                             bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+                             bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool four_over_six) {
   return QuantizePackedCommon(pool, x, s_dec, key, *data, *scales, nullptr, -1, axis, block_2d, stochastic, rht,
-                              rht_seed);
+                              rht_seed, four_over_six);
 }
 
 // Telemetry's xla_fp4_quantize_packed (the native forms' quantizer; x may be a shard): the same codes and scales, and
@@ -278,9 +279,9 @@ ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 ffi::Error QuantizePackedStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                                   ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> data,
                                   ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stats, int64_t axis,
-                                  bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+                                  bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool four_over_six) {
   return QuantizePackedCommon(pool, x, s_dec, key, *data, *scales, &*stats, step.typed_data()[0], axis, block_2d,
-                              stochastic, rht, rht_seed);
+                              stochastic, rht, rht_seed, four_over_six);
 }
 
 ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,

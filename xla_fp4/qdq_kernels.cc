@@ -242,7 +242,7 @@ void MxQdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const
 
 ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                   ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht,
-                  int64_t rht_seed, bool apply_global_scale) {
+                  int64_t rht_seed, bool apply_global_scale, bool four_over_six) {
   Geometry g;
   if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
                                  CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
@@ -250,7 +250,7 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
       e.failure()) {
     return e;
   }
-  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
   const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
                                                *static_cast<const uint32_t*>(key.untyped_data()));
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
@@ -266,7 +266,8 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
 // zeros otherwise.
 ffi::Error QdqAndStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                           ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> stats,
-                          int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+                          int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
+                          bool four_over_six) {
   Geometry g;
   if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
                                  CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
@@ -276,7 +277,7 @@ ffi::Error QdqAndStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       e.failure()) {
     return e;
   }
-  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
   const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
                                                *static_cast<const uint32_t*>(key.untyped_data()));
   float* row = static_cast<float*>(stats->untyped_data());
@@ -301,12 +302,13 @@ ffi::Error QdqAndStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // traffic close to the baseline's.
 ffi::Error QdqWithScaleImpl(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer& y, ffi::AnyBuffer& s_dec,
                             float* stats_row, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-                            int64_t salt);
+                            int64_t salt, bool four_over_six);
 
 ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> s_dec, int64_t axis, bool block_2d, bool stochastic, bool rht,
-                           int64_t rht_seed, int64_t salt) {
-  return QdqWithScaleImpl(pool, x, *y, *s_dec, nullptr, axis, block_2d, stochastic, rht, rht_seed, salt);
+                           int64_t rht_seed, int64_t salt, bool four_over_six) {
+  return QdqWithScaleImpl(pool, x, *y, *s_dec, nullptr, axis, block_2d, stochastic, rht, rht_seed, salt,
+                          four_over_six);
 }
 
 // Telemetry's xla_fp4_qdq_with_scale: the same results, and in a recorded step (step >= 0) the statistics of the
@@ -314,7 +316,7 @@ ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<f
 ffi::Error QdqWithScaleStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> step,
                                 ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> s_dec,
                                 ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic,
-                                bool rht, int64_t rht_seed, int64_t salt) {
+                                bool rht, int64_t rht_seed, int64_t salt, bool four_over_six) {
   if (ffi::Error e = CheckStatsRow(stats->element_count(), stats->element_type(), "xla_fp4_qdq_with_scale_stats");
       e.failure()) {
     return e;
@@ -322,12 +324,12 @@ ffi::Error QdqWithScaleStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buf
   float* row = static_cast<float*>(stats->untyped_data());
   std::fill_n(row, telemetry::kNumFields, 0.0f);
   return QdqWithScaleImpl(pool, x, *y, *s_dec, step.typed_data()[0] >= 0 ? row : nullptr, axis, block_2d, stochastic,
-                          rht, rht_seed, salt);
+                          rht, rht_seed, salt, four_over_six);
 }
 
 ffi::Error QdqWithScaleImpl(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer& y, ffi::AnyBuffer& s_dec,
                             float* stats_row, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-                            int64_t salt) {
+                            int64_t salt, bool four_over_six) {
   Geometry g;
   if (ffi::Error e = FirstError({CheckQdq(x, y, axis, stochastic, rht_seed, &g),
                                  CheckScalar(s_dec, ffi::DataType::F32, "the s_dec result"),
@@ -335,12 +337,12 @@ ffi::Error QdqWithScaleImpl(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuf
       e.failure()) {
     return e;
   }
-  const Recipe recipe(block_2d, stochastic, rht, rht_seed);
+  const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
     const TensorStats stats = MeasureTensor(pool, xp, g, recipe.rht_signs(), stochastic);
-    const float scale = GlobalDecodeScale(stats.amax_bits);
+    const float scale = GlobalDecodeScale(stats.amax_bits, recipe.four_over_six);
     const uint32_t key = (stochastic ? stats.digest : 0u) ^ static_cast<uint32_t>(salt);
     *static_cast<float*>(s_dec.untyped_data()) = scale;
     T* yp = static_cast<T*>(y.untyped_data());

@@ -498,3 +498,28 @@ def test_mx_tile_transpose_matches_the_packing_of_b(gpu, fp8):
                        got_data, got_scales, per_byte=per, block=32)
   np.testing.assert_array_equal(got_data.reshape(n, k // per), want_data)
   np.testing.assert_array_equal(got_scales.reshape(n, k // 32), want_scales)
+
+
+@pytest.mark.parametrize("block_2d,stochastic,rht", [(False, False, False), (True, False, False), (False, True, True),
+                                                     (True, True, False)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_four_over_six_on_the_device_matches_the_cpu_kernels(gpu, dtype, block_2d, stochastic, rht):
+  """Four Over Six in the CUDA quantizers (a 16x16 tile's error sums over its half-warp by shuffles, in the twin's
+  order): xla_fp4_qdq_with_scale, xla_fp4_qdq and xla_fp4_quantize_packed bit for bit the CPU kernels, which the CPU
+  tests hold to the twins; on data where some blocks choose 4 and others 6."""
+  rng = np.random.default_rng(9)
+  n = 64 * 96
+  near_max = np.sign(rng.standard_normal(n)) * rng.uniform(0.7, 1.0, n)
+  x = np.array(jnp.asarray(np.where(np.arange(n) < n // 2, near_max, rng.standard_normal(n)).reshape(64, 96), dtype))
+  flags = dict(block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=RHT_SEED, four_over_six=True)
+  for axis in (-1, 0):
+    got = _run(gpu, kernels.qdq_with_scale, x, np.uint32(5), axis=axis, **flags)
+    want = _run(_cpu(), kernels.qdq_with_scale, x, np.uint32(5), axis=axis, **flags)
+    for g, w in zip(got, want):
+      assert_same_bits(g, w)
+    s_dec = want[1]
+    assert_same_bits(_run(gpu, kernels.qdq, x, s_dec, np.uint32(5), axis=axis, apply_global_scale=False, **flags),
+                     _run(_cpu(), kernels.qdq, x, s_dec, np.uint32(5), axis=axis, apply_global_scale=False, **flags))
+    packed = [_run(d, kernels.quantize_packed, x, s_dec, np.uint32(5), axis=axis % 2, **flags) for d in (gpu, _cpu())]
+    for g, w in zip(*packed):
+      np.testing.assert_array_equal(g, w)

@@ -17,6 +17,7 @@ X = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16)
 SCALAR_F32, SCALAR_U32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.uint32)
 SCALAR_I32 = jax.ShapeDtypeStruct((), jnp.int32)
 QUANTIZE = dict(block_2d=False, stochastic=True, rht=True, rht_seed=3)
+FOS = dict(four_over_six=True)  # NVFP4's quantizers' refinement (the twins take it as the kernels do)
 
 
 def _twin_results(target, operands, attrs):
@@ -28,12 +29,12 @@ def _twin_results(target, operands, attrs):
 
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_twins_return_what_the_records_say(axis):
-  cases = [(targets.QDQ, [X, SCALAR_F32, SCALAR_U32], dict(axis=axis, **QUANTIZE, apply_global_scale=False)),
-           (targets.QDQ_WITH_SCALE, [X], dict(axis=axis, **QUANTIZE, salt=5)),
+  cases = [(targets.QDQ, [X, SCALAR_F32, SCALAR_U32], dict(axis=axis, **QUANTIZE, apply_global_scale=False, **FOS)),
+           (targets.QDQ_WITH_SCALE, [X], dict(axis=axis, **QUANTIZE, salt=5, **FOS)),
            (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=False, rht_seed=0, digest=False)),
            (targets.BLOCK_AMAX, [X], dict(axis=axis, rht=True, rht_seed=0, digest=True)),
-           (targets.QDQ_WITH_SCALE_STATS, [X, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5)),
-           (targets.QDQ_AND_STATS, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE)),
+           (targets.QDQ_WITH_SCALE_STATS, [X, SCALAR_I32], dict(axis=axis, **QUANTIZE, salt=5, **FOS)),
+           (targets.QDQ_AND_STATS, [X, SCALAR_F32, SCALAR_U32, SCALAR_I32], dict(axis=axis, **QUANTIZE, **FOS)),
            (targets.OUTPUT_STATS, [X, SCALAR_I32], {}),
            (targets.MX_QDQ, [X, SCALAR_U32], dict(axis=axis, **QUANTIZE, fp8=True))]
   assert {t for t, _, _ in cases} == {t for t in targets.ALL if t.twin is not None}
@@ -94,7 +95,9 @@ def test_the_partitioner_covers_exactly_the_block_local_targets():
   with state.use(state.State()) as fresh:
     register.register()
   assert set(fresh.partitioners) == {t.name for t in targets.ALL if t.block_local or t.packed or t.side_effect}
-  assert packed.callbacks(targets.GEMM_PACKED)["partition"] is packed._partition_gemm
+  assert packed.callbacks(targets.GEMM_PACKED)["partition"].args == ("xla_fp4_gemm_packed",)
+  assert packed.callbacks(targets.MX_GEMM_PACKED)["partition"].args == ("xla_fp4_mx_gemm_packed",)
+  assert packed.PACKED["xla_fp4_mx_quantize_packed"].block == 32 and packed.PACKED["xla_fp4_quantize_packed"].block == 16
   assert packed.callbacks(targets.QUANTIZE_PACKED_STATS)["partition"].args == ("xla_fp4_quantize_packed_stats",)
 
 

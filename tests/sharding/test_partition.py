@@ -95,7 +95,8 @@ def test_per_shard_module_fixes_row_major_layouts():
   """The per-shard kernel call fixes its layouts like the pass's calls do (docs/design.md §5)."""
   shape = xc.Shape.array_shape(np.dtype(np.float32), (8, 32, 32))
   scalar, key = xc.Shape.array_shape(np.dtype(np.float32), ()), xc.Shape.array_shape(np.dtype(np.uint32), ())
-  attrs = dict(axis=2, block_2d=False, stochastic=True, rht=False, rht_seed=0, apply_global_scale=False)
+  attrs = dict(axis=2, block_2d=False, stochastic=True, rht=False, rht_seed=0, apply_global_scale=False,
+               four_over_six=False)
   bytecode = shards.kernel_module(kernels.QDQ_TARGET, attrs, [shape, scalar, key], shape, np.arange(8, dtype=np.uint32))
   with mlir.make_ir_context():
     assert len(kernel_calls_row_major(ir.Module.parse(bytecode))) == 1

@@ -105,10 +105,28 @@ __global__ void QuantizeKernel(const T* x, BlockGrid g, Recipe r, const float* s
   if (r.block_2d) {  // every lane takes part, active or not: the tile is the aligned half-warp
     for (int lane = 8; lane > 0; lane /= 2) amax = MaxNan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, lane));
   }
-  if (!b.active) return;
   const TensorScale ts = MakeTensorScale(*s_dec);
-  const BlockScale bs = MakeBlockScale(amax, ts);
   const uint32_t mixed_key = r.stochastic ? Mix32(*key) : 0u;
+  BlockScale bs = MakeBlockScale(amax, ts);
+  if (r.four_over_six) {  // every lane takes part, as above (an inactive lane's zeros add no error)
+    const BlockScale four = MakeBlockScaleToFour(amax, ts);
+    float sse[2];
+    for (int c = 0; c < 2; ++c) {
+      float e[kBlock];
+      for (int j = 0; j < kBlock; ++j) {
+        const float u =
+            r.stochastic && b.active ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(g.Offset(b, j))))
+                                     : 0.0f;
+        e[j] = SquaredError(v[j], c == 0 ? bs : four, ts.s_dec, r.stochastic, u);
+      }
+      sse[c] = TreeSum16(e);
+      if (r.block_2d) {  // the tile's sum over its blocks (lanes) by halves, as numerics/nvfp4.py _four_over_six
+        for (int lane = 8; lane > 0; lane /= 2) sse[c] += __shfl_xor_sync(0xFFFFFFFFu, sse[c], lane);
+      }
+    }
+    if (sse[1] < sse[0]) bs = four;  // a tie keeps 6
+  }
+  if (!b.active) return;
   float q[kBlock];
   for (int j = 0; j < kBlock; ++j) {
     const float u = r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(g.Offset(b, j)))) : 0.0f;

@@ -66,12 +66,12 @@ __global__ void DequantizePackedKernel(const uint8_t* data, const uint8_t* scale
 // x (rows, K) with axis 1 or (K, rows) with axis 0; data and scales x's dims, K / 2 and K / 16; K a multiple of 16.
 ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
-                          bool block_2d, bool stochastic, bool rht, int64_t rht_seed) {
+                          bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool four_over_six) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, &s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
   const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
-  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed, four_over_six);
   const PackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data())};
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
@@ -89,14 +89,14 @@ ffi::Error QuantizePackedStats(cudaStream_t stream, ffi::ScratchAllocator scratc
                                ffi::AnyBuffer s_dec, ffi::AnyBuffer key, ffi::Buffer<ffi::S32> step,
                                ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales,
                                ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis, bool block_2d, bool stochastic,
-                               bool rht, int64_t rht_seed) {
+                               bool rht, int64_t rht_seed, bool four_over_six) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckQuantizePacked(x, &s_dec, key, *data, *scales, axis, stochastic, rht_seed, &shape));
   XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_quantize_packed_stats"));
   StatsAccumulators acc;
   XLA_FP4_RETURN_IF_ERROR(StatsAccumulators::Allocate(scratch, stream, &acc));
   const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
-  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed, four_over_six);
   const float* s = static_cast<const float*>(s_dec.untyped_data());
   const PackSink pack{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data())};
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {

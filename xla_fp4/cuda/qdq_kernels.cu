@@ -110,8 +110,9 @@ __global__ void MeasureKernel(const T* x, BlockGrid g, Recipe r, uint32_t* stats
 }
 
 // s_dec and the rounding key from the statistics, on the device: no host synchronization.
-__global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, uint32_t salt, float* s_dec, uint32_t* key) {
-  *s_dec = GlobalDecodeScale(stats[0]);
+__global__ void FinishScaleKernel(const uint32_t* stats, bool stochastic, bool four_over_six, uint32_t salt,
+                                  float* s_dec, uint32_t* key) {
+  *s_dec = GlobalDecodeScale(stats[0], four_over_six);
   *key = (stochastic ? stats[1] : 0u) ^ salt;
 }
 
@@ -143,7 +144,7 @@ ffi::Error MxQdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer key, ffi:
 
 ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
                ffi::Result<ffi::AnyBuffer> y, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-               bool apply_global_scale) {
+               bool apply_global_scale, bool four_over_six) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, *y, axis, stochastic, rht_seed, &shape));
   const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
@@ -151,7 +152,7 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(key, ffi::U32, "key"));
   const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
   if (g.Threads() == 0) return ffi::Error::Success();
-  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed, four_over_six);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
@@ -165,27 +166,30 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
 // With `step` (telemetry), also the statistics of the quantization into `row`, in a recorded step.
 ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer x, ffi::AnyBuffer& y,
                             ffi::Buffer<ffi::F32>& s_dec, const int32_t* step, float* row, int64_t axis,
-                            bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt);
+                            bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt,
+                            bool four_over_six);
 
 ffi::Error QdqWithScale(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> s_dec, int64_t axis,
-                        bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
+                        bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt, bool four_over_six) {
   return QdqWithScaleImpl(stream, scratch, x, *y, *s_dec, nullptr, nullptr, axis, block_2d, stochastic, rht, rht_seed,
-                          salt);
+                          salt, four_over_six);
 }
 
 ffi::Error QdqWithScaleStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                              ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y,
                              ffi::Result<ffi::Buffer<ffi::F32>> s_dec, ffi::Result<ffi::Buffer<ffi::F32>> stats,
-                             int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
+                             int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt,
+                             bool four_over_six) {
   XLA_FP4_RETURN_IF_ERROR(CheckStatsRow(stats->element_count(), ffi::F32, "xla_fp4_qdq_with_scale_stats"));
   return QdqWithScaleImpl(stream, scratch, x, *y, *s_dec, step.typed_data(), stats->typed_data(), axis, block_2d,
-                          stochastic, rht, rht_seed, salt);
+                          stochastic, rht, rht_seed, salt, four_over_six);
 }
 
 ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::AnyBuffer x, ffi::AnyBuffer& y,
                             ffi::Buffer<ffi::F32>& s_dec, const int32_t* step, float* row, int64_t axis,
-                            bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt) {
+                            bool block_2d, bool stochastic, bool rht, int64_t rht_seed, int64_t salt,
+                            bool four_over_six) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, y, axis, stochastic, rht_seed, &shape));
   const int64_t outer = shape.outer, k = shape.k, inner = shape.inner;
@@ -198,7 +202,7 @@ ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch,
   XLA_FP4_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(stats, 0, 4 * sizeof(uint32_t), stream), "cudaMemsetAsync"));
   StatsAccumulators acc;  // telemetry
   if (step != nullptr) XLA_FP4_RETURN_IF_ERROR(StatsAccumulators::Allocate(scratch, stream, &acc));
-  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed, four_over_six);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x.untyped_data());
@@ -207,8 +211,8 @@ ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch,
       MeasureKernel<<<GridSize(measured.Threads()), kThreadsPerBlock, 0, stream>>>(xp, measured, r, stats);
       XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale measure kernel"));
     }
-    FinishScaleKernel<<<1, 1, 0, stream>>>(stats, stochastic, static_cast<uint32_t>(salt), s_dec.typed_data(),
-                                           stats + 2);
+    FinishScaleKernel<<<1, 1, 0, stream>>>(stats, stochastic, four_over_six, static_cast<uint32_t>(salt),
+                                           s_dec.typed_data(), stats + 2);
     XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale scale kernel"));
     const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
     const DequantizeSink<T> dequantize{static_cast<T*>(y.untyped_data()), false};
@@ -233,7 +237,7 @@ ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch,
 ffi::Error QdqAndStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer s_dec,
                        ffi::AnyBuffer key, ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y,
                        ffi::Result<ffi::Buffer<ffi::F32>> stats, int64_t axis, bool block_2d, bool stochastic,
-                       bool rht, int64_t rht_seed) {
+                       bool rht, int64_t rht_seed, bool four_over_six) {
   AxisShape shape;
   XLA_FP4_RETURN_IF_ERROR(CheckQdq(x, *y, axis, stochastic, rht_seed, &shape));
   XLA_FP4_RETURN_IF_ERROR(CheckScalar(s_dec, ffi::F32, "s_dec"));
@@ -242,7 +246,7 @@ ffi::Error QdqAndStats(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::
   StatsAccumulators acc;
   XLA_FP4_RETURN_IF_ERROR(StatsAccumulators::Allocate(scratch, stream, &acc));
   const BlockGrid g = BlockGrid::Make(shape.outer, shape.k, shape.inner, block_2d);
-  const Recipe r(block_2d, stochastic, rht, rht_seed);
+  const Recipe r(block_2d, stochastic, rht, rht_seed, four_over_six);
   const float* s = static_cast<const float*>(s_dec.untyped_data());
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);

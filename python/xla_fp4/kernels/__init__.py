@@ -13,23 +13,27 @@ Custom-call contract (for code that emits `stablehlo.custom_call` itself, like t
 must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` emits such a call.
 
   xla_fp4_qdq(x: f32|bf16|f16[...], s_dec: f32[], key: u32[]) -> x's type
-      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, apply_global_scale: bool
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, apply_global_scale: bool,
+      four_over_six: bool
       == numerics qdq of (rht(x) if rht else x) with global_scale=s_dec and the key's random bits; the result stays in
       the RHT space. s_dec = amax / (6 * 448), amax taken after the RHT when rht is on. With apply_global_scale
       false the result is q * scale (exact), the operand of an emulated GEMM that folds s_dec into its output.
-      With stochastic false the key is not read (the pass passes a value there that orders the call).
+      With stochastic false the key is not read (the pass passes a value there that orders the call). With
+      four_over_six each block (16x16 tile) takes its scale to 4 or to 6, whichever decodes it with the smaller sum of
+      squared errors (numerics.nvfp4 _four_over_six: both candidates rounded with the same bits, sums by halves).
   xla_fp4_qdq_with_scale(x: f32|bf16|f16[...]) -> (x's type, s_dec: f32[])
-      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, salt: i64
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, salt: i64, four_over_six: bool
       measures x itself and then runs xla_fp4_qdq with apply_global_scale false: s_dec = amax * f32(1 / 2688), amax
       = max |rht(x) if rht else x| with NaN counted as +Inf; key = salt, xor'ed with the wrapping uint32 sum of x's
-      element bits when stochastic (numerics.tensor_digest), so that the rounding differs every step. For tensors
+      element bits when stochastic (numerics.tensor_digest), so that the rounding differs every step; with
+      four_over_six s_dec = amax * f32(1 / 1536). For tensors
       that are whole on one device: a partitioned program needs the global amax, i.e. a reduction XLA can partition.
   xla_fp4_qdq_with_scale_stats(x: f32|bf16|f16[...], step: i32[]) -> (x's type, s_dec: f32[], stats: f32[11])
       attrs as xla_fp4_qdq_with_scale's: its results, and where step >= 0 the statistics of that quantization
       (numerics/telemetry.py FIELDS: counts exactly, energies to float rounding) from the same pass over x, else
       zeros, reading nothing more                                       (== numerics.telemetry.qdq_with_scale_stats)
   xla_fp4_qdq_and_stats(x: f32|bf16|f16[...], s_dec: f32[], key: u32[], step: i32[]) -> (x's type, f32[11])
-      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, four_over_six: bool
       xla_fp4_qdq's result with apply_global_scale false, and where step >= 0 the statistics of that quantization of
       x from the same pass, else zeros (== numerics.telemetry.qdq_and_stats). Block-local: a partitioned program's
       quantizer with telemetry, x a shard (sharding/partition.py: the row per device).
@@ -44,7 +48,8 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
       digests x's digest (numerics.tensor_digest).
   xla_fp4_quantize_packed(x: f32|bf16|f16[rows, K], s_dec: f32[], key: u32[])
       -> (data: u8[rows, K/2], scales: u8[rows, K/16])
-      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64     (== numerics.pack(quantize(...)))
+      attrs axis: i64, block_2d: bool, stochastic: bool, rht: bool, rht_seed: i64, four_over_six: bool
+                                                                                     (== numerics.pack(quantize(...)))
       axis 1; with axis 0 x is [K, rows] and data, scales u8[K/2, rows], u8[K/16, rows] (x's dims: the transposes),
       read as the program holds x (no K-major copy of x; stochastic rounding's bits follow positions in x).
   xla_fp4_quantize_packed_stats(x, s_dec, key, step: i32[]) -> (data, scales, f32[11])
@@ -166,11 +171,12 @@ def _call(target, operands, dtype=None, **attrs):
   return call(*operands, **typed)
 
 
-def qdq_and_stats(x, s_dec, key=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+def qdq_and_stats(x, s_dec, key=0, *, step=0, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0,
+                  four_over_six=False):
   """(xla_fp4_qdq's q * scale, the statistics row of that quantization) with the C++ kernel."""
   return _call(targets.QDQ_AND_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
                                        _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d, stochastic=stochastic,
-               rht=rht, rht_seed=rht_seed)
+               rht=rht, rht_seed=rht_seed, four_over_six=four_over_six)
 
 
 def output_stats(y, step=0):
@@ -188,11 +194,11 @@ def _scalar(value, dtype):
 
 
 def qdq(x, s_dec, key=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0,
-        apply_global_scale=True):
+        apply_global_scale=True, four_over_six=False):
   """Fake-quantize x (see the module docstring) with the C++ kernel; the result has x's shape and dtype."""
   return _call(targets.QDQ, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)], axis=axis,
                block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
-               apply_global_scale=apply_global_scale)
+               apply_global_scale=apply_global_scale, four_over_six=four_over_six)
 
 
 def mx_qdq(x, key=0, *, axis=-1, fp8=False, block_2d=False, stochastic=False, rht=False, rht_seed=0):
@@ -201,10 +207,11 @@ def mx_qdq(x, key=0, *, axis=-1, fp8=False, block_2d=False, stochastic=False, rh
                stochastic=stochastic, rht=rht, rht_seed=rht_seed, fp8=fp8)
 
 
-def qdq_with_scale(x, salt=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+def qdq_with_scale(x, salt=0, *, axis=-1, block_2d=False, stochastic=False, rht=False, rht_seed=0,
+                   four_over_six=False):
   """(q * scale in x's shape and dtype, s_dec) with s_dec and the rounding key measured from x (module docstring)."""
   return _call(targets.QDQ_WITH_SCALE, [jnp.asarray(x)], axis=axis, block_2d=block_2d, stochastic=stochastic,
-               rht=rht, rht_seed=rht_seed, salt=salt)
+               rht=rht, rht_seed=rht_seed, salt=salt, four_over_six=four_over_six)
 
 
 def rht(x, *, axis=-1, seed=0):
@@ -218,7 +225,8 @@ def block_amax(x, *, axis=-1, rht=False, rht_seed=0, digest=False):
   return _call(targets.BLOCK_AMAX, [jnp.asarray(x)], axis=axis, rht=rht, rht_seed=rht_seed, digest=digest)
 
 
-def quantize_packed(x, s_dec, key=0, *, axis=1, block_2d=False, stochastic=False, rht=False, rht_seed=0):
+def quantize_packed(x, s_dec, key=0, *, axis=1, block_2d=False, stochastic=False, rht=False, rht_seed=0,
+                    four_over_six=False):
   """x (rows, K) -> (data uint8 (rows, K/2), scales uint8 (rows, K/16)); see numerics.pack. With axis=0 x is
   (K, rows) and data and scales (K/2, rows), (K/16, rows): the transposes of the packed form of x.T (bit for bit,
   stochastic rounding aside, whose bits follow each element's position in x)."""
@@ -226,16 +234,17 @@ def quantize_packed(x, s_dec, key=0, *, axis=1, block_2d=False, stochastic=False
   if x.ndim != 2 or axis not in (0, 1):
     raise ValueError(f"quantize_packed takes a matrix and K's axis 0 or 1, got shape {x.shape} and axis {axis}")
   return _call(targets.QUANTIZE_PACKED, [x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)],
-               axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+               axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
+               four_over_six=four_over_six)
 
 
 def quantize_packed_stats(x, s_dec, key=0, *, step=0, axis=1, block_2d=False, stochastic=False, rht=False,
-                          rht_seed=0):
+                          rht_seed=0, four_over_six=False):
   """(data, scales, the statistics row of that quantization) with the C++ kernel: quantize_packed's results, and
   where step >= 0 what it did to x (numerics/telemetry.py FIELDS), else zeros."""
   return _call(targets.QUANTIZE_PACKED_STATS, [jnp.asarray(x), _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32),
                                                _scalar(step, jnp.int32)], axis=axis, block_2d=block_2d,
-               stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+               stochastic=stochastic, rht=rht, rht_seed=rht_seed, four_over_six=four_over_six)
 
 
 def dequantize_packed(data, scales, s_dec, *, dtype=jnp.float32):

@@ -22,6 +22,7 @@ from xla_fp4.numerics.formats import BLOCK
 from xla_fp4.numerics.mx import MX_BLOCK
 
 _QUANTIZE = {"block_2d": bool, "stochastic": bool, "rht": bool, "rht_seed": int}
+_FOUR_OVER_SIX = {"four_over_six": bool}  # NVFP4's quantizers: each block's scale to 4 or to 6 (ffi_targets.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,22 +176,24 @@ def _target(name, attributes, results, **kw):
 # Telemetry: the quantizers' forms that also measure what they do, in the same pass over x, and a GEMM output's zeros,
 # as FIELDS rows of numerics/telemetry.py; zeros, without measuring, where the step operand (int32) is -1.
 _ROW = lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((len(telemetry.FIELDS),), np.float32)]  # noqa: E731
-QDQ_WITH_SCALE_STATS = _target("xla_fp4_qdq_with_scale_stats", {"axis": int, **_QUANTIZE, "salt": int},
+QDQ_WITH_SCALE_STATS = _target("xla_fp4_qdq_with_scale_stats",
+                               {"axis": int, **_QUANTIZE, "salt": int, **_FOUR_OVER_SIX},
                                lambda operands, attrs, dtype: _with_scale(operands, attrs, dtype) + _ROW(
                                    operands, attrs, dtype), twin=telemetry.qdq_with_scale_stats,
                                twin_operands=("salt",), quantizes=True)
 # A partitioned program's quantizer with telemetry: xla_fp4_qdq's y (apply_global_scale false) and the row of what it
 # did to the shard it holds (zeros in an unrecorded step).
-QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE},
+QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE, **_FOUR_OVER_SIX},
                         lambda operands, attrs, dtype: _like_x(operands, attrs, dtype) + _ROW(operands, attrs, dtype),
                         twin=telemetry.qdq_and_stats,
                         block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True),
                         quantizes=True)
-QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool}, _like_x,
+QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool, **_FOUR_OVER_SIX}, _like_x,
               twin=kernel_twins.qdq, twin_fixed=(("apply_global_scale", False),),
               block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True), quantizes=True,
               with_stats=QDQ_AND_STATS)
-QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int}, _with_scale,
+QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int, **_FOUR_OVER_SIX},
+                         _with_scale,
                          twin=kernel_twins.qdq_with_scale, twin_operands=("salt",), quantizes=True,
                          with_stats=QDQ_WITH_SCALE_STATS)
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
@@ -205,11 +208,11 @@ MX_QDQ = _target("xla_fp4_mx_qdq", {"axis": int, **_QUANTIZE, "fp8": bool}, _lik
                  quantizes=True, block_local=BlockLocal(key_operand=1, takes_2d=True, block=MX_BLOCK))
 # The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to
 # the x (or shard) it holds, from the same pass (zeros in an unrecorded step).
-QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE},
+QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE, **_FOUR_OVER_SIX},
                                 lambda operands, attrs, dtype: _packed(operands, attrs, dtype) + _ROW(
                                     operands, attrs, dtype),
                                 packed=Packed("quantize", key_operand=2, device_stats=True), quantizes=True)
-QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE}, _packed,
+QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE, **_FOUR_OVER_SIX}, _packed,
                           packed=Packed("quantize", key_operand=2), quantizes=True,
                           with_stats=QUANTIZE_PACKED_STATS)
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)

@@ -23,7 +23,7 @@ def block_amax(x, *, axis, rht, rht_seed, digest):
 
 def qdq(x, s_dec, key, *, axis, block_2d, stochastic, rht, rht_seed, four_over_six=False):
   """xla_fp4_qdq with apply_global_scale false: q * scale of (rht(x) if rht else x), in x's dtype; `four_over_six`:
-  each block's scale to 4 or to 6 (nvfp4._encode; twins only so far)."""
+  each block's scale to 4 or to 6 (nvfp4._encode), as the kernels' attribute of that name."""
   x32 = x.astype(jnp.float32)
   if rht:
     x32 = rht_f32(x32, axis, rht_seed)

@@ -182,20 +182,22 @@ def sliced_stats(x, q, s_dec, *, groups, axis, block_2d, rht, rht_seed):
   return combine(rows)
 
 
-def qdq_stats(x, s_dec, step, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+def qdq_stats(x, s_dec, step, salt, *, axis, block_2d, stochastic, rht, rht_seed, four_over_six=False):
   """The row of x quantized as a GEMM's quantizer does with s_dec and the key it makes from `salt`
   (kernel_twins.stochastic_key); zeros where `step` is negative (not a recorded step). The probes' twin of a packed
   operand in a partitioned program without a Shardy mesh, whose statistics XLA partitions (passes/rewrite/probes.py)."""
   key = kernel_twins.stochastic_key(x, salt) if stochastic else salt
-  q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+  q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
+                       four_over_six=four_over_six)
   row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
   return jnp.where(step >= 0, row, 0)
 
 
-def qdq_and_stats(x, s_dec, key, step, *, axis, block_2d, stochastic, rht, rht_seed):
+def qdq_and_stats(x, s_dec, key, step, *, axis, block_2d, stochastic, rht, rht_seed, four_over_six=False):
   """The twin of xla_fp4_qdq_and_stats: kernel_twins.qdq's q·scale of x with s_dec and `key`, and the row of that
   quantization (zeros where `step` is negative); its row is also xla_fp4_quantize_packed_stats's."""
-  q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed)
+  q = kernel_twins.qdq(x, s_dec, key, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
+                       four_over_six=four_over_six)
   row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
   return q, jnp.where(step >= 0, row, 0)
 
@@ -205,11 +207,11 @@ def output_zeros(y):
   return jnp.zeros(len(FIELDS), jnp.float32).at[0].set(_count(y == 0)).at[1].set(jnp.float32(y.size))
 
 
-def qdq_with_scale_stats(x, step, salt, *, axis, block_2d, stochastic, rht, rht_seed):
+def qdq_with_scale_stats(x, step, salt, *, axis, block_2d, stochastic, rht, rht_seed, four_over_six=False):
   """The twin of xla_fp4_qdq_with_scale_stats: kernel_twins.qdq_with_scale's (q·scale, s_dec), and the statistics of
   that quantization (zeros where `step` is negative)."""
   q, s_dec = kernel_twins.qdq_with_scale(x, salt, axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht,
-                                         rht_seed=rht_seed)
+                                         rht_seed=rht_seed, four_over_six=four_over_six)
   row = operand_stats(x, q, s_dec, axis=axis, block_2d=block_2d, rht=rht, rht_seed=rht_seed)
   return q, s_dec, jnp.where(step >= 0, row, 0)
 

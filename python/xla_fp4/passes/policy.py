@@ -305,8 +305,8 @@ def _dense_only(d: Decision, grouped: bool) -> Optional[str]:
   """Why a decision runs the emulated dense GEMM whatever the backend, or None."""
   if d.decision is not Verdict.NVFP4 and grouped:
     return f"{d.decision} expert GEMMs run the emulated GEMM (the grouped FP4 GEMM is NVFP4's)"
-  if d.lhs.four_over_six:
-    return "Four Over Six runs the emulated GEMM (no kernel or FP4 GEMM takes it yet)"
+  if d.lhs.four_over_six and grouped:
+    return "Four Over Six expert GEMMs run the emulated GEMM (their per-expert scales are the grouped recipe's twins)"
   return None
 
 

@@ -101,8 +101,10 @@ def _packed(ctx, probe, x, axis, measured, operand, user):
     packed = ctx.kernels.call(targets.MX_QUANTIZE_PACKED, [x, key], dict(attrs, fp8=recipe.format == "mxfp8"))
     s_dec = const(1.0, f32())
     return tuple(_k_major(packed, axis)), s_dec, key
+  attrs["four_over_six"] = recipe.four_over_six
   s_dec, key = quantize.scale_and_key(ctx, *measured, operand, user)
-  if probe.step is not None and (ctx.mesh is not None or not ctx.kernels.partitioned):
+  # Four Over Six's telemetry rows are the twins' (quantize.py)
+  if probe.step is not None and not recipe.four_over_six and (ctx.mesh is not None or not ctx.kernels.partitioned):
     # The quantizer also measures what it does to x (each device to its shard), in the same pass.
     target = targets.QUANTIZE_PACKED.with_stats
     types = target.result_types([v.type for v in (x, s_dec, key, probe.step)], attrs)

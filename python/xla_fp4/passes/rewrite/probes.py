@@ -285,8 +285,9 @@ class Probes:
                                     **recipe)[0])
       else:
         i32 = ir.IntegerType.get_signless(32)
+        fos = dict(four_over_six=True) if m.recipe.four_over_six else {}  # the same twin as before otherwise
         rows.append(self.twins.call(stats.qdq_stats, [m.x, m.s_dec, const(0, i32), const(m.salt, u32())],
-                                    [_row_type()], axis=m.axis, stochastic=m.recipe.stochastic, **recipe)[0])
+                                    [_row_type()], axis=m.axis, stochastic=m.recipe.stochastic, **recipe, **fos)[0])
     return rows[0] if len(rows) == 1 else self.twins.call(stats.combine, [_stacked(rows)], [_row_type()])[0]
 
 

@@ -8,8 +8,8 @@
                                                                  (reuse.py), or the salt where rounding is nearest
                       %q = xla_fp4_qdq(%x, %s, %key) {apply_global_scale = false}
 
-Four Over Six (OperandRecipe.four_over_six) takes the same patterns with the twins of xla_fp4_qdq_with_scale and
-xla_fp4_qdq (and decode_scale's 1536 divisor) in place of the kernels, which do not take it yet.
+Four Over Six (OperandRecipe.four_over_six) takes the same patterns, the kernels' `four_over_six` attribute set (and
+decode_scale's 1536 divisor); its telemetry rows come from the twins (probes.py), not from the measuring kernels.
 
 An MX format (mxfp4, mxfp8) has no tensor scale: its q·scale comes from one kernel in either form (on shards in a
 partitioned program), and its decode scale is 1:
@@ -104,14 +104,13 @@ def _quantize(ctx, probe, x, axis, plan, form, after, user):
   recipe = plan.recipe
   if recipe.format != "nvfp4":
     return _mx(ctx, x, axis, recipe, plan), const(1.0, f32())
-  attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)
-  if recipe.four_over_six and form is Form.WHOLE_TENSOR:  # the kernels do not take it: the twin
-    q, s_dec = ctx.twins.call(kernel_twins.qdq_with_scale, [x, ctx.salt(plan)], [x.type, scalar_type(f32())],
-                              **attrs, four_over_six=True)
-    return q, s_dec
+  attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed,
+               four_over_six=recipe.four_over_six)
+  # The quantizers measure what they do in recorded steps, in the same pass; Four Over Six's rows are the twins'.
+  measuring = probe.step is not None and not recipe.four_over_six
   if form is Form.WHOLE_TENSOR:
     target, operands = targets.QDQ_WITH_SCALE, [x]
-    if probe.step is not None:  # the quantizer also measures what it does, in the same pass, in recorded steps
+    if measuring:
       target, operands = target.with_stats, [x, probe.step]
     q, s_dec, *row = ctx.kernels.call(target, operands, dict(attrs, salt=ctx.salt_value(plan)))
     probe.keep_row(q, row[0] if row else None)
@@ -120,14 +119,12 @@ def _quantize(ctx, probe, x, axis, plan, form, after, user):
   if after is not None and not recipe.stochastic:
     # Quantized where the backward reads it rather than held from the forward (docs/design.md §8).
     key = hlo.BitcastConvertOp(scalar_type(u32()), after).result
-  if probe.step is not None and ctx.mesh is not None:
+  if measuring and ctx.mesh is not None:
     # Each device's row of what the quantizer did to its shard, from the same pass (probes.py).
     q, rows = ctx.kernels.call(targets.QDQ.with_stats, [x, s_dec, key, probe.step], attrs,
                                result_types=[x.type, device_rows_type(ctx.mesh)], k_follows_dot=plan.k_follows_dot)
     probe.keep_row(q, rows)
     return q, s_dec
-  if recipe.four_over_six:
-    return ctx.twins.call(kernel_twins.qdq, [x, s_dec, key], [x.type], **attrs, four_over_six=True)[0], s_dec
   q = ctx.kernels.call(targets.QDQ, [x, s_dec, key], dict(attrs, apply_global_scale=False),
                        k_follows_dot=plan.k_follows_dot)[0]
   return q, s_dec
