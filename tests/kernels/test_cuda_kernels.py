@@ -207,7 +207,7 @@ def test_telemetry_kernels_match_the_cpu_kernels(gpu, dtype, block_2d, stochasti
     x = _data(shape, dtype, seed=i)
     for step in (3, -1):
       with_stats = lambda x: kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(step)], salt=7,  # noqa: E731
-                                           axis=axis, **flags)
+                                           axis=axis, four_over_six=False, **flags)
       got, want = _run(gpu, with_stats, x), _run(_cpu(), with_stats, x)
       assert_same_bits(got[0], want[0])
       assert_same_bits(got[1], want[1])

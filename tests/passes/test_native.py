@@ -134,18 +134,22 @@ def test_auto_is_emulate_without_an_fp4_gemm():
   assert all(jnp.array_equal(a, e) for a, e in zip(auto, emulated))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
-def test_the_mx_formats_run_packed_and_equal_their_emulation(fmt):
-  """XLA_FP4_FORMAT=mxfp4/mxfp8 under the native backend: every GEMM is the packed MX GEMM (no emulated MX
-  quantizer left), and forward and gradient equal the emulate backend's in both roundings: the packed quantizer's codes
-  decode to the emulated quantizer's values and both GEMMs multiply exact q·scale, so MXFP4 (whose sums of E2M1
-  products stay exact in float32) is bit for bit, MXFP8 within float32 summation order."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8", "nvfp4+4/6"])
+def test_every_format_runs_packed_and_equals_its_emulation(fmt):
+  """XLA_FP4_FORMAT=mxfp4/mxfp8, and NVFP4 with Four Over Six, under the native backend: every GEMM is the packed GEMM
+  of the format (no emulated quantizer left), and forward and gradient equal the emulate backend's in both roundings:
+  the packed quantizer's codes decode to the emulated quantizer's values and both GEMMs multiply exact q·scale, so
+  MXFP4 and NVFP4 (whose sums of E2M1 products stay exact in float32 here) are bit for bit, MXFP8 within float32
+  summation order."""
   x = jax.random.normal(jax.random.key(0), (2, 16, 64), jnp.float32)
   w = jax.random.normal(jax.random.key(1), (64, 96), jnp.float32)
+  options = dict(four_over_six=True) if fmt == "nvfp4+4/6" else dict(format=fmt)
+  gemm, quantizer = (("xla_fp4_gemm_packed", "xla_fp4_qdq") if fmt == "nvfp4+4/6" else
+                     ("xla_fp4_mx_gemm_packed", "xla_fp4_mx_qdq"))
   for stochastic in (False, True):
     results = {}
     for backend in ("emulate", "native"):
-      xla_fp4.enable(strict=True, keep_head=False, backend=backend, format=fmt, stochastic_rounding=stochastic)
+      xla_fp4.enable(strict=True, keep_head=False, backend=backend, stochastic_rounding=stochastic, **options)
       try:
         step = jax.jit(jax.grad(_loss))
         results[backend] = (jax.jit(_f)(x, w), step(w, x))
@@ -153,10 +157,10 @@ def test_the_mx_formats_run_packed_and_equal_their_emulation(fmt):
       finally:
         xla_fp4.disable()
       if backend == "native":
-        assert hlo.count('custom_call_target="xla_fp4_mx_gemm_packed"') == 2  # the dgrad and the wgrad
-        assert "xla_fp4_mx_qdq" not in hlo
+        assert hlo.count(f'custom_call_target="{gemm}"') == 2  # the dgrad and the wgrad
+        assert f'"{quantizer}' not in hlo
     for e, n in zip(results["emulate"], results["native"]):
-      if fmt == "mxfp4":
+      if fmt != "mxfp8":
         assert jnp.array_equal(e, n), (stochastic, float(jnp.max(jnp.abs(e - n))))
       else:
         np.testing.assert_allclose(n, e, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(e))))

@@ -501,13 +501,15 @@ def test_kernels_measure_as_their_twins(shape, axis, block_2d, stochastic, rht, 
   x = (jax.random.normal(jax.random.PRNGKey(1), shape) * 3).astype(dtype).at[..., 0].set(0)
   recipe = dict(axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=3)
   want_q, want_s, want = jax.jit(lambda x: st.qdq_with_scale_stats(x, jnp.int32(4), jnp.uint32(77), **recipe))(x)
-  q, s_dec, row = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(4)], salt=77, **recipe)
+  q, s_dec, row = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(4)], salt=77, four_over_six=False,
+                                **recipe)
   assert_same_bits(q, want_q)
   assert_same_bits(s_dec, want_s)
   counts = [i for i, f in enumerate(st.FIELDS) if f not in ("energy", "error_energy")]
   np.testing.assert_array_equal(np.asarray(row)[counts], np.asarray(want)[counts])
   np.testing.assert_allclose(np.asarray(row), np.asarray(want), rtol=1e-5)
-  _, _, skipped = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(-1)], salt=77, **recipe)
+  _, _, skipped = kernels._call(targets.QDQ_WITH_SCALE_STATS, [x, jnp.int32(-1)], salt=77, four_over_six=False,
+                                **recipe)
   assert not np.asarray(skipped).any()
   # the partitioned quantizer's form: the decode scale and key as operands, q and the row from one pass
   key = jnp.uint32(0x1234)

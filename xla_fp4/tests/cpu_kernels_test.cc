@@ -38,6 +38,7 @@ CallResult Qdq(const std::vector<float>& x, std::vector<int64_t> dims, float s_d
       .Attr("rht", o.rht)
       .Attr("rht_seed", o.rht_seed)
       .Attr("apply_global_scale", o.apply_global_scale)
+      .Attr("four_over_six", false)
       .Call(XlaFp4QdqCpu, o.num_threads);
 }
 
@@ -190,6 +191,7 @@ void TestPackedRoundTrip() {
                      .Attr("stochastic", false)
                      .Attr("rht", false)
                      .Attr("rht_seed", int64_t{0})
+                     .Attr("four_over_six", false)
                      .Call(XlaFp4QuantizePackedCpu);
   if (!r.ok) {
     // The packed kernels' attribute set is theirs to define; report it rather than guess.

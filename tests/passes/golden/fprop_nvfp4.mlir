@@ -7,7 +7,7 @@
 // CHECK: %[[X:[0-9]+]] = stablehlo.convert %arg0
 // CHECK: %[[W:[0-9]+]] = stablehlo.convert %arg1
 // CHECK: %[[QX:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%[[X]])
-// CHECK-SAME: axis = 1 : i64, block_2d = false, rht = false
+// CHECK-SAME: axis = 1 : i64, block_2d = false, four_over_six = false, rht = false
 // CHECK-SAME: stochastic = false
 // CHECK: %[[QW:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%[[W]])
 // CHECK-SAME: axis = 0 : i64, block_2d = true

@@ -65,7 +65,7 @@ CASES = {
 // CHECK: %[[X:[0-9]+]] = stablehlo.convert %arg0
 // CHECK: %[[W:[0-9]+]] = stablehlo.convert %arg1
 // CHECK: %[[QX:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%[[X]])
-// CHECK-SAME: axis = 1 : i64, block_2d = false, rht = false
+// CHECK-SAME: axis = 1 : i64, block_2d = false, four_over_six = false, rht = false
 // CHECK-SAME: stochastic = false
 // CHECK: %[[QW:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%[[W]])
 // CHECK-SAME: axis = 0 : i64, block_2d = true
@@ -113,10 +113,10 @@ CASES = {
 // CHECK-LABEL: func.func public @main
 // wgrad: both operands get the random Hadamard transform along the token dim; the gradient rounds stochastically
 // (its key mixes in a wrapping sum of its bits, computed by the kernel)
-// CHECK-DAG: @xla_fp4_qdq_with_scale(%[[DY:[0-9]+]]) {{.*}}axis = 0 : i64, block_2d = false, rht = true{{.*}}stochastic = true
-// CHECK-DAG: @xla_fp4_qdq_with_scale(%arg0) {{.*}}axis = 0 : i64, block_2d = false, rht = true{{.*}}stochastic = false
+// CHECK-DAG: @xla_fp4_qdq_with_scale(%[[DY:[0-9]+]]) {{.*}}axis = 0 : i64, block_2d = false, four_over_six = false, rht = true{{.*}}stochastic = true
+// CHECK-DAG: @xla_fp4_qdq_with_scale(%arg0) {{.*}}axis = 0 : i64, block_2d = false, four_over_six = false, rht = true{{.*}}stochastic = false
 // dgrad: the gradient rounds stochastically along the output dim, the weight's fprop quantization is reused
-// CHECK-DAG: @xla_fp4_qdq_with_scale(%[[DY]]) {{.*}}axis = 1 : i64, block_2d = false, rht = false{{.*}}stochastic = true
+// CHECK-DAG: @xla_fp4_qdq_with_scale(%[[DY]]) {{.*}}axis = 1 : i64, block_2d = false, four_over_six = false, rht = false{{.*}}stochastic = true
 // CHECK-DAG: %[[W:[0-9]+]]:2 = stablehlo.custom_call @xla_fp4_qdq_with_scale(%arg1) {{.*}}axis = 0 : i64, block_2d = true
 // CHECK-DAG: stablehlo.dot_general %{{[0-9]+}}#0, %[[W]]#0, contracting_dims = [1] x [1]
 // CHECK: return"""),
