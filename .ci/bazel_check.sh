@@ -42,9 +42,10 @@ x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256), dtype=np.flo
 s_dec = jnp.float32(float(jnp.max(jnp.abs(x))) / 2688)
 key = jnp.uint32(1234)
 failures = 0
-for variant in [dict(), dict(block_2d=True), dict(stochastic=True), dict(rht=True, rht_seed=7)]:
+for variant in [dict(), dict(block_2d=True), dict(stochastic=True), dict(rht=True, rht_seed=7),
+                dict(four_over_six=True, block_2d=True)]:
     attrs = dict(axis=np.int64(-1), block_2d=False, stochastic=False, rht=False, rht_seed=np.int64(0),
-                 apply_global_scale=True)
+                 apply_global_scale=True, four_over_six=False)
     attrs.update({k: (np.int64(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in variant.items()})
     out = {}
     for name in ("pip", "bazel"):

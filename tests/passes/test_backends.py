@@ -269,3 +269,23 @@ def test_native_grouped_gemms_on_cuda_refuse_unaligned_output_rows():
   assert "N a multiple of 8 for bf16, N=100" in policy.native_grouped_ineligible(ragged(100, "bf16"), cuda=True)
   assert policy.native_grouped_ineligible(ragged(104, "bf16"), cuda=True) is None
   assert policy.native_grouped_ineligible(ragged(100, "bf16"), cuda=False) is None
+
+
+@pytest.mark.benchmark  # runs benchmarks/formats.py
+def test_formats_benchmark_runs_every_format_side_by_side(tmp_path):
+  """benchmarks/formats.py --small end to end: a row per format (NVFP4, NVFP4 with Four Over Six, MXFP4, MXFP8), each
+  measured; the one-GEMM errors against float64 in the order the formats' precision says (MXFP8's 8-bit elements
+  far below the 4-bit ones; Four Over Six not above plain NVFP4 on these Gaussian operands)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = tmp_path / "formats.json"
+  proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "formats.py"), "--small", "--out", str(out)],
+                        capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  rows = {r["format"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {"nvfp4", "nvfp4+4/6", "mxfp4", "mxfp8"}
+  for r in rows.values():
+    assert r["quantize_vs_copy"] > 0 and r["packed_quantize_vs_copy"] > 0 and r["step_time_ratio"] > 0, r
+    assert 0 < r["rel_l2_vs_high_precision"] < 0.5 and r["fsdp_packed_weight_gathers_ratio"] > 0, r
+  errors = {name: r["gemm_rel_error"] for name, r in rows.items()}
+  assert errors["mxfp8"] < 0.5 * min(errors["nvfp4"], errors["mxfp4"]), errors
+  assert errors["nvfp4+4/6"] <= errors["nvfp4"], errors
