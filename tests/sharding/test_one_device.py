@@ -28,9 +28,10 @@ SCRIPT = textwrap.dedent("""
     import sharding as bench
     rows = []
     for backend, fmt in (("emulate", "nvfp4"), ("native", "nvfp4"), ("emulate", "mxfp4"), ("emulate", "mxfp8"),
-                         ("native", "mxfp4"), ("native", "mxfp8")):
-      xla_fp4.enable(strict=True, backend=backend, format=fmt, stochastic_rounding=False, keep_head=False,
-                     keep_first=0, keep_last=0)
+                         ("native", "mxfp4"), ("native", "mxfp8"), ("emulate", "nvfp4+4/6"), ("native", "nvfp4+4/6")):
+      options = dict(four_over_six=True) if fmt == "nvfp4+4/6" else dict(format=fmt)
+      xla_fp4.enable(strict=True, backend=backend, stochastic_rounding=False, keep_head=False, keep_first=0,
+                     keep_last=0, **options)
       for layout, spec in bench.LAYOUTS.items():
         params, x = bench.make(4, 64, 256, 8, 32, jnp.float32, spec.scanned)
         mesh = jax.make_mesh(spec.mesh, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -82,8 +83,10 @@ def rows(measured):
   return {(r["layout"], r["backend"]): r for r in measured["rows"]}
 
 
-# mxfp4, mxfp8: the emulate backend (the MX quantizer and XLA's dot); native_mx*: the packed MX GEMM
-@pytest.mark.parametrize("backend", ["emulate", "native", "mxfp4", "mxfp8", "native_mxfp4", "native_mxfp8"])
+# mxfp4, mxfp8: the emulate backend (the MX quantizer and XLA's dot); native_mx*: the packed MX GEMM; nvfp4+4/6: Four
+# Over Six in the kernels, emulated and packed
+@pytest.mark.parametrize("backend", ["emulate", "native", "mxfp4", "mxfp8", "native_mxfp4", "native_mxfp8", "nvfp4+4/6",
+                                     "native_nvfp4+4/6"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_computes_what_one_device_computes(rows, layout, backend):
   row = rows[(layout, backend)]
