@@ -315,30 +315,54 @@ template <Blocks kBlocks, bool kStochastic>
 inline void ChooseFourOverSix(const float (&v)[kBlock][kBlock], const uint32_t (&am)[kBlock], const View& view,
                               const TilePos& p, const TensorParams& tensor, uint8_t (&code)[kBlock]) {
   float sse[2][kBlock];
-  BlockScale scales[2][kBlock];
+  uint8_t codes[2][kBlock];
   for (int b = 0; b < kBlock; ++b) {
-    scales[0][b] = MakeBlockScale(AmaxFromBits(am[b]), tensor.scale);
-    scales[1][b] = MakeBlockScaleToFour(AmaxFromBits(am[b]), tensor.scale);
+    codes[0][b] = MakeBlockScale(AmaxFromBits(am[b]), tensor.scale).code;
+    codes[1][b] = MakeBlockScaleToFour(AmaxFromBits(am[b]), tensor.scale).code;
   }
   for (int c = 0; c < 2; ++c) {
-    alignas(64) float e[kBlock][kBlock];  // e[line of 16 along K][element]
+    // Each block's factors as arrays and the errors laid out as the tile is, so that the loops vectorize.
+    alignas(64) float scale[kBlock], inv[kBlock];
+    alignas(64) uint32_t zero[kBlock];
+    for (int b = 0; b < kBlock; ++b) {
+      const BlockScale s = BlockScaleOfCode(codes[c][b], tensor.scale);
+      scale[b] = s.scale;
+      inv[b] = s.inv_denom;
+      zero[b] = s.zero ? 1u : 0u;
+    }
+    alignas(64) float e[kBlock][kBlock];
     for (int i = 0; i < kBlock; ++i) {
       const uint32_t index0 = static_cast<uint32_t>(p.base + i * view.cols);
       for (int j = 0; j < kBlock; ++j) {
+        const int b = BlockOf<kBlocks>(i, j);
+        BlockScale s;
+        s.code = 0;
+        s.scale = scale[b];
+        s.inv_denom = inv[b];
+        s.zero = zero[b] != 0u;
         const float u =
             kStochastic ? UniformFromBits(RandomBits(tensor.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
-        const float err = SquaredError(v[i][j], scales[c][BlockOf<kBlocks>(i, j)], tensor.scale.s_dec, kStochastic, u);
-        (view.k_along_cols ? e[i][j] : e[j][i]) = err;
+        e[i][j] = SquaredError(v[i][j], s, tensor.scale.s_dec, kStochastic, u);
       }
     }
-    for (int l = 0; l < kBlock; ++l) sse[c][l] = TreeSum16(e[l]);
+    // Per line of 16 along K: the rows' sums where K runs along them, else the columns' (the same halves, per column).
+    if (view.k_along_cols) {
+      for (int l = 0; l < kBlock; ++l) sse[c][l] = TreeSum16(e[l]);
+    } else {
+      for (int width = kBlock / 2; width > 0; width /= 2) {
+        for (int l = 0; l < width; ++l) {
+          for (int j = 0; j < kBlock; ++j) e[l][j] += e[l + width][j];
+        }
+      }
+      for (int j = 0; j < kBlock; ++j) sse[c][j] = e[0][j];
+    }
     if constexpr (kBlocks == Blocks::kTile) {
       const float tile = TreeSum16(sse[c]);
       for (int l = 0; l < kBlock; ++l) sse[c][l] = tile;
     }
   }
-  // A line of 16 along K is block BlockOf's index: kRow's lines, kCol's columns (e transposed), a tile's one block.
-  for (int b = 0; b < kBlock; ++b) code[b] = sse[1][b] < sse[0][b] ? scales[1][b].code : scales[0][b].code;
+  // A line of 16 along K is block BlockOf's index: kRow's rows, kCol's columns, a tile's one block.
+  for (int b = 0; b < kBlock; ++b) code[b] = sse[1][b] < sse[0][b] ? codes[1][b] : codes[0][b];
 }
 
 // The one tile walker of the quantizing kernels: loads tiles [t_begin, t_end) of `view` (the RHT applied), measures
