@@ -105,8 +105,7 @@ def step_and_collectives(fmt, sizes, repeats):
   return dict(step_time_ratio=t_fp / t_base, step_s=dict(none=t_base, pass_=t_fp), rel_l2_vs_high_precision=rel,
               fsdp_collective_bytes_ratio=compiled["emulated"].large_collective_bytes / max(
                   none.large_collective_bytes, 1),
-              fsdp_packed_weight_gathers_ratio=gathers(compiled["packed"]) / max(gathers(none), 1),
-              fsdp_packed_gemms=compiled["packed"].packed_gemms)
+              fsdp_packed_weight_gathers_ratio=gathers(compiled["packed"]) / max(gathers(none), 1))
 
 
 def main(argv=None):
