@@ -29,12 +29,11 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
-from xla_fp4.numerics import kernel_twins
 from xla_fp4.passes.rewrite import dims
 from xla_fp4.passes.rewrite import quantize
 from xla_fp4.passes.rewrite.context import dtype_name
 from xla_fp4.passes.rewrite.probes import device_rows_type
-from xla_fp4.passes.rewrite.values import const, f32, scalar_type, tensor_type, u32
+from xla_fp4.passes.rewrite.values import const, f32, tensor_type
 
 
 def emit(ctx, probe, plan):
@@ -95,9 +94,7 @@ def _packed(ctx, probe, x, axis, measured, operand, user):
   attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed)
   row = None
   if recipe.format != "nvfp4":
-    key = ctx.salt(operand)
-    if recipe.stochastic:
-      key = ctx.twins.call(kernel_twins.stochastic_key, [measured[0], key], [scalar_type(u32())])[0]
+    key = quantize.mx_key(ctx, measured[0], recipe, operand)
     packed = ctx.kernels.call(targets.MX_QUANTIZE_PACKED, [x, key], dict(attrs, fp8=recipe.format == "mxfp8"))
     s_dec = const(1.0, f32())
     return tuple(_k_major(packed, axis)), s_dec, key

@@ -84,12 +84,18 @@ def operand(ctx, probe, x, axis, plan, user, form, select, after):
   return q, s_dec
 
 
-def _mx(ctx, x, axis, recipe, plan):
-  """q·scale of x in an MX format (numerics/mx.py): no tensor scale, so one kernel on whole tensors and on shards alike
-  (its partitioner keeps 32-blocks and 32x32 tiles whole: sharding/partition.py)."""
+def mx_key(ctx, x, recipe, plan):
+  """An MX quantizer's key: the salt, or with stochastic rounding the salt mixed with x's digest (stochastic_key)."""
   key = ctx.salt(plan)
   if recipe.stochastic:
     key = ctx.twins.call(kernel_twins.stochastic_key, [x, key], [scalar_type(u32())])[0]
+  return key
+
+
+def _mx(ctx, x, axis, recipe, plan):
+  """q·scale of x in an MX format (numerics/mx.py): no tensor scale, so one kernel on whole tensors and on shards alike
+  (its partitioner keeps 32-blocks and 32x32 tiles whole: sharding/partition.py)."""
+  key = mx_key(ctx, x, recipe, plan)
   attrs = dict(axis=axis, block_2d=recipe.block_2d, stochastic=recipe.stochastic, rht=recipe.rht, rht_seed=ctx.seed,
                fp8=recipe.format == "mxfp8")
   return ctx.kernels.call(targets.MX_QDQ, [x, key], attrs)[0]
