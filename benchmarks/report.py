@@ -12,7 +12,6 @@ runs --check.
 
 import argparse
 import difflib
-import glob
 import json
 import sys
 import textwrap

@@ -82,7 +82,6 @@ def pack(t: qz.NVFP4Tensor) -> PackedNVFP4:
 def unpack(p: PackedNVFP4, block_2d=False) -> qz.NVFP4Tensor:
   shape = p.shape
   k = shape[-1]
-  rows = p.data.shape[0]
   codes = jnp.stack([p.data & 15, p.data >> 4], axis=-1).reshape(shape)
   return qz.NVFP4Tensor(values=e2m1_from_codes(codes),
                         scales=p.scales.reshape(shape[:-1] + (k // BLOCK,)),
