@@ -306,6 +306,32 @@ inline int BlockOf(int i, int j) {
   return kBlocks == Blocks::kRow ? i : (kBlocks == Blocks::kCol ? j : 0);
 }
 
+// A tile's 16 block scales (BlockScaleOfCode) held as arrays, field by field, so that the loops over the tile's elements
+// vectorize; Block(b) reassembles block b's.
+struct TileScales {
+  alignas(64) float scale[kBlock], inv[kBlock];
+  alignas(64) uint32_t zero[kBlock];
+
+  // From the blocks' E4M3 codes: one loop of fixed trip count that vectorizes.
+  void Set(const uint8_t* code, const TensorScale& t) {
+    for (int b = 0; b < kBlock; ++b) {
+      scale[b] = E4M3Decode(code[b]);
+      const float denom = FlushSubnormal(scale[b] * t.s_dec);  // 1 / a subnormal overflows
+      inv[b] = 1.0f / denom;
+      zero[b] = denom == 0.0f ? 1u : 0u;
+    }
+  }
+
+  BlockScale Block(int b) const {
+    BlockScale s;
+    s.code = 0;
+    s.scale = scale[b];
+    s.inv_denom = inv[b];
+    s.zero = zero[b] != 0u;
+    return s;
+  }
+};
+
 // Four Over Six (arXiv 2512.02010; numerics/nvfp4.py _four_over_six): the E4M3 code of each block (16x16 tile) that
 // decodes it with the smaller sum of squared errors, its scale to 6 or its scale to 4 (a tie keeps 6). The errors of a
 // block are summed by halves over its 16 elements along K and, for a tile, over its 16 blocks, as the twin sums them;
@@ -321,28 +347,16 @@ inline void ChooseFourOverSix(const float (&v)[kBlock][kBlock], const uint32_t (
     codes[1][b] = MakeBlockScaleToFour(AmaxFromBits(am[b]), tensor.scale).code;
   }
   for (int c = 0; c < 2; ++c) {
-    // Each block's factors as arrays and the errors laid out as the tile is, so that the loops vectorize.
-    alignas(64) float scale[kBlock], inv[kBlock];
-    alignas(64) uint32_t zero[kBlock];
-    for (int b = 0; b < kBlock; ++b) {
-      const BlockScale s = BlockScaleOfCode(codes[c][b], tensor.scale);
-      scale[b] = s.scale;
-      inv[b] = s.inv_denom;
-      zero[b] = s.zero ? 1u : 0u;
-    }
+    // The errors laid out as the tile is, so that the loops vectorize.
+    TileScales scales;
+    scales.Set(codes[c], tensor.scale);
     alignas(64) float e[kBlock][kBlock];
     for (int i = 0; i < kBlock; ++i) {
       const uint32_t index0 = static_cast<uint32_t>(p.base + i * view.cols);
       for (int j = 0; j < kBlock; ++j) {
-        const int b = BlockOf<kBlocks>(i, j);
-        BlockScale s;
-        s.code = 0;
-        s.scale = scale[b];
-        s.inv_denom = inv[b];
-        s.zero = zero[b] != 0u;
         const float u =
             kStochastic ? UniformFromBits(RandomBits(tensor.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
-        e[i][j] = SquaredError(v[i][j], s, tensor.scale.s_dec, kStochastic, u);
+        e[i][j] = SquaredError(v[i][j], scales.Block(BlockOf<kBlocks>(i, j)), tensor.scale.s_dec, kStochastic, u);
       }
     }
     // Per line of 16 along K: the rows' sums where K runs along them, else the columns' (the same halves, per column).
@@ -378,8 +392,7 @@ XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, co
                                                                  int64_t t_begin, int64_t t_end, Sink&& sink) {
   alignas(64) float v[kBlock][kBlock];
   alignas(64) uint32_t am[kBlock];
-  alignas(64) float inv[kBlock], scale[kBlock];
-  alignas(64) uint32_t zero[kBlock];
+  TileScales scales;
   alignas(16) uint8_t code[kBlock];
   for (int64_t t = t_begin; t < t_end; ++t) {
     const TilePos p = PosOf(view, t);
@@ -414,22 +427,12 @@ XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void QuantizeTiles(const T* x, co
     } else {
       for (int b = 0; b < kBlock; ++b) code[b] = E4M3Encode(AmaxFromBits(am[b]) * tensor.scale.s_enc_over_6);
     }
-    for (int b = 0; b < kBlock; ++b) {
-      scale[b] = E4M3Decode(code[b]);
-      const float denom = FlushSubnormal(scale[b] * tensor.scale.s_dec);
-      inv[b] = 1.0f / denom;
-      zero[b] = denom == 0.0f ? 1u : 0u;
-    }
+    scales.Set(code, tensor.scale);
     // Quantize in place: v becomes q, or its decoded value.
     for (int i = 0; i < kBlock; ++i) {
       const uint32_t index0 = static_cast<uint32_t>(p.base + i * view.cols);  // < 2**32 when stochastic (checked)
       for (int j = 0; j < kBlock; ++j) {
-        const int b = BlockOf<kBlocks>(i, j);
-        BlockScale s;
-        s.code = 0;
-        s.scale = scale[b];
-        s.inv_denom = inv[b];
-        s.zero = zero[b] != 0u;
+        const BlockScale s = scales.Block(BlockOf<kBlocks>(i, j));
         const float u =
             kStochastic ? UniformFromBits(RandomBits(tensor.mixed_key, index0 + static_cast<uint32_t>(j))) : 0.0f;
         const float q = QuantizeElement(v[i][j], s, kStochastic, u);
