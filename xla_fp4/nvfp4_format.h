@@ -399,6 +399,27 @@ XLA_FP4_HOST_DEVICE inline uint8_t MxScaleByte(float amax, bool bad, bool fp8) {
   return bad ? uint8_t{0xFF} : static_cast<uint8_t>(MxScaleExponent(amax, fp8) + 127);
 }
 
+// An MX block's 32 elements q (on the element grid) stored as packed codes where they sit in x with the axis divided
+// by 1 (E4M3) or 2 (E2M1 pairs along K, the even code in the low nibble): `base` is the block's first element in x,
+// its elements `inner` apart, `i` its position along inner. The CPU and CUDA packers share it.
+XLA_FP4_HOST_DEVICE inline void StoreMxCodes(uint8_t* data, int64_t base, int64_t i, int64_t inner, const float* q,
+                                             bool fp8) {
+  if (fp8) {
+    for (int j = 0; j < kMxBlock; ++j) data[base + j * inner] = E4M3Encode(q[j]);
+    return;
+  }
+  uint8_t* out = data + (base - i) / 2 + i;  // the block's first pair; pairs are `inner` bytes apart
+  for (int j = 0; j < kMxBlock; j += 2) {
+    out[j / 2 * inner] = static_cast<uint8_t>(E2M1Code(q[j]) | (E2M1Code(q[j + 1]) << 4));
+  }
+}
+
+// Element j of a packed MX block whose codes start at `codes` (K-major): E4M3, or one of a byte's two E2M1 codes.
+XLA_FP4_HOST_DEVICE inline float MxPackedElement(const uint8_t* codes, int j, bool fp8) {
+  if (fp8) return E4M3Decode(codes[j]);
+  return E2M1Decode(j % 2 == 0 ? codes[j / 2] & 15 : codes[j / 2] >> 4);
+}
+
 // The decode scale of an E8M0 byte, as MakeMxScale gives it: NaN for 0xFF, zero for 2^-127 (the subnormal rule).
 XLA_FP4_HOST_DEVICE inline float MxScaleOfByte(uint8_t byte) {
   return byte == 0xFF ? FloatOf(0x7FC00000u) : MxDecodeScale(static_cast<int>(byte) - 127);

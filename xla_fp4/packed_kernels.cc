@@ -84,14 +84,7 @@ void PackMxBlock(uint8_t* data, uint8_t* scales, const Geometry& g, int64_t b, c
                                 : 0.0f;
     q[j] = MxRoundElement(v[j] * ms.inverse, kFp8, kStochastic, u);
   }
-  if constexpr (kFp8) {
-    for (int j = 0; j < kMxBlock; ++j) data[base + j * g.inner] = E4M3Encode(q[j]);
-  } else {
-    uint8_t* out = data + (base - i) / 2 + i;  // the block's first pair; pairs are `inner` bytes apart
-    for (int j = 0; j < kMxBlock; j += 2) {
-      out[j / 2 * g.inner] = static_cast<uint8_t>(E2M1Code(q[j]) | (E2M1Code(q[j + 1]) << 4));
-    }
-  }
+  StoreMxCodes(data, base, i, g.inner, q, kFp8);
 }
 
 template <typename T>
@@ -114,12 +107,6 @@ struct PackedFormat {
   PackedLayout layout() const { return mx ? MxPacked(fp8) : kNvfp4Packed; }
 };
 
-// The element of code byte `byte` at position j of its block: E4M3 (MXFP8), or one of the byte's two E2M1 codes.
-inline float PackedElement(const uint8_t* codes, int64_t j, const PackedFormat& f) {
-  if (f.fp8) return E4M3Decode(codes[j]);
-  return E2M1Decode(j % 2 == 0 ? codes[j / 2] & 15 : codes[j / 2] >> 4);
-}
-
 // out[r, k] = (q * scale) * s_dec (MX: q * scale); with s_dec = 1 this is the exact q * scale that the GEMM
 // multiplies.
 template <typename T>
@@ -133,7 +120,7 @@ void DequantizePackedImpl(ffi::ThreadPool& pool, const uint8_t* data, const uint
           const float scale = MxScaleOfByte(scales[row * (k / kMxBlock) + kb]);
           const uint8_t* codes = data + row * row_bytes + kb * (kMxBlock / f.layout().per_byte);
           T* o = out + row * k + kb * kMxBlock;
-          for (int j = 0; j < kMxBlock; ++j) Store(o + j, MxDecodeElement(PackedElement(codes, j, f), scale));
+          for (int j = 0; j < kMxBlock; ++j) Store(o + j, MxDecodeElement(MxPackedElement(codes, j, f.fp8), scale));
         }
       }
     });

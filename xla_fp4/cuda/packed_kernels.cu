@@ -138,15 +138,7 @@ struct MxPackSink {
   __device__ void operator()(const MxGrid& g, int64_t base, int64_t scale_at, const float* q, const MxScale&,
                              uint8_t scale_byte) const {
     scales[scale_at] = scale_byte;
-    if (g.fp8) {
-      for (int j = 0; j < kMxBlock; ++j) data[base + j * g.inner] = E4M3Encode(q[j]);
-      return;
-    }
-    const int64_t i = scale_at % g.inner;
-    uint8_t* out = data + (base - i) / 2 + i;
-    for (int j = 0; j < kMxBlock; j += 2) {
-      out[j / 2 * g.inner] = static_cast<uint8_t>(E2M1Code(q[j]) | (E2M1Code(q[j + 1]) << 4));
-    }
+    StoreMxCodes(data, base, scale_at % g.inner, g.inner, q, g.fp8);
   }
 };
 
@@ -159,8 +151,7 @@ __global__ void MxDequantizePackedKernel(const uint8_t* data, const uint8_t* sca
   const float scale = MxScaleOfByte(scales[b]);
   const uint8_t* codes = data + b * (fp8 ? kMxBlock : kMxBlock / 2);
   for (int j = 0; j < kMxBlock; ++j) {
-    const float q = fp8 ? E4M3Decode(codes[j]) : E2M1Decode(j % 2 == 0 ? codes[j / 2] & 15 : codes[j / 2] >> 4);
-    y[b * kMxBlock + j] = FromFloat<T>(MxDecodeElement(q, scale));
+    y[b * kMxBlock + j] = FromFloat<T>(MxDecodeElement(MxPackedElement(codes, j, fp8), scale));
   }
 }
 
