@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -24,12 +25,14 @@
 #include "xla_fp4/ffi_checks.h"
 #include "xla_fp4/nvfp4_format.h"
 
-// The hot tile loops are compiled twice, for AVX2 and for the baseline x86-64 ISA, and the loader picks one (an ifunc):
-// the extension stays portable and gets the wider vectors where they exist. The float math is the same either way
-// (no FMA: -ffp-contract=off, and the avx2 target does not enable it).
-// Define XLA_FP4_VECTOR_CLONES empty to build the baseline only.
+// The hot tile loops are compiled three times, for AVX-512 (x86-64-v4), AVX2 and the baseline x86-64 ISA, and the
+// loader picks one (an ifunc): the extension stays portable and gets the wider vectors where they exist. The float
+// math is the same either way (no FMA: -ffp-contract=off). Define XLA_FP4_VECTOR_CLONES empty to build the baseline
+// only.
 #if !defined(XLA_FP4_VECTOR_CLONES)
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define XLA_FP4_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__clang__) && !defined(__CUDACC__)
 #define XLA_FP4_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define XLA_FP4_VECTOR_CLONES
@@ -233,8 +236,28 @@ inline View ViewOf(const Geometry& g, Blocks blocks) {
   return g.axis_last() ? View{g.outer, g.k, true} : View{g.outer * g.k, g.inner, false};
 }
 
-// Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would.
+// Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would. A stage
+// adds and subtracts whole rows; GCC's vector extensions keep each row in one register.
 inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) {
+#if defined(__GNUC__) && !defined(__clang__)
+  typedef float Row __attribute__((vector_size(kBlock * sizeof(float))));
+  Row r[kBlock];
+  std::memcpy(r, v, sizeof r);
+#pragma GCC unroll 4
+  for (int half = 1; half < kBlock; half *= 2) {
+#pragma GCC unroll 8
+    for (int g = 0; g < kBlock; g += 2 * half) {
+#pragma GCC unroll 8
+      for (int i = g; i < g + half; ++i) {
+        const Row a = r[i], b = r[i + half];
+        r[i] = a + b;
+        r[i + half] = a - b;
+      }
+    }
+  }
+  for (int i = 0; i < kBlock; ++i) r[i] *= sign_quarter[i];
+  std::memcpy(v, r, sizeof r);
+#else
   for (int half = 1; half < kBlock; half *= 2) {
     for (int g = 0; g < kBlock; g += 2 * half) {
       for (int i = g; i < g + half; ++i) {
@@ -249,6 +272,33 @@ inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) 
   for (int i = 0; i < kBlock; ++i) {
     for (int j = 0; j < kBlock; ++j) v[i][j] *= sign_quarter[i];
   }
+#endif
+}
+
+// Rht16 along each row of a tile. With GCC's vector extensions a row is one vector and each butterfly stage three
+// operations on it (the partner lanes by a shuffle, their sum and difference, a blend): the scalar loop's pairs of
+// one row do not vectorize. Lane l of stage `half` adds its partner l ^ half when l is the pair's first, else
+// subtracts itself from it: a + b and a - b, as Rht16 computes them, so every row rounds as Rht16's.
+inline void Rht16Rows(float (&v)[kBlock][kBlock], const float* sign_quarter) {
+#if defined(__GNUC__) && !defined(__clang__)
+  typedef float Row __attribute__((vector_size(kBlock * sizeof(float))));
+  typedef int32_t Lanes __attribute__((vector_size(kBlock * sizeof(int32_t))));
+  const Lanes lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Row signs;
+  std::memcpy(&signs, sign_quarter, sizeof signs);
+  for (int i = 0; i < kBlock; ++i) {
+    Row r;
+    std::memcpy(&r, v[i], sizeof r);
+    for (int half = 1; half < kBlock; half *= 2) {
+      const Row partner = __builtin_shuffle(r, lane ^ half);
+      r = (lane & half) == 0 ? r + partner : partner - r;
+    }
+    r *= signs;
+    std::memcpy(v[i], &r, sizeof r);
+  }
+#else
+  for (int i = 0; i < kBlock; ++i) Rht16(v[i], sign_quarter);
+#endif
 }
 
 inline uint32_t RawBits(const float* p) { return BitsOf(*p); }
@@ -293,7 +343,7 @@ inline uint32_t LoadTransformed(const T* x, const View& view, const TilePos& p, 
     }
   }
   if constexpr (kRht == RhtAlong::kRows) {
-    for (int i = 0; i < kBlock; ++i) Rht16(v[i], sign_quarter);
+    Rht16Rows(v, sign_quarter);
   } else if constexpr (kRht == RhtAlong::kCols) {
     Rht16Columns(v, sign_quarter);
   }
@@ -515,8 +565,25 @@ inline int64_t MxBlockBase(const Geometry& g, int64_t b) {
 template <typename T>
 bool LoadMxBlock(const T* x, const Geometry& g, int64_t b, const Recipe& r, float (&v)[kMxBlock], float* amax) {
   const int64_t base = MxBlockBase(g, b);
-  for (int j = 0; j < kMxBlock; ++j) v[j] = Load(x + base + j * g.inner);
+  if (g.inner == 1) {  // the axis is the last: one contiguous run, which vectorizes
+    for (int j = 0; j < kMxBlock; ++j) v[j] = Load(x + base + j);
+  } else {
+    for (int j = 0; j < kMxBlock; ++j) v[j] = Load(x + base + j * g.inner);
+  }
   return MxPrepareBlock(v, r, amax);
+}
+
+// MX blocks [begin, end) of x: fn(b, v, amax, bad) with v the block's values (LoadMxBlock). Compiled per vector ISA
+// with fn inlined (as QuantizeTiles), so that the blocks' element loops take the wider vectors.
+template <typename T, typename Fn>
+XLA_FP4_VECTOR_CLONES __attribute__((flatten)) void WalkMxBlocks(const T* x, const Geometry& g, const Recipe& r,
+                                                                int64_t begin, int64_t end, Fn&& fn) {
+  alignas(64) float v[kMxBlock];
+  for (int64_t b = begin; b < end; ++b) {
+    float m;
+    const bool bad = LoadMxBlock(x, g, b, r, v, &m);
+    fn(b, v, m, bad);
+  }
 }
 
 // Calls store(b, v, amax) for every MX block b of x, in parallel: v the block's values (LoadMxBlock), amax its largest
@@ -528,22 +595,17 @@ void ForEachMxBlock(ffi::ThreadPool& pool, const T* x, const Geometry& g, const 
   const int64_t blocks = g.k / kMxBlock, n = g.outer * blocks * g.inner;
   if (!r.block_2d) {
     ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
-      float v[kMxBlock];
-      for (int64_t b = begin; b < end; ++b) {
-        float m;
-        const bool bad = LoadMxBlock(x, g, b, r, v, &m);
+      WalkMxBlocks(x, g, r, begin, end, [&](int64_t b, const float (&v)[kMxBlock], float m, bool bad) {
         store(b, v, bad ? FloatOf(0x7FC00000u) : m);
-      }
+      });
     });
     return;
   }
   std::vector<float> amax(n);
   ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
-    float v[kMxBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      float m;
-      amax[b] = LoadMxBlock(x, g, b, r, v, &m) ? FloatOf(0x7FC00000u) : m;
-    }
+    WalkMxBlocks(x, g, r, begin, end, [&](int64_t b, const float (&)[kMxBlock], float m, bool bad) {
+      amax[b] = bad ? FloatOf(0x7FC00000u) : m;
+    });
   });
   const bool along_inner = g.inner > 1;
   const int64_t stride = along_inner ? 1 : blocks * g.inner, extent = along_inner ? g.inner : g.outer;
@@ -560,12 +622,8 @@ void ForEachMxBlock(ffi::ThreadPool& pool, const T* x, const Geometry& g, const 
     for (int64_t t = 0; t < kMxBlock && pos + t < extent; ++t) amax[b + t * stride] = bad ? FloatOf(0x7FC00000u) : m;
   }
   ParallelFor(pool, n, kMxBlock, [&](int64_t begin, int64_t end) {
-    float v[kMxBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      float unused;
-      LoadMxBlock(x, g, b, r, v, &unused);
-      store(b, v, amax[b]);
-    }
+    WalkMxBlocks(x, g, r, begin, end,
+                 [&](int64_t b, const float (&v)[kMxBlock], float, bool) { store(b, v, amax[b]); });
   });
 }
 

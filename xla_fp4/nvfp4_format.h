@@ -108,9 +108,22 @@ XLA_FP4_HOST_DEVICE inline float RintSmall(float t) {
 
 // ---- E2M1 ----
 
-// Grid spacing at magnitude a: 0.5 below 2, 1 below 4, else 2; returned with its exact reciprocal.
-XLA_FP4_HOST_DEVICE inline float E2M1Step(float a) { return Select(a < 2.0f, 0.5f, Select(a < 4.0f, 1.0f, 2.0f)); }
-XLA_FP4_HOST_DEVICE inline float E2M1InvStep(float a) { return Select(a < 2.0f, 2.0f, Select(a < 4.0f, 1.0f, 0.5f)); }
+// The E2M1 grid around magnitude a (0 <= a <= 6, or NaN) from a's exponent alone, clamped to [0, 2]: spacing 0.5 below
+// 2, 1 below 4, else 2. Integer ops on the exponent field, no compares: the element loops stay short.
+struct E2M1Grid {
+  float step, inv_step;  // the spacing and its exact reciprocal
+  float magic;           // 2^22 times the spacing: (a + magic) - magic rounds a to the grid, ties to even
+};
+XLA_FP4_HOST_DEVICE inline E2M1Grid E2M1GridAt(float a) {
+  uint32_t e = BitsOf(a) & 0x7F800000u;
+  e = e < (127u << 23) ? (127u << 23) : e;
+  e = e > (129u << 23) ? (129u << 23) : e;
+  return {FloatOf(e - (1u << 23)), FloatOf((255u << 23) - e), FloatOf(e + (22u << 23))};
+}
+
+// a rounded to the multiples of g.step, ties to even: a + magic lands where floats are g.step apart, so the addition
+// rounds and the subtraction is exact (NaN stays NaN). Not folded away: we never build with -ffast-math.
+XLA_FP4_HOST_DEVICE inline float RoundToGrid(float a, E2M1Grid g) { return (a + g.magic) - g.magic; }
 
 // A compare instead of min() so that NaN stays NaN.
 XLA_FP4_HOST_DEVICE inline float SaturateE2M1(float a) { return Select(a > kE2M1Max, kE2M1Max, a); }
@@ -118,26 +131,27 @@ XLA_FP4_HOST_DEVICE inline float SaturateE2M1(float a) { return Select(a > kE2M1
 // Nearest-even rounding to the E2M1 grid, saturating at +-6; NaN stays NaN, the sign of zero is kept.
 XLA_FP4_HOST_DEVICE inline float RoundE2M1Nearest(float v) {
   const float a = SaturateE2M1(Abs(v));
-  return CopySign(RintSmall(a * E2M1InvStep(a)) * E2M1Step(a), v);  // a/step is exact: step is a power of two
+  return CopySign(RoundToGrid(a, E2M1GridAt(a)), v);
 }
 
 // Stochastic rounding: up to the upper neighbour with probability (a - lo) / step, given u uniform in [0, 1).
 XLA_FP4_HOST_DEVICE inline float RoundE2M1Stochastic(float v, float u) {
   const float a = SaturateE2M1(Abs(v));
-  const float step = E2M1Step(a);
-  const float t = a * E2M1InvStep(a);
-  const float r = RintSmall(t);
-  const float lo = Select(r > t, r - 1.0f, r) * step;  // floor(t) * step; NaN stays NaN
-  const float frac = (a - lo) * E2M1InvStep(a);   // exact (Sterbenz)
-  return CopySign(Select(u < frac, lo + step, lo), v);
+  const E2M1Grid g = E2M1GridAt(a);
+  const float nearest = RoundToGrid(a, g);
+  const float lo = Select(nearest > a, nearest - g.step, nearest);  // the grid point at or below a; NaN stays NaN
+  const float frac = (a - lo) * g.inv_step;                          // exact (Sterbenz)
+  return CopySign(Select(u < frac, lo + g.step, lo), v);
 }
 
 // 4-bit code of an E2M1 value: sign in bit 3, magnitude index 0..7 in bits 0..2. NaN (which E2M1 lacks) encodes 0.
+// Selects rather than branches, so that the packers' loops over a tile vectorize.
 XLA_FP4_HOST_DEVICE inline uint8_t E2M1Code(float q) {
-  if (IsNan(q)) return 0;
-  const float a = Abs(q);
-  const float index = a < 2.0f ? a * 2.0f : (a < 4.0f ? a + 2.0f : a * 0.5f + 4.0f);
-  return static_cast<uint8_t>(static_cast<uint8_t>(index) | ((BitsOf(q) >> 31) << 3));
+  const bool nan = IsNan(q);
+  const float a = Select(nan, 0.0f, Abs(q));
+  const float index = Select(a < 2.0f, a * 2.0f, Select(a < 4.0f, a + 2.0f, a * 0.5f + 4.0f));  // exact
+  const uint32_t sign = SelectBits(nan, 0u, (BitsOf(q) >> 31) << 3);
+  return static_cast<uint8_t>(static_cast<uint32_t>(static_cast<int32_t>(index)) | sign);
 }
 
 XLA_FP4_HOST_DEVICE inline float E2M1Decode(uint8_t code) {
@@ -409,9 +423,9 @@ XLA_FP4_HOST_DEVICE inline void StoreMxCodes(uint8_t* data, int64_t base, int64_
     return;
   }
   uint8_t* out = data + (base - i) / 2 + i;  // the block's first pair; pairs are `inner` bytes apart
-  for (int j = 0; j < kMxBlock; j += 2) {
-    out[j / 2 * inner] = static_cast<uint8_t>(E2M1Code(q[j]) | (E2M1Code(q[j + 1]) << 4));
-  }
+  uint8_t c[kMxBlock];  // the codes first, then the pairs: two loops that vectorize
+  for (int j = 0; j < kMxBlock; ++j) c[j] = E2M1Code(q[j]);
+  for (int j = 0; j < kMxBlock; j += 2) out[j / 2 * inner] = static_cast<uint8_t>(c[j] | (c[j + 1] << 4));
 }
 
 // Element j of a packed MX block whose codes start at `codes` (K-major): E4M3, or one of a byte's two E2M1 codes.

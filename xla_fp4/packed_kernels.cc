@@ -26,6 +26,15 @@ namespace {
 
 // ---- Impl: the work ----
 
+// A line's 16 E2M1 codes as 8 bytes, the even element in the low nibble: each pair read as one little-endian 16-bit
+// word, whose high byte's nibble moves down beside the low one.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "PackPairs reads pairs of codes as little-endian words");
+inline void PackPairs(const uint8_t (&codes)[kBlock], uint8_t* out) {
+  uint16_t pairs[kBlock / 2];
+  std::memcpy(pairs, codes, sizeof pairs);
+  for (int j = 0; j < kBlock / 2; ++j) out[j] = static_cast<uint8_t>((pairs[j] & 0x0Fu) | ((pairs[j] >> 4) & 0xF0u));
+}
+
 // stats: null, or where the tiles' statistics go (telemetry), measured from the tiles as they are packed.
 template <typename T>
 void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
@@ -45,13 +54,16 @@ void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, co
       stats->template Measure<kBlocks>(view, p, v, code);
     }
     if (g.axis_last()) {  // (rows, K): every tile line is 16 consecutive elements of one row and one block
+      // The tile's codes first, then each line's pairs: two loops that vectorize (pairing codes as they are made
+      // does not).
+      alignas(64) uint8_t c[kBlock][kBlock];
+      for (int i = 0; i < kBlock; ++i) {
+        for (int j = 0; j < kBlock; ++j) c[i][j] = E2M1Code(q[i][j]);
+      }
       for (int i = 0; i < p.nl; ++i) {
         const int64_t e = p.base + i * view.cols;  // the line's first element, row-major
         scales[e / kBlock] = code[BlockOf<kBlocks>(i, 0)];  // (row, block) row-major
-        uint8_t* out = data + e / 2;
-        for (int j = 0; j < kBlock / 2; ++j) {
-          out[j] = static_cast<uint8_t>(E2M1Code(q[i][2 * j]) | (E2M1Code(q[i][2 * j + 1]) << 4));
-        }
+        PackPairs(c[i], data + e / 2);
       }
       return;
     }

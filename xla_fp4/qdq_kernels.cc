@@ -221,7 +221,11 @@ void StoreMxBlock(T* y, const Geometry& g, int64_t b, const float (&v)[kMxBlock]
                                 : 0.0f;
     out[j] = MxDecodeElement(MxRoundElement(v[j] * ms.inverse, kFp8, kStochastic, u), ms.scale);
   }
-  for (int j = 0; j < kMxBlock; ++j) Store(y + base + j * g.inner, out[j]);
+  if (g.inner == 1) {  // contiguous: the stores vectorize
+    for (int j = 0; j < kMxBlock; ++j) Store(y + base + j, out[j]);
+  } else {
+    for (int j = 0; j < kMxBlock; ++j) Store(y + base + j * g.inner, out[j]);
+  }
 }
 
 // y = q * 2^s per block (32x32 tile with block_2d).
