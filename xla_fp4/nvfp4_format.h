@@ -393,9 +393,22 @@ XLA_FP4_HOST_DEVICE inline bool MxPrepareBlock(float* v, const Recipe& r, float*
   return bad;
 }
 
-// An MX element: v = x / 2^s rounded to E4M3 (nearest-even) or E2M1 (nearest-even, or stochastic with `u`).
+// v (|v| <= 448, or NaN) rounded to E4M3's grid, nearest-even: E4M3Decode(E4M3Encode(v)) without the codes. The grid
+// spacing is 2^(e - 3) for v in [2^e, 2^(e+1)), 2^-9 below 2^-6 (the subnormals), so v + 2^(e + 20) lands where
+// floats are that far apart, as RoundToGrid does for E2M1; -0 and what rounds to zero keep v's sign.
+XLA_FP4_HOST_DEVICE inline float RoundE4M3InRange(float v) {
+  const float a = Abs(v);
+  uint32_t e = BitsOf(a) & 0x7F800000u;
+  e = e < (121u << 23) ? (121u << 23) : e;  // 2^-6: the subnormals' spacing
+  e = e > (135u << 23) ? (135u << 23) : e;  // 2^8 (NaN: any magic keeps it NaN)
+  const float magic = FloatOf(e + (20u << 23));
+  return CopySign((a + magic) - magic, v);
+}
+
+// An MX element: v = x / 2^s rounded to E4M3 (nearest-even) or E2M1 (nearest-even, or stochastic with `u`). The
+// block's scale keeps |v| <= 448 (MxScaleExponent).
 XLA_FP4_HOST_DEVICE inline float MxRoundElement(float v, bool fp8, bool stochastic, float u) {
-  if (fp8) return E4M3Decode(E4M3Encode(v));
+  if (fp8) return RoundE4M3InRange(v);
   return stochastic ? RoundE2M1Stochastic(v, u) : RoundE2M1Nearest(v);
 }
 

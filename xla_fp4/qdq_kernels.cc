@@ -86,23 +86,56 @@ XLA_FP4_VECTOR_CLONES TensorStats MeasureTiles(const T* x, const View& view, con
   return {m, s};
 }
 
+// Without the RHT the amax and the digest need no float: over elements [begin, end) of x, in any order, the largest
+// magnitude as raw bits (sign cleared; the integer order of non-negative floats is their order, NaN above Inf) and
+// the wrapping sum of the raw bits, in loops of 16- or 32-bit integer lanes. MaxMagnitudeBits below maps the raw
+// maximum to what max MagnitudeBits(Load(x)) would give.
+template <typename T>
+XLA_FP4_VECTOR_CLONES TensorStats MeasureRaw(const T* x, int64_t begin, int64_t end) {
+  using Raw = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+  constexpr Raw kMagnitude = static_cast<Raw>(sizeof(T) == 4 ? 0x7FFFFFFFu : 0x7FFFu);
+  Raw m = 0;
+  uint32_t s = 0;
+  const Raw* raw = reinterpret_cast<const Raw*>(x);
+  for (int64_t i = begin; i < end; ++i) {
+    const Raw a = static_cast<Raw>(raw[i] & kMagnitude);
+    m = a > m ? a : m;
+    s += raw[i];
+  }
+  return {static_cast<uint32_t>(m), s};
+}
+
+// The MagnitudeBits of Load(v), v the element whose magnitude bits are `m`: max commutes with the load's flush (a
+// subnormal maximum means every element loads as zero) and with MagnitudeBits' clamp (both are monotone).
+inline uint32_t MaxMagnitudeBits(float, uint32_t m) { return MagnitudeBits(FlushSubnormal(FloatOf(m))); }
+inline uint32_t MaxMagnitudeBits(Bf16, uint32_t m) { return MagnitudeBits(FlushSubnormal(FloatOf(m << 16))); }
+inline uint32_t MaxMagnitudeBits(F16, uint32_t m) {
+  const F16 h{static_cast<uint16_t>(m)};
+  return MagnitudeBits(Load(&h));  // float16's subnormals are normal float32s: no flush
+}
+
 // One read of x, in the tiles of the RHT's direction. Max and wrapping sum are order-free, so the result does not
 // depend on how the pool splits the work.
 template <typename T>
 TensorStats MeasureTensor(ffi::ThreadPool& pool, const T* x, const Geometry& g, const RhtSigns* rht, bool digest) {
+  std::atomic<uint32_t> amax{0}, sum{0};
+  auto merge = [&](const TensorStats& part) {
+    for (uint32_t cur = amax.load(std::memory_order_relaxed);
+         part.amax_bits > cur && !amax.compare_exchange_weak(cur, part.amax_bits, std::memory_order_relaxed);) {
+    }
+    sum.fetch_add(part.digest, std::memory_order_relaxed);
+  };
+  if (rht == nullptr) {
+    ParallelFor(pool, g.size(), 1, [&](int64_t begin, int64_t end) { merge(MeasureRaw(x, begin, end)); });
+    return {MaxMagnitudeBits(T{}, amax.load()), sum.load()};
+  }
   const RhtAlong along = RhtDirection(g, rht);
   const View view = ViewOf(g, along == RhtAlong::kCols ? Blocks::kCol : Blocks::kRow);
-  const float* sq = rht != nullptr ? rht->sign_quarter : nullptr;
-  std::atomic<uint32_t> amax{0}, sum{0};
+  const float* sq = rht->sign_quarter;
   WithBool(digest, [&](auto with_digest) {
     return WithRht(along, [&](auto along_c) {
       ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
-        const TensorStats part =
-            MeasureTiles<decltype(along_c)::value, decltype(with_digest)::value>(x, view, sq, begin, end);
-        for (uint32_t cur = amax.load(std::memory_order_relaxed);
-             part.amax_bits > cur && !amax.compare_exchange_weak(cur, part.amax_bits, std::memory_order_relaxed);) {
-        }
-        sum.fetch_add(part.digest, std::memory_order_relaxed);
+        merge(MeasureTiles<decltype(along_c)::value, decltype(with_digest)::value>(x, view, sq, begin, end));
       });
       return 0;
     });
