@@ -122,7 +122,10 @@ struct MxQdqSink {
   T* y;
   __device__ void operator()(const MxGrid& g, int64_t base, int64_t /*scale_at*/, const float* q, const MxScale& ms,
                              uint8_t /*scale_byte*/) const {
-    for (int j = 0; j < kMxBlock; ++j) y[base + j * g.inner] = FromFloat<T>(MxDecodeElement(q[j], ms.scale));
+    float v[kMxBlock];
+    for (int j = 0; j < kMxBlock; ++j) v[j] = MxDecodeElement(q[j], ms.scale);
+    if (g.inner == 1 && Aligned16(y + base)) return StoreRun<kMxBlock>(y + base, v);
+    for (int j = 0; j < kMxBlock; ++j) y[base + j * g.inner] = FromFloat<T>(v[j]);
   }
 };
 
