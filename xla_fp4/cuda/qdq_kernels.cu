@@ -56,9 +56,36 @@ __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
   StoreBlock(y, g, b, v);
 }
 
+
 __device__ inline uint32_t RawBits(float v) { return __float_as_uint(v); }
 __device__ inline uint32_t RawBits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ inline uint32_t RawBits(__half v) { return __half_as_ushort(v); }
+
+// The 16 elements at p, `stride` apart, as floats (ToFloat) and the wrapping sum of their raw bits; 16-byte vector
+// loads where they are consecutive and aligned (block_kernel.cuh LoadRun).
+template <typename T>
+__device__ uint32_t LoadWithDigest(const T* p, int64_t stride, float* v) {
+  uint32_t s = 0;
+  if (stride == 1 && Aligned16(p)) {
+    constexpr int kPer = 16 / sizeof(T);
+    for (int c = 0; c < kBlock / kPer; ++c) {
+      const uint4 w = reinterpret_cast<const uint4*>(p)[c];
+      T e[kPer];
+      memcpy(e, &w, sizeof w);
+      for (int j = 0; j < kPer; ++j) {
+        v[c * kPer + j] = ToFloat(e[j]);
+        s += RawBits(e[j]);
+      }
+    }
+    return s;
+  }
+  for (int j = 0; j < kBlock; ++j) {
+    const T e = p[j * stride];
+    v[j] = ToFloat(e);
+    s += RawBits(e);
+  }
+  return s;
+}
 
 // One thread per 1x16 block (o, b, i): amax[o, b, i] = max_j |v_j|, v = the block's RHT when asked, NaN as +Inf;
 // digest (null where not asked) [o, b, i] = the wrapping sum of the block's raw element bits.
@@ -68,14 +95,8 @@ __global__ void BlockAmaxKernel(const T* x, int64_t blocks, int64_t inner, int64
   const int64_t t = ThreadIndex();
   if (t >= n) return;
   const int64_t ob = t / inner, i = t % inner;
-  const T* rows = x + ob * kBlock * inner + i;
   float v[kBlock];
-  uint32_t s = 0;
-  for (int j = 0; j < kBlock; ++j) {
-    const T e = rows[j * inner];
-    v[j] = ToFloat(e);
-    s += RawBits(e);
-  }
+  const uint32_t s = LoadWithDigest(x + ob * kBlock * inner + i, inner, v);
   if (r.rht) Rht16(v, r.signs.sign_quarter);
   uint32_t m = 0;
   for (int j = 0; j < kBlock; ++j) m = max(m, MagnitudeBits(v[j]));
@@ -91,11 +112,7 @@ __global__ void MeasureKernel(const T* x, BlockGrid g, Recipe r, uint32_t* stats
   uint32_t m = 0, s = 0;
   if (b.active) {
     float v[kBlock];
-    for (int j = 0; j < kBlock; ++j) {
-      const T e = x[g.Offset(b, j)];
-      v[j] = ToFloat(e);
-      s += RawBits(e);
-    }
+    s = LoadWithDigest(x + g.Offset(b, 0), g.inner, v);
     if (r.rht) Rht16(v, r.signs.sign_quarter);
     for (int j = 0; j < kBlock; ++j) m = max(m, MagnitudeBits(v[j]));
   }
