@@ -140,20 +140,31 @@ def backend_config_attributes(target, attrs):
   return out
 
 
-def custom_call(target, result_types, operands, config, has_side_effect=False):
+def custom_call(target, result_types, operands, config, has_side_effect=False, layouts=None):
   """A `stablehlo.custom_call` to kernel `target` at the current insertion point (needs an MLIR context); `config`:
   its backend_config attributes (`backend_config_attributes`). The call fixes row-major layouts for its operands and
   results: left free, XLA's layout assignment may give one another layout (a result that is all-gathered along its
-  last dim gets that dim major), and the kernel would read or write the wrong elements."""
+  last dim gets that dim major), and the kernel would read or write the wrong elements. `layouts`: a dict that a
+  caller emitting many calls into one module keeps, where each list of types' layouts attribute is built once."""
   from jax._src.interpreters import mlir
-  from jax.extend.mlir import ir
 
-  def row_major(types):
-    return [tuple(range(ir.RankedTensorType(t).rank - 1, -1, -1)) for t in types]
-
+  layouts = {} if layouts is None else layouts
   return mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config,
-                          operand_layouts=row_major([o.type for o in operands]),
-                          result_layouts=row_major(result_types), has_side_effect=has_side_effect)
+                          has_side_effect=has_side_effect,
+                          extra_attributes={"operand_layouts": _row_major([o.type for o in operands], layouts),
+                                            "result_layouts": _row_major(result_types, layouts)})
+
+
+def _row_major(types, cache):
+  """The layouts attribute of `types` as jax's mlir.custom_call builds it (its operand_layouts), from `cache`."""
+  key = tuple(types)
+  attr = cache.get(key)
+  if attr is None:
+    from jax.extend.mlir import ir
+    attr = cache[key] = ir.ArrayAttr.get([
+        ir.DenseIntElementsAttr.get(np.arange(ir.RankedTensorType(t).rank - 1, -1, -1, dtype=np.int64),
+                                    type=ir.IndexType.get()) for t in types])
+  return attr
 
 
 def custom_call_backend_config(target, attrs):

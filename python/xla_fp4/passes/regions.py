@@ -16,6 +16,14 @@ def op_of(value_or_owner):
   return value_or_owner.operation if hasattr(value_or_owner, "operation") else value_or_owner
 
 
+def is_argument(value):
+  """Whether `value` is a block argument. The bindings hand values out as OpResult or BlockArgument, which isinstance
+  tells apart at a tenth of the cost of reading the owner (each read builds a binding object)."""
+  if isinstance(value, ir.BlockArgument):
+    return True
+  return not isinstance(value, ir.OpResult) and isinstance(value.owner, ir.Block)
+
+
 def in_scope(value, op):
   """Whether `value` is defined in a block around `op` (before `op` where it is op's own block), crossing shard_map
   bodies: what `thread` (rewrite/scope.py) can bring to `op` as shard_map operands."""

@@ -53,22 +53,32 @@ def analyze(module, graph=None) -> Analysis:
   tracer = Tracer(graph)
   arg_names = names.argument_names(graph.main)
   replicated = replicated_arguments(graph.main)
-  dots = []
+  dots, around = [], []  # around: the ops enclosing each dot, innermost first
+  # Facts that dots share, found once: a location's text after its name -> its source frames (each block's dots share
+  # them); an operand value -> its roles.Operand.
+  frames, operands = {}, {}
   for fname, op in graph.dots():
     loc_text = str(op.location)  # printing a location is the costly part: once per dot
-    stack = _name_stack(graph, fname, op, loc_text)
-    dots.append(roles.Dot(graph, fname, op, loc_text, stack, [tracer.trace(op.operands[i]) for i in (0, 1)]))
+    around.append(list(graph.around(op)))
+    stack = _name_stack(graph, fname, around[-1], loc_text)
+    frame = names.frame_of(loc_text)
+    if frame not in frames:
+      frames[frame] = names.frames_of(frame)
+    values = (op.operands[0], op.operands[1])
+    for v in values:
+      if v not in operands:
+        operands[v] = roles.Operand(graph, tracer, v)
+    dots.append(roles.Dot(fname, op, frames[frame], stack, [operands[v] for v in values]))
   roles.classify_forward(dots)
   roles.pair_backward(dots)
   heads = heads_mod.heads(graph, dots)
   blocks, num_blocks, blocks_found = blocks_mod.blocks(graph, arg_names, dots)
 
-  found = {i: ragged.groups(d.op, d.role is not Role.OTHER) for i, d in enumerate(dots)}
+  found = {i: ragged.groups(d.op, d.role is not Role.OTHER, d.masked) for i, d in enumerate(dots)}
   found.update(ragged.dense_expert_groups(graph, dots, found))
-  around = [list(graph.around(d.op)) for d in dots]  # the ops enclosing each dot, innermost first
   dot_peers = peers.of_dots(dots, found, around)
   positional = _positional_layers(dots, arg_names, blocks)
-  records = []
+  records, geometries, layers = [], {}, {}  # memos: _gemm's; (layer path, weight argument) -> layer
   for i, d in enumerate(dots):
     src = d.src
     arg_name = arg_names[src.arg] if src is not None and src.arg < len(arg_names) else None
@@ -77,7 +87,13 @@ def analyze(module, graph=None) -> Analysis:
     enclosing = around[i]
     layer = d.path
     if linear:
-      layer = positional.get(src.arg) if src is not None and src.arg in positional else names.layer_of(d.path, arg_name)
+      if src is not None and src.arg in positional:
+        layer = positional[src.arg]
+      else:
+        key = (d.path, arg_name)  # a layer's fprop, dgrad and wgrad share both
+        if key not in layers:
+          layers[key] = names.layer_of(*key)
+        layer = layers[key]
     site = DotSite(
         index=i, func=d.fname, name_stack=d.stack, layer=layer,
         phase=d.phase, role=d.role, weight_operand=d.w if d.role in (Role.FPROP, Role.DGRAD) else None,
@@ -88,7 +104,7 @@ def analyze(module, graph=None) -> Analysis:
         excluded_scope=_excluded(d.op, enclosing), higher_order=names.higher_order(d.stack),
         ragged=d.ragged, groups=found[i],
         in_shard_map=any(o.name == "sdy.manual_computation" for o in enclosing), peers=dot_peers[i],
-        gemm=_gemm(d.op))
+        gemm=_gemm(d.op, geometries))
     source = blocks_mod.block_source(d.op, src) if place.num_stacked is not None else None
     mask = ragged.expansion_mask(d.op) if found[i] is not None and found[i].kind is Grouping.SLICES else None
     records.append(DotRecord(op=d.op, site=site, block_source=source, group_mask=mask))
@@ -117,18 +133,29 @@ def _positional_layers(dots, arg_names, blocks):
   return out
 
 
-def _name_stack(graph, fname, op, loc_text):
+def _name_stack(graph, fname, enclosing, loc_text):
   """An op's name stack (from its printed location), prefixed with its function's first call site's and with those of
-  the shard_map bodies around it in the function: JAX names the ops of a body from the body's own scope, and the
-  transforms around it (`transpose(`, `rematted_computation`: the phase) are on the sdy.manual_computation."""
-  in_function = itertools.takewhile(lambda o: o.name != "func.func", graph.around(op))
+  the shard_map bodies around it in the function (`enclosing`: graph.around the op): JAX names the ops of a body from
+  the body's own scope, and the transforms around it (`transpose(`, `rematted_computation`: the phase) are on the
+  sdy.manual_computation."""
+  in_function = itertools.takewhile(lambda o: o.name != "func.func", enclosing)
   bodies = [names.name_of(str(o.location)) for o in in_function if o.name == "sdy.manual_computation"]
   parts = [graph.call_prefix(fname), *reversed(bodies)]
   parts.append(names.name_of(loc_text))
   return "/".join(p for p in parts if p)
 
 
-def _gemm(op) -> Gemm:
+def _gemm(op, memo) -> Gemm:
+  """`_geometry(op)` from `memo`, kept for the module: its dots repeat a few geometries (every block's alike), which
+  the dims attribute and the operand and result types decide."""
+  dims = op.attributes["ragged_dot_dimension_numbers" if op.name == "chlo.ragged_dot" else "dot_dimension_numbers"]
+  key = (op.name, dims, op.operands[0].type, op.operands[1].type, op.results[0].type)
+  if key not in memo:
+    memo[key] = _geometry(op)
+  return memo[key]
+
+
+def _geometry(op) -> Gemm:
   """The geometry of a dot_general or a ragged dot (a ragged dot's rhs group dim selects the rhs matrix of each group
   of lhs rows and is no free dim)."""
   (lc, rc), (lb, rb) = dot_dims(op)

@@ -18,7 +18,7 @@ from typing import Any
 
 from jax._src.lib.mlir import ir
 
-from xla_fp4.passes.regions import op_of
+from xla_fp4.passes.regions import is_argument, op_of
 
 _PASS_THROUGH = {"stablehlo.convert", "stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim",
                  "stablehlo.slice", "stablehlo.bitcast_convert", "stablehlo.copy", "mhlo.copy", "mhlo.sharding",
@@ -29,8 +29,7 @@ _COLLECTED = {"stablehlo.dot_general", "func.call", "chlo.ragged_dot"}
 
 def defining_op(value):
   """The operation whose result `value` is (None for a block argument)."""
-  owner = value.owner  # each read builds a binding object: once
-  return None if isinstance(owner, ir.Block) else op_of(owner)
+  return None if is_argument(value) else value.owner.operation
 
 
 def shape(value):
@@ -55,14 +54,15 @@ def func_name(func_op):
 def forwarded(op, result_number):
   """The operand whose values `op`'s result `result_number` carries unchanged up to layout, dtype or sharding, or
   None: what every upstream walk looks through."""
-  if op.name in _PASS_THROUGH:
+  name = op.name
+  if name in _PASS_THROUGH:
     return op.operands[0]
-  if op.name == "stablehlo.custom_call" and \
+  if name == "stablehlo.custom_call" and \
       ir.StringAttr(op.attributes["call_target_name"]).value in _SHARDING_TARGETS:
     return op.operands[0]
-  if op.name == "stablehlo.optimization_barrier":
+  if name == "stablehlo.optimization_barrier":
     return op.operands[result_number]
-  if op.name == "stablehlo.all_gather" and len(op.operands) == 1:  # a shard_map body's FSDP gather of a weight
+  if name == "stablehlo.all_gather" and len(op.operands) == 1:  # a shard_map body's FSDP gather of a weight
     return op.operands[0]
   return None
 
@@ -123,15 +123,18 @@ class CallGraph:
     self.main = main.operation if main is not None else None
 
   def _collect(self, fname, func_op):
-    """Dots and calls of one function; the walk itself runs in C++ (a Python walk was a third of the pass time)."""
+    """Dots and calls of one function; the walk itself runs in C++ (a Python walk was a third of the pass time), and
+    `visit`, which runs for every op of the module, reads only local names and one attribute of the op."""
+    collected, advance, order, calls = _COLLECTED, ir.WalkResult.ADVANCE, self.order, self.calls
+
     def visit(op):
-      name = op.name  # one read per op: this runs for every op of the module
-      if name in _COLLECTED:
+      name = op.name
+      if name in collected:
         op = op.operation
-        self.order.append((fname, op))
+        order.append((fname, op))
         if name == "func.call":
-          self.calls.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
-      return ir.WalkResult.ADVANCE
+          calls.setdefault(ir.FlatSymbolRefAttr(op.attributes["callee"]).value, []).append(op)
+      return advance
     func_op.walk(visit, ir.WalkOrder.PRE_ORDER)
 
   def dots(self):

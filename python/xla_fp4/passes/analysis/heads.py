@@ -17,6 +17,7 @@ from xla_fp4.passes.analysis import names
 from xla_fp4.passes.analysis.callgraph import Binding, CallGraph, defining_op, shape, terminator, users
 from xla_fp4.passes.analysis.records import Phase, Role
 from xla_fp4.passes.analysis.trace import dot_dims
+from xla_fp4.passes.regions import is_argument
 
 
 DOTS = ("stablehlo.dot_general", "chlo.ragged_dot")
@@ -37,12 +38,13 @@ class Dataflow:
     todo, seen = collections.deque([(value, ())]), set()  # breadth first: the nearest dot decides most walks
     while todo:
       v, calls = todo.popleft()
-      if (v, calls[-1:]) in seen:
+      key = (v, calls[-1:])
+      if key in seen:
         continue
-      seen.add((v, calls[-1:]))
+      seen.add(key)
       if len(seen) > self.LIMIT:
         return None
-      if isinstance(v.owner, ir.Block):
+      if is_argument(v):
         origin = self.graph.argument_origin(v)
         if origin.binding is Binding.FUNCTION:
           if calls:  # entered through this call's result: back to its operand only
@@ -57,18 +59,20 @@ class Dataflow:
         elif origin.binding is not Binding.MAIN:
           return None
         continue
-      op, number = defining_op(v), ir.OpResult(v).result_number
-      if op.name in DOTS:
+      op = defining_op(v)
+      name = op.name
+      if name in DOTS:
         if barrier(op):
           return False
         continue
-      if op.name == "func.call":
-        inner = self.graph.returned(op, number)
+      if name == "func.call":
+        inner = self.graph.returned(op, ir.OpResult(v).result_number)
         if inner is None:
           return None
         todo.append((inner, calls + (op,)))
-      elif op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if", "sdy.manual_computation"):
-        body = [1] if op.name == "stablehlo.while" else range(len(op.regions))
+      elif name in ("stablehlo.while", "stablehlo.case", "stablehlo.if", "sdy.manual_computation"):
+        number = ir.OpResult(v).result_number
+        body = [1] if name == "stablehlo.while" else range(len(op.regions))
         todo.extend((terminator(op.regions[r]).operands[number], calls) for r in body)
         todo.extend((o, calls) for o in op.operands)
       else:
@@ -126,6 +130,11 @@ def heads(graph: CallGraph, dots):
   any_backward = any(d.phase is Phase.BACKWARD for d in dots)
   heads, recomputed = {}, []
   forward_only = []  # fprops of a program without backward dots: judged from the forward dataflow, below
+  paired = {}  # fprop index -> its dgrads and wgrads, program order
+  upstream = {}  # gradient -> its no_dot_upstream verdict (a layer's dgrad and wgrad mostly read one gradient)
+  for d in dots:
+    if d.partner is not None:
+      paired.setdefault(d.partner, []).append(d)
   for j, f in enumerate(dots):
     if f.role is not Role.FPROP:
       continue
@@ -133,9 +142,7 @@ def heads(graph: CallGraph, dots):
       recomputed.append(j)
       continue
     verdicts = []
-    for d in dots:
-      if d.partner != j:
-        continue
+    for d in paired.get(j, ()):
       if d.role is Role.DGRAD:
         grad = d.op.operands[1 - d.w]
       else:  # wgrad: the operand that is not the fprop's activation
@@ -143,7 +150,9 @@ def heads(graph: CallGraph, dots):
         if len(others) != 1:
           continue
         grad = d.op.operands[others[0]]
-      verdicts.append(flow.no_dot_upstream(grad, is_backward))
+      if grad not in upstream:
+        upstream[grad] = flow.no_dot_upstream(grad, is_backward)
+      verdicts.append(upstream[grad])
     if not verdicts:
       if not any_backward:
         forward_only.append(j)

@@ -144,7 +144,24 @@ def indexed_subtrees(path):
 
 
 def argument_names(main):
-  """The names of @main's arguments (their locations: JAX names them by pytree path), `arg<i>` where unnamed."""
-  if main is None:
-    return []
-  return [name_of(a.location) or f"arg{a.arg_number}" for a in main.regions[0].blocks[0].arguments]
+  """The names of @main's arguments (their locations: JAX names them by pytree path), `arg<i>` where unnamed: a
+  sequence that reads each name when first asked for it (a train step has hundreds of arguments that no dot reads,
+  and printing a location is the costly part)."""
+  return _ArgumentNames(main.regions[0].blocks[0].arguments if main is not None else ())
+
+
+class _ArgumentNames:
+  """argument_names' sequence: name i is read at the first [i]."""
+
+  def __init__(self, arguments):
+    self._arguments, self._names = arguments, {}
+
+  def __len__(self):
+    return len(self._arguments)
+
+  def __getitem__(self, i):
+    name = self._names.get(i)
+    if name is None:
+      a = self._arguments[i]
+      name = self._names[i] = name_of(a.location) or f"arg{a.arg_number}"
+    return name

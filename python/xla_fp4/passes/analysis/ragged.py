@@ -89,16 +89,17 @@ def _group_dim(value):
   return added[0] if len(added) == 1 else None
 
 
-def groups(op, linear) -> "Groups | None":
+def groups(op, linear, masked=(True, True)) -> "Groups | None":
   """The Groups of a dot_general or chlo.ragged_dot (`linear`: it is a linear layer's GEMM), None where it has none
-  or a form the grouped rewrite does not take."""
+  or a form the grouped rewrite does not take. `masked`: whether each operand may be group-masked (False where the
+  caller has seen that it is not: no second look)."""
   if op.name == "chlo.ragged_dot":
     return _ragged_groups(op)
   (lc, rc), (lb, rb) = dot_dims(op)
   partner = dict(zip(lc + lb, rc + rb))
   partner.update({v: k for k, v in zip(lc + lb, rc + rb)})
   for side in (0, 1):
-    d = _group_dim(op.operands[side])
+    d = _group_dim(op.operands[side]) if masked[side] else None
     if d is not None and d in partner:
       found = (d, partner[d]) if side == 0 else (partner[d], d)
       return _slices(op, found[:1], found[1:], lc, rc)

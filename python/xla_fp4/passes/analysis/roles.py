@@ -22,18 +22,27 @@ from xla_fp4.passes.analysis.records import Phase, Role
 from xla_fp4.passes.analysis.trace import root
 
 
-class Dot:
-  """Per-dot facts gathered before classification."""
+class Operand:
+  """Per-operand facts: the same for every dot that reads the value (q, k and v read one input), so found once."""
 
-  def __init__(self, graph, fname, op, loc_text, stack, sources):
-    self.fname, self.op, self.stack, self.sources = fname, op, stack, sources
-    self.frames = names.frames_of(loc_text)
+  def __init__(self, graph, tracer, value):
+    self.source = tracer.trace(value)  # trace.Source, or None
+    # a ragged dot's CPU expansion masks the same tensors per group in every dot of the layer: compare what it masks
+    tensor, self.masked = ragged.unmasked_and_masked(value)
+    self.root = root(graph, tensor)
+
+
+class Dot:
+  """Per-dot facts gathered before classification. `operands`: the Operand of its lhs and rhs."""
+
+  def __init__(self, fname, op, frames, stack, operands):
+    self.fname, self.op, self.stack, self.sources = fname, op, stack, [o.source for o in operands]
+    self.frames = frames  # names.frames_of its location
     self.path = names.layer_path(stack)
     self.phase = names.phase_of(stack)
-    # a ragged dot's CPU expansion masks the same tensors per group in every dot of the layer: compare what it masks
-    seen = [ragged.unmasked_and_masked(v) for v in op.operands[:2]]
-    self.roots = [root(graph, tensor) for tensor, _ in seen]
-    self.ragged = op.name == "chlo.ragged_dot" or any(masked for _, masked in seen)
+    self.roots = [o.root for o in operands]
+    self.masked = tuple(o.masked for o in operands)
+    self.ragged = op.name == "chlo.ragged_dot" or any(self.masked)
     self.out_shape = shape(op.results[0])
     self.role, self.w, self.src, self.partner = Role.OTHER, None, None, None
     self.gradient = 0  # a wgrad's output-gradient operand
@@ -59,17 +68,18 @@ def pair_backward(dots):
   is the fprop's weight; wgrad when the result has the weight's shape and the dot shares the gradient with the layer's
   dgrad, or the activation with the fprop (value identity through pass-through ops); with no dataflow link, the last
   not yet paired fprop of that shape (JAX transposes in reverse program order). Anything else stays `other`."""
-  forward = {}  # innermost frame -> forward dots
+  forward, forward_layer = {}, {}  # innermost frame (and layer path) -> forward dots
   for j, d in enumerate(dots):
     if d.phase is Phase.FORWARD and d.frames:
       forward.setdefault(d.frames[0], []).append(j)
+      forward_layer.setdefault((d.frames[0], d.path), []).append(j)
   backward = [i for i, d in enumerate(dots) if d.phase is Phase.BACKWARD]
   cands = {}
   for i in backward:
     d = dots[i]
     bucket = forward.get(d.frames[0] if d.frames else None, ())
     # Where a forward dot of the frame carries the same layer path (linen, named scopes), only that layer pairs.
-    same_path = [j for j in bucket if d.path and dots[j].path == d.path]
+    same_path = forward_layer.get((d.frames[0], d.path), []) if d.frames and d.path else []
     same_frame = [j for j in same_path if names.same_frame(d.frames, dots[j].frames)]
     if not same_frame:
       same_frame = [j for j in bucket if names.same_frame(d.frames, dots[j].frames)]
@@ -99,9 +109,11 @@ def pair_backward(dots):
   # that reads one of these is that product's transpose, not a wgrad.
   products = {r for d in dots if d.phase is Phase.FORWARD and d.role is Role.OTHER for r in d.roots}
   gradients = {}  # fprop index -> the gradient operand roots of its dgrads
+  dgrads = {}  # fprop index -> its dgrads, program order
   for k in backward:
     if dots[k].role is Role.DGRAD:
       gradients.setdefault(dots[k].partner, []).append(dots[k].roots[1 - dots[k].w])
+      dgrads.setdefault(dots[k].partner, []).append(k)
   for i in backward:
     d = dots[i]
     if d.role is not Role.OTHER:
@@ -111,7 +123,7 @@ def pair_backward(dots):
     if not shaped:
       continue
     partner = None
-    for g in (k for k in backward if dots[k].role is Role.DGRAD and dots[k].partner in shaped):
+    for g in sorted(k for j in set(shaped) for k in dgrads.get(j, ())):
       grad = dots[g].roots[1 - dots[g].w]
       if any(grad == r for r in d.roots):
         partner = dots[g].partner

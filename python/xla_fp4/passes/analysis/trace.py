@@ -20,6 +20,7 @@ from jax._src.lib.mlir.dialects import sdy
 
 from xla_fp4.passes.analysis.callgraph import (Binding, CallGraph, defining_op, forwarded, shape, terminator,
                                               unforwarded)
+from xla_fp4.passes.regions import is_argument
 
 
 @dataclasses.dataclass
@@ -39,7 +40,7 @@ class Tracer:
     """The Source of `value`, or None when it reads no @main argument. `stack`: the calls whose results led here."""
     if depth > 200:
       return None
-    if isinstance(value.owner, ir.Block):
+    if is_argument(value):
       origin = self.graph.argument_origin(value)
       if origin.binding is Binding.MAIN:
         return Source(arg=origin.number, entry_call=entry)
@@ -88,17 +89,17 @@ class Tracer:
     again in iteration order."""
     body = loop.regions[1].blocks[0]
     value, call = terminator(loop.regions[1]).operands[number], None
-    if not isinstance(value.owner, ir.Block) and defining_op(value).name == "func.call":
+    if not is_argument(value) and defining_op(value).name == "func.call":
       call = defining_op(value)
       value = self.graph.returned(call, ir.OpResult(value).result_number)
       if value is None:
         return None
-    if isinstance(value.owner, ir.Block) or defining_op(value).name != "stablehlo.dynamic_update_slice":
+    if is_argument(value) or defining_op(value).name != "stablehlo.dynamic_update_slice":
       return None
     update_op = defining_op(value)
     buffer, update = update_op.operands[0], unforwarded(update_op.operands[1])
     if call is not None:  # the callee's arguments stand for the call's operands
-      if not (isinstance(buffer.owner, ir.Block) and isinstance(update.owner, ir.Block)):
+      if not (is_argument(buffer) and is_argument(update)):
         return None
       buffer = call.operands[ir.BlockArgument(buffer).arg_number]
       update = call.operands[ir.BlockArgument(update).arg_number]
@@ -107,7 +108,7 @@ class Tracer:
   def _lift(self, value, stack):
     """Express a callee-local block argument in the scope of the calls on `stack`."""
     stack = list(stack)
-    while stack and isinstance(value.owner, ir.Block):
+    while stack and is_argument(value):
       if self.graph.argument_origin(value).binding not in (Binding.MAIN, Binding.FUNCTION):
         break
       value = stack.pop().operands[ir.BlockArgument(value).arg_number]
@@ -117,7 +118,7 @@ class Tracer:
 def root(graph: CallGraph, value):
   """The value a chain of forwarded ops starts from (see the module docstring)."""
   for _ in range(256):
-    if isinstance(value.owner, ir.Block):
+    if is_argument(value):
       origin = graph.argument_origin(value)
       if origin.binding is Binding.MANUAL or (origin.binding is Binding.FUNCTION and len(origin.calls) == 1):
         value = origin.operand(origin.calls[0] if origin.calls else None)
@@ -126,7 +127,7 @@ def root(graph: CallGraph, value):
     op = defining_op(value)
     if op.name == "func.call":  # a value a function passes through (a residual returned by a jitted forward)
       inner = graph.returned(op, ir.OpResult(value).result_number)
-      if inner is None or not isinstance(inner.owner, ir.Block):
+      if inner is None or not is_argument(inner):
         return value
       value = op.operands[ir.BlockArgument(inner).arg_number]
       continue

@@ -12,6 +12,7 @@ import math
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 
+from xla_fp4.passes.regions import is_argument
 from xla_fp4.passes.rewrite.values import tensor_type
 
 
@@ -53,8 +54,11 @@ def as_read(x, contract, reshape):
 
 def reshape_source(x):
   """The value that x is a chain of reshapes of (x itself if none): the same elements in row-major order."""
-  while not isinstance(x.owner, ir.Block) and x.owner.name == "stablehlo.reshape":
-    x = x.owner.operands[0]
+  while not is_argument(x):
+    owner = x.owner
+    if owner.name != "stablehlo.reshape":
+      break
+    x = owner.operands[0]
   return x
 
 

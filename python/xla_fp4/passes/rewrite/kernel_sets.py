@@ -39,23 +39,29 @@ class FfiKernels:
     # The Shardy mesh over all partitions (device_rows.device_mesh): telemetry's per-device statistics rows are split
     # over it; without one (GSPMD) a partitioned program's statistics come from the twins (probes.py).
     self.mesh = mesh if partitioned else None
-    self._configs = {}  # (target, attributes) -> backend_config, built once per pass run
+    # built once per pass run:
+    self._configs = {}  # (target, attributes) -> backend_config, of calls without a salt
     self._types = {}  # (target, operand types, attributes) -> result types
+    self._layouts = {}  # types -> their row-major layouts attribute (kernels.custom_call)
 
   def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
-    key = (target.name, tuple(sorted(attrs.items())))
+    unsalted = tuple(sorted((k, v) for k, v in attrs.items() if k != "salt"))
+    operand_types = [o.type for o in operands]
     if result_types is None:  # the results' types do not depend on a call's salt (one per operand: no cache hit)
-      signature = (target.name, tuple(sorted((k, v) for k, v in attrs.items() if k != "salt")),
-                   tuple(o.type for o in operands))
+      signature = (target.name, unsalted, tuple(operand_types))
       types = self._types.get(signature)
       if types is None:
-        types = self._types[signature] = target.result_types([o.type for o in operands], attrs)
+        types = self._types[signature] = target.result_types(operand_types, attrs)
     else:
       types = result_types
-    config = self._configs.get(key)
+    salted = "salt" in attrs  # then its attributes are its own (one salt per operand): not kept (held, they slowed)
+    config = None if salted else self._configs.get((target.name, unsalted))
     if config is None:
-      config = self._configs[key] = self._kernels.backend_config_attributes(target.name, attrs)
-    op = self._kernels.custom_call(target.name, types, operands, config, has_side_effect=target.side_effect)
+      config = self._kernels.backend_config_attributes(target.name, attrs)
+      if not salted:
+        self._configs[(target.name, unsalted)] = config
+    op = self._kernels.custom_call(target.name, types, operands, config, has_side_effect=target.side_effect,
+                                   layouts=self._layouts)
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, [o.type for o in operands], types, attrs, k_follows_dot)

@@ -119,6 +119,9 @@ class _Unprobed(Probe):
   def took_output(self, acc, alpha):
     pass
 
+  def row(self, q):
+    return None
+
   def keep_row(self, q, row):
     pass
 
