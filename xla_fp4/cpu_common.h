@@ -6,18 +6,14 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <deque>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <string>
 #include <type_traits>
 #include <utility>
-
-#include <unistd.h>  // getpid
 
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -150,60 +146,9 @@ class FpMode {
 #endif
 };
 
-// The extension's helper threads. XLA's FFI thread pool enqueues a task without waking a worker
-// (XLA_FFI_ThreadPool_Schedule calls Eigen's enqueueNoNotification), so a kernel's helper tasks ran only where a worker
-// happened to be looking for work: measured inside XLA executables, every kernel ran on one core (process CPU time /
-// wall time 1.00 over 200 calls of xla_fp4_qdq on 2048x2048). These threads park on a condition variable and are
-// woken per task; ParallelFor asks for no more of them than XLA's pool has workers besides the caller, so the kernels
-// use the cores XLA was given. One set per process (a forked child starts its own) and never destroyed: a parked
-// thread holds nothing at exit.
-class Helpers {
- public:
-  static Helpers& Get() {
-    static std::mutex mu;
-    static Helpers* helpers = nullptr;
-    std::lock_guard<std::mutex> lock(mu);
-    if (helpers == nullptr || helpers->pid_ != getpid()) helpers = new Helpers();  // a fork's copy has no threads
-    return *helpers;
-  }
-
-  // Runs task() on `count` helper threads (started on first need), returning at once.
-  void Schedule(int64_t count, const std::function<void()>& task) {
-    std::lock_guard<std::mutex> lock(mu_);
-    while (static_cast<int64_t>(started_) < count) {
-      std::thread([this] { Loop(); }).detach();
-      ++started_;
-    }
-    for (int64_t i = 0; i < count; ++i) queue_.push_back(task);
-    cv_.notify_all();
-  }
-
- private:
-  Helpers() : pid_(getpid()) {}
-  void Loop() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return !queue_.empty(); });
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      task();
-    }
-  }
-
-  const pid_t pid_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  size_t started_ = 0;
-};
-
-// Runs fn(begin, end) over [0, n) in chunks on the caller and helper threads when the work is worth it, as many
-// threads in all as XLA's intra-op pool has (its size is what XLA was given to run on). Helpers take chunks from a
-// shared counter, so the caller never waits for a task that has not started (no deadlock when the helpers are busy
-// with another kernel's chunks); tasks that start late find nothing left and return.
+// Runs fn(begin, end) over [0, n) in chunks on the caller and the XLA intra-op pool when the work is worth it.
+// Helpers take chunks from a shared counter, so the caller never waits for a task that has not started (no deadlock
+// when the pool is busy or the caller is itself a pool thread); tasks that start late find nothing left and return.
 inline void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_per_item,
                         const std::function<void(int64_t, int64_t)>& fn) {
   constexpr int64_t kMinWorkPerChunk = int64_t{1} << 16;
@@ -236,12 +181,14 @@ inline void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_per_item,
   state->n = n;
   state->chunks = chunks;
   state->mode = FpMode::Current();
-  Helpers::Get().Schedule(std::min(threads, chunks) - 1, [state] {
-    const FpMode saved = FpMode::Current();
-    state->mode.Apply();
-    state->Run();
-    saved.Apply();
-  });
+  for (int64_t t = 0; t + 1 < std::min(threads, chunks); ++t) {
+    pool.Schedule([state] {
+      const FpMode saved = FpMode::Current();
+      state->mode.Apply();
+      state->Run();
+      saved.Apply();
+    });
+  }
   state->Run();
   std::unique_lock<std::mutex> lock(state->mu);
   state->cv.wait(lock, [&] { return state->done.load() == chunks; });
