@@ -2,8 +2,8 @@
 
   python benchmarks/pass_overhead.py [--out benchmarks/results/pass_overhead.json]
 
-Targets (issue 3): pass time for a 12-block transformer train step <= 100 ms; compile time ratio <= 1.5;
-CPU step time emulated/baseline <= 1.3 at d_model >= 512.
+Targets (issue 46; issue 3 had 100 ms, 1.5 and 1.3): pass time for a 12-block transformer train step <= 50 ms; compile
+time ratio <= 1.2; CPU step time emulated/baseline <= 1.2 at d_model >= 512.
 """
 
 import argparse
@@ -124,9 +124,9 @@ def main():
   results["pass_12_blocks"] = {
       "model": "GPT d_model=256, 12 blocks, train step with AdamW", "module_lines": ops,
       "dots": len(result.rows), "dots_nvfp4": sum(r["decision"] == "nvfp4" for r in result.rows),
-      "pass_ms_median": 1e3 * statistics.median(pass_times), "pass_target_ms": 100,
+      "pass_ms_median": 1e3 * statistics.median(pass_times), "pass_target_ms": 50,
       "compile_s_baseline": base_compile, "compile_s_fp4": fp4_compile,
-      "compile_ratio": fp4_compile / base_compile, "compile_ratio_target": 1.5}
+      "compile_ratio": fp4_compile / base_compile, "compile_ratio_target": 1.2}
 
   # 2. Step time at d_model 512 (emulated NVFP4 vs baseline, both compiled in this run).
   step, step_args = make_step(d=512, layers=2, batch=4, seq=128)
@@ -134,7 +134,7 @@ def main():
   _, fp4 = _compile_seconds(step, step_args, fp4=True)
   tb, tf = _interleaved_step_seconds([base, fp4], step_args, args.steps)
   results["step_time_d512"] = {"model": "GPT d_model=512, 2 blocks, batch 4 x 128 tokens",
-                               "step_s_baseline": tb, "step_s_fp4": tf, "ratio": tf / tb, "ratio_target": 1.3}
+                               "step_s_baseline": tb, "step_s_fp4": tf, "ratio": tf / tb, "ratio_target": 1.2}
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(results, f, indent=1)
