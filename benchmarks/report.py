@@ -92,17 +92,14 @@ time) over the copy's. Method: {meta['method']}; {meta['repeats']} rounds; {meta
 
 {table(["kernel", "variant"] + dtypes + ["target"], rows)}
 
-Targets met: {", ".join(count(t) for t in dtypes)}. The copy's time is mostly the kernel's page faults on its fresh
-output buffer, which every kernel pays too; what a kernel adds is its arithmetic, about the same per element in
+Targets met: {", ".join(count(t) for t in dtypes)}. The copy's time is mostly its page faults on its fresh output
+buffer, which every kernel pays too; what a kernel adds is its arithmetic, about the same per element in
 either dtype, so against bfloat16's copy of half the bytes it weighs twice as much.
 """
-  first = by.get(("qdq_with_scale", "1x16_nearest", dtypes[0]))
-  with_scale = ", ".join(f"{t} {x(by['qdq_with_scale', '1x16_nearest', t]['fraction_of_copy_bandwidth'])}"
-                         for t in dtypes if ("qdq_with_scale", "1x16_nearest", t) in by)
-  packed = ", ".join(f"{t} {x(by['packed', '1x16_nearest', t]['fraction_of_copy_bandwidth'])}"
-                     for t in dtypes if ("packed", "1x16_nearest", t) in by)
+  of_copy = lambda kernel: ", ".join(f"{t} {x(by[kernel, '1x16_nearest', t]['fraction_of_copy_bandwidth'])}"
+                                     for t in dtypes if (kernel, "1x16_nearest", t) in by)
   return text, [[f"C++ quantizers against a copy, {shape}: with their own amax (what the pass emits); packed (the "
-                 f"native backend's)", f"{with_scale}; packed {packed}" if first else packed,
+                 f"native backend's)", f"{of_copy('qdq_with_scale')}; packed {of_copy('packed')}",
                  link("Quantization kernels")]]
 
 

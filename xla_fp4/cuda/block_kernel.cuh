@@ -83,16 +83,22 @@ __device__ inline int64_t ThreadIndex() { return blockIdx.x * static_cast<int64_
 // serves only offsets that break this.
 __device__ inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <int n, typename T>
-__device__ void LoadRun(const T* p, float* v) {
+// Calls f(j, element j) for the n elements of the run at p, read as 16-byte vectors.
+template <int n, typename T, typename F>
+__device__ void ForEachInRun(const T* p, F&& f) {
   constexpr int kPer = 16 / sizeof(T);
   static_assert(n % kPer == 0, "a run is whole 16-byte vectors");
   for (int c = 0; c < n / kPer; ++c) {
     const uint4 w = reinterpret_cast<const uint4*>(p)[c];
     T e[kPer];
     memcpy(e, &w, sizeof w);
-    for (int j = 0; j < kPer; ++j) v[c * kPer + j] = ToFloat(e[j]);
+    for (int j = 0; j < kPer; ++j) f(c * kPer + j, e[j]);
   }
+}
+
+template <int n, typename T>
+__device__ void LoadRun(const T* p, float* v) {
+  ForEachInRun<n>(p, [&](int j, T e) { v[j] = ToFloat(e); });
 }
 
 template <int n, typename T>

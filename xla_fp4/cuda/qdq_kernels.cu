@@ -56,27 +56,20 @@ __global__ void RhtKernel(const T* x, BlockGrid g, Recipe r, float* y) {
   StoreBlock(y, g, b, v);
 }
 
-
 __device__ inline uint32_t RawBits(float v) { return __float_as_uint(v); }
 __device__ inline uint32_t RawBits(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
 __device__ inline uint32_t RawBits(__half v) { return __half_as_ushort(v); }
 
 // The 16 elements at p, `stride` apart, as floats (ToFloat) and the wrapping sum of their raw bits; 16-byte vector
-// loads where they are consecutive and aligned (block_kernel.cuh LoadRun).
+// loads where they are consecutive and aligned (block_kernel.cuh ForEachInRun).
 template <typename T>
 __device__ uint32_t LoadWithDigest(const T* p, int64_t stride, float* v) {
   uint32_t s = 0;
   if (stride == 1 && Aligned16(p)) {
-    constexpr int kPer = 16 / sizeof(T);
-    for (int c = 0; c < kBlock / kPer; ++c) {
-      const uint4 w = reinterpret_cast<const uint4*>(p)[c];
-      T e[kPer];
-      memcpy(e, &w, sizeof w);
-      for (int j = 0; j < kPer; ++j) {
-        v[c * kPer + j] = ToFloat(e[j]);
-        s += RawBits(e[j]);
-      }
-    }
+    ForEachInRun<kBlock>(p, [&](int j, T e) {
+      v[j] = ToFloat(e);
+      s += RawBits(e);
+    });
     return s;
   }
   for (int j = 0; j < kBlock; ++j) {

@@ -64,7 +64,7 @@ class FfiKernels:
                                    layouts=self._layouts)
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
-          target.name, [o.type for o in operands], types, attrs, k_follows_dot)
+          target.name, operand_types, types, attrs, k_follows_dot)
     if self.partitioned and target.packed is not None:
       op.attributes["sdy.sharding_rule"] = self._packed.sharding_rule(target.name, [o.type for o in operands], types,
                                                                    attrs)
