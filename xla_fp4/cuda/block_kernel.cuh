@@ -12,10 +12,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_fp4/cuda/cuda_util.h"
 #include "xla_fp4/nvfp4_format.h"
+#include "xla_fp4/warp_quantize.h"
 
 namespace xla_fp4::cuda {
 
@@ -176,6 +178,67 @@ __global__ void QuantizeKernel(const T* x, BlockGrid g, Recipe r, const float* s
   }
   sink(g, b, bs, ts, q, amax);
 }
+
+// ---- where the axis is the last one: a warp per 16 runs (warp_quantize.h) ----
+
+struct WarpLanes {
+  __device__ int Lane() const { return threadIdx.x & (kWarp - 1); }
+  __device__ float Xor(float v, int mask) const { return __shfl_xor_sync(0xFFFFFFFFu, v, mask); }
+};
+
+// QuantizeKernel's work for x viewed as (rows, K) with K last, each lane reading and handing on E = 16 / sizeof(T)
+// consecutive elements as one 16-byte vector: sink(r, first, part, active, block scale, tensor scale, q[E]) as
+// QuantizeWarpRuns says. A warp leaves as a whole (kThreadsPerBlock is a multiple of 32), so every shuffle has its
+// 32 lanes. The buffers must be 16-byte aligned (WarpAligned).
+template <typename T, typename Sink>
+__global__ void QuantizeRunsKernel(const T* x, RunGrid g, Recipe r, const float* s_dec, const uint32_t* key,
+                                   Sink sink) {
+  const int64_t w = ThreadIndex() / kWarp;
+  if (w >= g.Warps()) return;
+  constexpr int E = RunLayout<sizeof(T)>::E;
+  QuantizeWarpRuns<sizeof(T)>(g, r, MakeTensorScale(*s_dec), r.stochastic ? Mix32(*key) : 0u, w, WarpLanes{},
+                              [&](int64_t at, float* v) { LoadRun<E>(x + at, v); }, sink);
+}
+
+// Whether the warp kernel may take (outer, K, inner) with these buffers: K last and every lane's 16 bytes aligned.
+inline bool WarpAligned(int64_t inner, const void* x, const void* out) {
+  return inner == 1 && (reinterpret_cast<uintptr_t>(x) & 15u) == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+}
+
+inline unsigned WarpGridSize(const RunGrid& g) { return GridSize(g.Warps() * kWarp); }
+
+// The warp kernel's sinks: a lane's E values decoded into y, or packed (E / 2 bytes of E2M1 pairs, the even element
+// low; the run's E4M3 scale from its first lane), at the elements' own positions.
+template <typename T>
+struct WarpDequantizeSink {
+  T* y;
+  bool apply_global_scale;
+  __device__ void operator()(int, int64_t first, int part, bool active, const BlockScale& bs, const TensorScale& ts,
+                             const float* q) const {
+    constexpr int E = RunLayout<sizeof(T)>::E;
+    if (!active) return;
+    const float s_dec = apply_global_scale ? ts.s_dec : 1.0f;
+    float v[E];
+    for (int e = 0; e < E; ++e) v[e] = DecodeElement(q[e], bs.scale, s_dec);
+    StoreRun<E>(y + first + part * E, v);
+  }
+};
+
+template <typename T>
+struct WarpPackSink {
+  uint8_t* data;
+  uint8_t* scales;
+  __device__ void operator()(int, int64_t first, int part, bool active, const BlockScale& bs, const TensorScale&,
+                             const float* q) const {
+    constexpr int E = RunLayout<sizeof(T)>::E;
+    using Word = std::conditional_t<E == 4, uint16_t, uint32_t>;  // E codes, 4 bits each
+    if (!active) return;
+    Word packed = 0;
+    for (int e = 0; e < E; ++e) packed |= static_cast<Word>(E2M1Code(q[e])) << (4 * e);
+    reinterpret_cast<Word*>(data)[(first + part * E) / E] = packed;
+    if (part == 0) scales[first / kBlock] = bs.code;
+  }
+};
 
 // ---- the OCP MX formats' blocks of 32 (numerics/mx.py): xla_fp4_mx_qdq and xla_fp4_mx_quantize_packed ----
 
