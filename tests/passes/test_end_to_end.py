@@ -3,6 +3,7 @@ written with xla_fp4.numerics, against the f32 baseline, and the pass's safety p
 
 import dataclasses
 import functools
+import re
 import warnings
 
 import flax.linen as nn
@@ -116,6 +117,23 @@ def test_rewritten_step_equals_independent_emulation():
     g, w, b = (tree["params"][layer]["kernel"] for tree in (got, want, base))
     assert _rel(g, w) < 1e-5, layer  # same recipe, only f32 summation order may differ
     assert _rel(g, b) > 1e-4 and _cos(g, b) > 0.8, layer  # NVFP4 noise, yet the f32 gradient's direction
+
+
+def test_wgrad_gemm_writes_the_kernels_layout():
+  # JAX's wgrad of a kernel is dot_general(dy, x) -> (out, in), then a transpose to the kernel's (in, out); XLA folds
+  # that transpose into its own dot. The emulated GEMM multiplies by alpha in between, so the pass emits it swapped and
+  # transposed back (rewrite/emulated.py): XLA must again compute each wgrad GEMM in the kernel's own shape, with no
+  # transpose left for the optimizer's updates to read through.
+  params, x, t = _data()
+  xla_fp4.enable(stochastic_rounding=False)
+  try:
+    text = jax.jit(jax.grad(_loss)).lower(params, x, t).compile().as_text()
+  finally:
+    xla_fp4.disable()
+  shapes = {"fc1": [D_IN, D_HID], "fc2": [D_HID, D_HID]}
+  for layer, shape in shapes.items():
+    dots = re.findall(rf"= f32\[([0-9,]+)\]\S* dot\([^\n]*op_name=\"xla_fp4/MLP/{layer}/wgrad\"", text)
+    assert [[int(d) for d in dims.split(",")] for dims in dots] == [shape], (layer, dots)
 
 
 def test_stochastic_rounding_changes_gradients_but_stays_close():
