@@ -22,34 +22,37 @@ from xla_fp4.passes.rewrite.values import broadcast, f32, tensor_type
 
 
 def emit(ctx, probe, plan, select):
-  """The value that replaces `plan`'s dot (its type). Where the program transposes the dot's (M, N) result (JAX's
-  wgrad of a kernel: dot_general(dy, x) then a transpose to the kernel's shape), the GEMM is emitted as (N, M), its
-  operands swapped, and transposed back: XLA then cancels the two transposes, as it folds the program's transpose into
-  its own dot. Otherwise the multiply by alpha between them kept the transpose, which XLA fused into every reader (a
-  strided read in each of AdamW's two moment updates: 3.4 ms against 0.6 ms per 2048x512 kernel, measured on the d512
-  step of benchmarks/pass_overhead.py)."""
+  """The value that replaces `plan`'s dot (its type). Where the program transposes the dot's (lhs free, rhs free)
+  result to (rhs free, lhs free) (JAX's wgrad of a kernel: dot_general(dy, x), then a transpose to the kernel's
+  shape), the GEMM is emitted with its operands swapped and transposed back: XLA then cancels the two transposes, as
+  it folds the program's transpose into its own dot. Otherwise the multiply by alpha between them kept the transpose,
+  which XLA fused into every reader (a strided read in each of AdamW's two moment updates: 3.4 ms against 0.6 ms per
+  2048x512 kernel on the d512 step of benchmarks/pass_overhead.py)."""
   dot = plan.record.op
-  swapped = _transposed_by_its_reader(dot, plan.site.gemm.batch)
-  acc, alpha = _gemm(ctx, probe, plan, select, swapped)
+  back = _transpose_back(dot, plan.site.gemm)
+  acc, alpha = _gemm(ctx, probe, plan, select, swapped=back is not None)
   out_type = tensor_type(dot.results[0])
-  back = lambda v: hlo.TransposeOp(v, ir.DenseI64ArrayAttr.get([1, 0])).result if swapped else v  # noqa: E731
+  undo = lambda v: v if back is None else hlo.TransposeOp(v, ir.DenseI64ArrayAttr.get(back)).result  # noqa: E731
   if probe is not UNPROBED:
-    probe.took_output(back(acc), alpha)
+    probe.took_output(undo(acc), alpha)
   y = hlo.MulOp(acc, broadcast(alpha, tensor_type(acc))).result  # fold both s_dec into the f32 output
   if out_type.element_type != f32():
     y = hlo.ConvertOp(ir.RankedTensorType.get(tensor_type(acc).shape, out_type.element_type), y).result
-  return back(y)
+  return undo(y)
 
 
-def _transposed_by_its_reader(dot, batch):
-  """Whether the dot (no batch dims, a matrix result) has one reader, a transpose that swaps the result's dims."""
-  out = dot.results[0]
-  if any(batch) or len(tensor_type(out).shape) != 2:
-    return False
-  uses = list(out.uses)
-  if len(uses) != 1 or uses[0].owner.name != "stablehlo.transpose":
-    return False
-  return list(ir.DenseI64ArrayAttr(uses[0].owner.attributes["permutation"])) == [1, 0]
+def _transpose_back(dot, gemm):
+  """The permutation from (rhs free, lhs free) back to the dot's (lhs free, rhs free) where the dot (no batch dims)
+  has one reader, a transpose to (rhs free, lhs free); else None."""
+  (lb, _), (lc, rc) = gemm.batch, gemm.contracting
+  uses = list(dot.results[0].uses)
+  if lb or len(uses) != 1 or uses[0].owner.name != "stablehlo.transpose":
+    return None
+  nl = len(tensor_type(dot.operands[0]).shape) - len(lc)
+  nr = len(tensor_type(dot.operands[1]).shape) - len(rc)
+  if list(ir.DenseI64ArrayAttr(uses[0].owner.attributes["permutation"])) != [*range(nl, nl + nr), *range(nl)]:
+    return None
+  return [*range(nr, nr + nl), *range(nr)]
 
 
 def _gemm(ctx, probe, plan, select, swapped=False):
@@ -92,7 +95,8 @@ def _gemm(ctx, probe, plan, select, swapped=False):
     dimension_numbers = hlo.DotDimensionNumbers.get(
         lhs_batching_dimensions=[], rhs_batching_dimensions=[], lhs_contracting_dimensions=[ra],
         rhs_contracting_dimensions=[la])
-    acc = f32_dot(ctx, dot, qb, qa, dimension_numbers, list(reversed(shape)))
+    nl = len(tensor_type(qa).shape) - 1  # one K per operand here
+    acc = f32_dot(ctx, dot, qb, qa, dimension_numbers, [*shape[nl:], *shape[:nl]])
   return acc, hlo.MulOp(sa, sb).result
 
 
