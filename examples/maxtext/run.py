@@ -110,17 +110,6 @@ def _python312():
 
 def setup():
   """The venv (built once) with MaxText and this checkout installed; returns its python."""
-  python = prepare()
-  print(f"== installing this checkout into {VENV} (pip install ., isolated build)", flush=True)
-  # A build folder of its own: the checkout's dev venvs build into build/{wheel_tag} (pyproject.toml), maybe at once.
-  subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
-                  "-Cbuild-dir=build/maxtext-{wheel_tag}", str(ROOT)], check=True)
-  return python
-
-
-def prepare():
-  """The venv with MaxText, built once (mostly downloads and unpacking, which CI overlaps with its tests:
-  `--prepare`); returns its python."""
   python = VENV / "bin" / "python"
   if not (VENV / ".maxtext_ok").exists():
     print(f"== building {VENV} with {MAXTEXT} (first time: several minutes)", flush=True)
@@ -128,6 +117,10 @@ def prepare():
     subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
     subprocess.run([python, "-m", "pip", "install", "-q", MAXTEXT], check=True)
     (VENV / ".maxtext_ok").write_text(MAXTEXT + "\n")
+  print(f"== installing this checkout into {VENV} (pip install ., isolated build)", flush=True)
+  # A build folder of its own: the checkout's dev venvs build into build/{wheel_tag} (pyproject.toml), maybe at once.
+  subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+                  "-Cbuild-dir=build/maxtext-{wheel_tag}", str(ROOT)], check=True)
   return python
 
 
@@ -448,12 +441,7 @@ def main(argv=None):
                  help="train the quantized run with XLA_FP4_FORMAT (and check the policy's decisions in it)")
   p.add_argument("--telemetry", action="store_true",
                  help="train the NVFP4 run once more with XLA_FP4_TELEMETRY: same losses, records of every GEMM")
-  p.add_argument("--prepare", action="store_true",
-                 help="only build the MaxText venv (no checkout install, no runs); any Python 3 runs this")
   args = p.parse_args(argv)
-  if args.prepare:
-    prepare()
-    return 0
   if args.configs is None:
     args.configs = [c for c in CONFIGS if c not in FAMILY_CONFIGS] if not args.families else []
   if args.families:
