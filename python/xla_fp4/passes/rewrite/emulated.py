@@ -5,6 +5,11 @@
   %acc = stablehlo.dot_general %qa, %qb (the dot's dims and precision) -> f32
   %y   = convert(%acc * broadcast(%sa * %sb))                              (the dot's type)
 
+and where the program's one reader of the dot transposes it to (rhs free, lhs free) (emit):
+
+  %acc = stablehlo.dot_general %qb, %qa -> f32 (rhs free, lhs free)
+  %y   = transpose(convert(%acc * broadcast(%sa * %sb)))                   (back to the dot's order)
+
 One contracting dim per operand is quantized in place; several are merged first (dims.py): by a reshape where they
 are adjacent and in order, else by a transpose to (batch, free, K). With a kept-iteration `select` (emitter.py) each
 operand is selected between itself (s_dec = 1) and its q·scale: one GEMM per iteration, and a weight that a layout
