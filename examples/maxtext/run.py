@@ -225,14 +225,9 @@ def native_run(python, name, work, steps, sharded, fmt=None):
   """The quantized run (NVFP4, or XLA_FP4_FORMAT `fmt`) with XLA_FP4_BACKEND=native beside the emulate backend's, both
   with nearest rounding: (summary, violations). Their losses must match; sharded, the native train step must run
   packed GEMMs (the FP4 GEMM, or the MX formats') and keep issue 8's targets."""
-  runs = {}
-  for backend in ("emulate", "native"):
-    dump = work / f"dump_{backend}_nearest"
-    dump.mkdir(parents=True, exist_ok=True)
-    runs[backend] = train(python, f"{name}_fp4_{backend}_nearest", CONFIGS[name], steps, True, dump,
-                          work / f"fp4_{backend}_nearest.log", sharded, backend=backend, nearest=True, fmt=fmt)
-    if runs[backend]["returncode"] != 0 or len(runs[backend]["losses"]) != steps:
-      return dict(log=runs[backend]["log"]), [f"the {backend} run with nearest rounding failed: {runs[backend]['log']}"]
+  runs, failed = both_backends(python, name, work, steps, sharded, fmt, "nearest")
+  if failed:
+    return dict(log=runs[failed]["log"]), [f"the {failed} run with nearest rounding failed: {runs[failed]['log']}"]
   run, emulate = runs["native"], runs["emulate"]
   gap = round(max(abs(a - b) for a, b in zip(run["losses"], emulate["losses"])), 4)
   gap0 = round(abs(run["losses"][0] - emulate["losses"][0]), 4)
@@ -252,18 +247,27 @@ def native_run(python, name, work, steps, sharded, fmt=None):
   return out, bad
 
 
+def both_backends(python, name, work, steps, sharded, fmt, tag, xla_flags=""):
+  """The quantized run with the emulate and the native backend, nearest rounding, dumps and logs named by `tag`:
+  ({backend: train's summary}, the backend whose run failed or None)."""
+  runs = {}
+  for backend in ("emulate", "native"):
+    dump = work / f"dump_{backend}_{tag}"
+    dump.mkdir(parents=True, exist_ok=True)
+    runs[backend] = train(python, f"{name}_fp4_{backend}_{tag}", CONFIGS[name], steps, True, dump,
+                          work / f"fp4_{backend}_{tag}.log", sharded, backend=backend, nearest=True, fmt=fmt,
+                          xla_flags=xla_flags)
+    if runs[backend]["returncode"] != 0 or len(runs[backend]["losses"]) != steps:
+      return runs, backend
+  return runs, None
+
+
 def eigen_dots_check(python, name, work, steps, sharded, fmt):
   """Both backends trained again with XLA's dots summed by Eigen (SUMMATION_ORDER_FLAGS), nearest rounding: ({losses,
   emulate_losses, max_loss_gap}, [violations]). Their losses must agree within NATIVE_TOLERANCE."""
-  runs = {}
-  for backend in ("emulate", "native"):
-    dump = work / f"dump_{backend}_eigen_dots"
-    dump.mkdir(parents=True, exist_ok=True)
-    runs[backend] = train(python, f"{name}_fp4_{backend}_eigen_dots", CONFIGS[name], steps, True, dump,
-                          work / f"fp4_{backend}_eigen_dots.log", sharded, backend=backend, nearest=True, fmt=fmt,
-                          xla_flags=SUMMATION_ORDER_FLAGS)
-    if runs[backend]["returncode"] != 0 or len(runs[backend]["losses"]) != steps:
-      return {}, [f"the {backend} run with Eigen's dots failed: {runs[backend]['log']}"]
+  runs, failed = both_backends(python, name, work, steps, sharded, fmt, "eigen_dots", SUMMATION_ORDER_FLAGS)
+  if failed:
+    return {}, [f"the {failed} run with Eigen's dots failed: {runs[failed]['log']}"]
   native, emulate = runs["native"]["losses"], runs["emulate"]["losses"]
   gap = round(max(abs(a - b) for a, b in zip(native, emulate)), 4)
   out = dict(losses=native, emulate_losses=emulate, max_loss_gap=gap)

@@ -189,7 +189,7 @@ struct WarpLanes {
 // QuantizeKernel's work for x viewed as (rows, K) with K last, each lane reading and handing on E = 16 / sizeof(T)
 // consecutive elements as one 16-byte vector: sink(r, first, part, active, block scale, tensor scale, q[E]) as
 // QuantizeWarpRuns says. A warp leaves as a whole (kThreadsPerBlock is a multiple of 32), so every shuffle has its
-// 32 lanes. The buffers must be 16-byte aligned (WarpAligned).
+// 32 lanes. The buffers must be 16-byte aligned (LaunchQuantize).
 template <typename T, typename Sink>
 __global__ void QuantizeRunsKernel(const T* x, RunGrid g, Recipe r, const float* s_dec, const uint32_t* key,
                                    Sink sink) {
@@ -199,13 +199,6 @@ __global__ void QuantizeRunsKernel(const T* x, RunGrid g, Recipe r, const float*
   QuantizeWarpRuns<sizeof(T)>(g, r, MakeTensorScale(*s_dec), r.stochastic ? Mix32(*key) : 0u, w, WarpLanes{},
                               [&](int64_t at, float* v) { LoadRun<E>(x + at, v); }, sink);
 }
-
-// Whether the warp kernel may take (outer, K, inner) with these buffers: K last and every lane's 16 bytes aligned.
-inline bool WarpAligned(int64_t inner, const void* x, const void* out) {
-  return inner == 1 && (reinterpret_cast<uintptr_t>(x) & 15u) == 0 && (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
-}
-
-inline unsigned WarpGridSize(const RunGrid& g) { return GridSize(g.Warps() * kWarp); }
 
 // The warp kernel's sinks: a lane's E values decoded into y, or packed (E / 2 bytes of E2M1 pairs, the even element
 // low; the run's E4M3 scale from its first lane), at the elements' own positions.
@@ -239,6 +232,23 @@ struct WarpPackSink {
     if (part == 0) scales[first / kBlock] = bs.code;
   }
 };
+
+// The quantizing kernel for x viewed as (outer, K, inner) into `out`: the warp kernel with `warp_sink` where K is last
+// and x and out are 16-byte aligned (every lane's 16 bytes then are), else one thread per block with `sink`.
+template <typename T, typename Sink, typename WarpSink>
+void LaunchQuantize(cudaStream_t stream, const T* x, const void* out, int64_t outer, int64_t k, int64_t inner,
+                    const Recipe& r, const float* s_dec, const uint32_t* key, const Sink& sink,
+                    const WarpSink& warp_sink) {
+  const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  if (inner == 1 && aligned(x) && aligned(out)) {
+    const RunGrid runs{outer, k, r.block_2d};
+    QuantizeRunsKernel<<<GridSize(runs.Warps() * kWarp), kThreadsPerBlock, 0, stream>>>(x, runs, r, s_dec, key,
+                                                                                         warp_sink);
+    return;
+  }
+  const BlockGrid g = BlockGrid::Make(outer, k, inner, r.block_2d);
+  QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(x, g, r, s_dec, key, sink);
+}
 
 // ---- the OCP MX formats' blocks of 32 (numerics/mx.py): xla_fp4_mx_qdq and xla_fp4_mx_quantize_packed ----
 

@@ -75,16 +75,9 @@ ffi::Error QuantizePacked(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   const PackSink sink{static_cast<uint8_t*>(data->untyped_data()), static_cast<uint8_t*>(scales->untyped_data())};
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.untyped_data());
-    const float* sp = static_cast<const float*>(s_dec.untyped_data());
-    const uint32_t* kp = static_cast<const uint32_t*>(key.untyped_data());
-    if (WarpAligned(shape.inner, xp, sink.data)) {
-      const RunGrid runs{shape.outer, shape.k, block_2d};
-      QuantizeRunsKernel<<<WarpGridSize(runs), kThreadsPerBlock, 0, stream>>>(xp, runs, r, sp, kp,
-                                                                             WarpPackSink<T>{sink.data, sink.scales});
-    } else {
-      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(xp, g, r, sp, kp, sink);
-    }
+    LaunchQuantize(stream, static_cast<const T*>(x.untyped_data()), sink.data, shape.outer, shape.k, shape.inner, r,
+                   static_cast<const float*>(s_dec.untyped_data()), static_cast<const uint32_t*>(key.untyped_data()),
+                   sink, WarpPackSink<T>{sink.data, sink.scales});
     return LaunchStatus("xla_fp4_quantize_packed kernel");
   });
 }

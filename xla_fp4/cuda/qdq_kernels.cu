@@ -168,18 +168,10 @@ ffi::Error Qdq(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi:
   const Recipe r(block_2d, stochastic, rht, rht_seed, four_over_six);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.untyped_data());
     T* yp = static_cast<T*>(y->untyped_data());
-    const float* sp = static_cast<const float*>(s_dec.untyped_data());
-    const uint32_t* kp = static_cast<const uint32_t*>(key.untyped_data());
-    if (WarpAligned(inner, xp, yp)) {
-      const RunGrid runs{outer, k, block_2d};
-      QuantizeRunsKernel<<<WarpGridSize(runs), kThreadsPerBlock, 0, stream>>>(
-          xp, runs, r, sp, kp, WarpDequantizeSink<T>{yp, apply_global_scale});
-    } else {
-      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(xp, g, r, sp, kp,
-                                                                             DequantizeSink<T>{yp, apply_global_scale});
-    }
+    LaunchQuantize(stream, static_cast<const T*>(x.untyped_data()), yp, outer, k, inner, r,
+                   static_cast<const float*>(s_dec.untyped_data()), static_cast<const uint32_t*>(key.untyped_data()),
+                   DequantizeSink<T>{yp, apply_global_scale}, WarpDequantizeSink<T>{yp, apply_global_scale});
     return LaunchStatus("xla_fp4_qdq kernel");
   });
 }
@@ -237,13 +229,9 @@ ffi::Error QdqWithScaleImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch,
     XLA_FP4_RETURN_IF_ERROR(LaunchStatus("xla_fp4_qdq_with_scale scale kernel"));
     const BlockGrid g = BlockGrid::Make(outer, k, inner, block_2d);
     const DequantizeSink<T> dequantize{static_cast<T*>(y.untyped_data()), false};
-    if (g.Threads() > 0 && step == nullptr && WarpAligned(inner, xp, y.untyped_data())) {
-      const RunGrid runs{outer, k, block_2d};
-      QuantizeRunsKernel<<<WarpGridSize(runs), kThreadsPerBlock, 0, stream>>>(
-          xp, runs, r, s_dec.typed_data(), stats + 2, WarpDequantizeSink<T>{dequantize.y, false});
-    } else if (g.Threads() > 0 && step == nullptr) {
-      QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(xp, g, r, s_dec.typed_data(), stats + 2,
-                                                                             dequantize);
+    if (g.Threads() > 0 && step == nullptr) {
+      LaunchQuantize(stream, xp, dequantize.y, outer, k, inner, r, s_dec.typed_data(), stats + 2, dequantize,
+                     WarpDequantizeSink<T>{dequantize.y, false});
     } else if (g.Threads() > 0) {
       QuantizeKernel<<<GridSize(g.Threads()), kThreadsPerBlock, 0, stream>>>(
           xp, g, r, s_dec.typed_data(), stats + 2,

@@ -66,8 +66,7 @@ class FfiKernels:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, operand_types, types, attrs, k_follows_dot)
     if self.partitioned and target.packed is not None:
-      op.attributes["sdy.sharding_rule"] = self._packed.sharding_rule(target.name, [o.type for o in operands], types,
-                                                                   attrs)
+      op.attributes["sdy.sharding_rule"] = self._packed.sharding_rule(target.name, operand_types, types, attrs)
     if self.partitioned and target.device_stats:
       if self.mesh is None:
         raise ValueError(f"{target.name} in a partitioned program needs a Shardy mesh over all devices")
