@@ -5,8 +5,8 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_fp4/ffi_targets.h"
 
-// Defined in qdq_kernels.cc, packed_kernels.cc and telemetry_kernels.cc: XlaFp4<stem>Cpu for every target of
-// ffi_targets.h.
+// Defined in qdq_kernels.cc, packed_kernels.cc, quantize_stats_kernels.cc and telemetry_kernels.cc: XlaFp4<stem>Cpu
+// for every target of ffi_targets.h.
 XLA_FP4_DECLARE_HANDLERS(Cpu)
 
 #endif  // XLA_FP4_CPU_KERNELS_H_

@@ -1,7 +1,7 @@
 // Telemetry on CPU: the statistics of one quantization (numerics/telemetry.py FIELDS), measured by a quantizing kernel
 // from the tiles its walker (cpu_common.h ForEachQuantizedTile) hands it, so that the statistics cost no second read
-// of x from memory: xla_fp4_qdq_with_scale_stats, xla_fp4_qdq_and_stats (qdq_kernels.cc) and
-// xla_fp4_quantize_packed_stats (packed_kernels.cc).
+// of x from memory: xla_fp4_qdq_with_scale_stats, xla_fp4_qdq_and_stats and
+// xla_fp4_quantize_packed_stats (quantize_stats_kernels.cc).
 #ifndef XLA_FP4_CPU_STATS_H_
 #define XLA_FP4_CPU_STATS_H_
 

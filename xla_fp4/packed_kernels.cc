@@ -2,9 +2,7 @@
 //
 //   xla_fp4_quantize_packed(x (rows, K), s_dec, key) {axis = 1} -> data u8 (rows, K/2), scales u8 (rows, K/16)
 //                          (x (K, rows), ...)          {axis = 0} -> data u8 (K/2, rows), scales u8 (K/16, rows)
-//   xla_fp4_quantize_packed_stats(x, s_dec, key, step) -> (data, scales, stats float32[11])
-//                          the same, and in a recorded step (step >= 0) the statistics of that quantization from the
-//                          same pass over x (telemetry; cpu_stats.h), else zeros
+//                          (its telemetry form, xla_fp4_quantize_packed_stats, is in quantize_stats_kernels.cc)
 //   xla_fp4_dequantize_packed(data, scales, s_dec) -> x (rows, K) in the result's float dtype
 //   xla_fp4_gemm_packed(a_data (M, K/2), a_scales, b_data (N, K/2), b_scales, alpha) -> C (M, N)   ("TN": K-major)
 //   xla_fp4_ragged_gemm_packed(a_data, a_scales, b_data, b_scales, group_sizes, alpha) {ragged_k}: the grouped form
@@ -13,12 +11,11 @@
 //   xla_fp4_mx_quantize_packed(x, key) {axis, ..., fp8} -> data u8 (rows, K/2 or K), scales u8 (rows, K/32)
 //   xla_fp4_mx_dequantize_packed(data, scales) {fp8} -> x (rows, K)
 //   xla_fp4_mx_gemm_packed(a_data, a_scales, b_data, b_scales) {emulate, b_transposed, fp8} -> C (M, N)
-#include <cstring>
 #include <vector>
 
 #include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
-#include "xla_fp4/cpu_stats.h"
+#include "xla_fp4/cpu_quantize.h"
 #include "xla_fp4/ffi_targets.h"
 
 namespace xla_fp4::cpu {
@@ -26,57 +23,13 @@ namespace {
 
 // ---- Impl: the work ----
 
-// A line's 16 E2M1 codes as 8 bytes, the even element in the low nibble: each pair read as one little-endian 16-bit
-// word, whose high byte's nibble moves down beside the low one.
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "PackPairs reads pairs of codes as little-endian words");
-inline void PackPairs(const uint8_t (&codes)[kBlock], uint8_t* out) {
-  uint16_t pairs[kBlock / 2];
-  std::memcpy(pairs, codes, sizeof pairs);
-  for (int j = 0; j < kBlock / 2; ++j) out[j] = static_cast<uint8_t>((pairs[j] & 0x0Fu) | ((pairs[j] >> 4) & 0xF0u));
-}
-
-// stats: null, or where the tiles' statistics go (telemetry), measured from the tiles as they are packed.
 template <typename T>
 void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
-                        const TensorParams& tensor, uint8_t* data, uint8_t* scales,
-                        QuantizationStats<T>* stats = nullptr) {
-  // data and scales have x's dims with the axis K divided by 2 and by 16: two elements adjacent along K share a byte
-  // (the even one in the low nibble), and a block's scale sits where its first element's pair would.
+                        const TensorParams& tensor, uint8_t* data, uint8_t* scales) {
   ForEachQuantizedTile</*kDecode=*/false>(pool, x, g, r, tensor, /*decode_scale=*/1.0f,
                        [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
                            const uint8_t* code) {
-    constexpr Blocks kBlocks = decltype(blocks)::value;
-    if (stats != nullptr) {  // q * scale, exactly as xla_fp4_qdq's walker decodes it
-      alignas(64) float v[kBlock][kBlock];
-      for (int i = 0; i < kBlock; ++i) {
-        for (int j = 0; j < kBlock; ++j) v[i][j] = DecodeElement(q[i][j], E4M3Decode(code[BlockOf<kBlocks>(i, j)]), 1.0f);
-      }
-      stats->template Measure<kBlocks>(view, p, v, code);
-    }
-    if (g.axis_last()) {  // (rows, K): every tile line is 16 consecutive elements of one row and one block
-      // The tile's codes first, then each line's pairs: two loops that vectorize (pairing codes as they are made
-      // does not).
-      alignas(64) uint8_t c[kBlock][kBlock];
-      for (int i = 0; i < kBlock; ++i) {
-        for (int j = 0; j < kBlock; ++j) c[i][j] = E2M1Code(q[i][j]);
-      }
-      for (int i = 0; i < p.nl; ++i) {
-        const int64_t e = p.base + i * view.cols;  // the line's first element, row-major
-        scales[e / kBlock] = code[BlockOf<kBlocks>(i, 0)];  // (row, block) row-major
-        PackPairs(c[i], data + e / 2);
-      }
-      return;
-    }
-    // (K, rows) (outer = 1): lines are K (whole blocks of 16: K % 16 == 0), columns rows; lines i and i + 1 share bytes.
-    const int64_t line = p.base / view.cols, col = p.base % view.cols;
-    for (int i = 0; i < p.nl; i += 2) {
-      uint8_t* out = data + (line + i) / 2 * view.cols + col;
-      for (int j = 0; j < p.nc; ++j) {
-        out[j] = static_cast<uint8_t>(E2M1Code(q[i][j]) | (E2M1Code(q[i + 1][j]) << 4));
-      }
-    }
-    uint8_t* s = scales + line / kBlock * view.cols + col;
-    for (int j = 0; j < p.nc; ++j) s[j] = code[BlockOf<kBlocks>(0, j)];
+    PackTile<decltype(blocks)::value>(g, view, p, q, code, data, scales);
   });
 }
 
@@ -228,59 +181,18 @@ void RaggedGemmPackedImpl(ffi::ThreadPool& pool, const uint8_t* a_data, const ui
 
 // ---- FFI handlers (the checks shared with CUDA: ffi_checks.h) ----
 
-// stats: null, or (telemetry) the statistics row and the step, -1 where it is not recorded.
-ffi::Error QuantizePackedCommon(ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& s_dec, ffi::AnyBuffer& key,
-                                ffi::AnyBuffer& data, ffi::AnyBuffer& scales, ffi::AnyBuffer* stats, int32_t step,
-                                int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-                                bool four_over_six) {
+ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
+                             ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
+                             bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool four_over_six) {
   Geometry g;
-  if (ffi::Error e = CheckQuantizePacked(x, &s_dec, key, data, scales, axis, stochastic, rht_seed, &g); e.failure()) {
+  if (ffi::Error e = CheckQuantizePacked(x, &s_dec, key, *data, *scales, axis, stochastic, rht_seed, &g);
+      e.failure()) {
     return e;
-  }
-  float* row = nullptr;
-  if (stats != nullptr) {
-    if (ffi::Error e = CheckStatsRow(stats->element_count(), stats->element_type(), "xla_fp4_quantize_packed_stats");
-        e.failure()) {
-      return e;
-    }
-    row = static_cast<float*>(stats->untyped_data());
-    std::fill_n(row, telemetry::kNumFields, 0.0f);
-    if (step < 0) row = nullptr;  // not a recorded step: zeros
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
   const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
                                                *static_cast<const uint32_t*>(key.untyped_data()));
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.untyped_data());
-    uint8_t* dp = static_cast<uint8_t*>(data.untyped_data());
-    uint8_t* sp = static_cast<uint8_t*>(scales.untyped_data());
-    if (row == nullptr) {
-      QuantizePackedImpl(pool, xp, g, recipe, tensor, dp, sp);
-      return ffi::Error::Success();
-    }
-    QuantizationStats<T> measured(xp, g, recipe, tensor);
-    QuantizePackedImpl(pool, xp, g, recipe, tensor, dp, sp, &measured);
-    measured.Row(row);
-    return ffi::Error::Success();
-  });
-}
-
-ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-                             ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> scales, int64_t axis,
-                             bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool four_over_six) {
-  return QuantizePackedCommon(pool, x, s_dec, key, *data, *scales, nullptr, -1, axis, block_2d, stochastic, rht,
-                              rht_seed, four_over_six);
-}
-
-// Telemetry's xla_fp4_quantize_packed (the native forms' quantizer; x may be a shard): the same codes and scales, and
-// in a recorded step the statistics of that quantization from the same pass over x (no second read of x).
-ffi::Error QuantizePackedStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-                                  ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> data,
-                                  ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::AnyBuffer> stats, int64_t axis,
-                                  bool block_2d, bool stochastic, bool rht, int64_t rht_seed, bool four_over_six) {
-  return QuantizePackedCommon(pool, x, s_dec, key, *data, *scales, &*stats, step.typed_data()[0], axis, block_2d,
-                              stochastic, rht, rht_seed, four_over_six);
+  return QuantizePacked(pool, x, g, recipe, tensor, *data, *scales);
 }
 
 ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
@@ -399,6 +311,17 @@ ffi::Error RaggedGemmPackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer a_data, ffi:
 }
 
 }  // namespace
+
+ffi::Error QuantizePacked(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const Geometry& g, const Recipe& r,
+                          const TensorParams& tensor, const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales) {
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QuantizePackedImpl(pool, static_cast<const T*>(x.untyped_data()), g, r, tensor,
+                       static_cast<uint8_t*>(data.untyped_data()), static_cast<uint8_t*>(scales.untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace xla_fp4::cpu
 
 namespace ffi = xla::ffi;
@@ -411,18 +334,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu, xla_fp4::cpu::QuantizePac
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Ret<ffi::AnyBuffer>()  // data
                                   .Ret<ffi::AnyBuffer>()  // scales
-                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedStatsCpu, xla_fp4::cpu::QuantizePackedStatsFfi,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x (rows, K) or (K, rows)
-                                  .Arg<ffi::AnyBuffer>()         // s_dec
-                                  .Arg<ffi::AnyBuffer>()         // key
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded)
-                                  .Ret<ffi::AnyBuffer>()         // data
-                                  .Ret<ffi::AnyBuffer>()         // scales
-                                  .Ret<ffi::AnyBuffer>()         // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCpu, xla_fp4::cpu::DequantizePackedFfi,

@@ -4,39 +4,19 @@
 //   xla_fp4_qdq_with_scale(x) -> (y, s_dec)
 //                                      the same, measuring s_dec (and the stochastic-rounding key) from x itself
 //   xla_fp4_rht(x) -> y (float32)      the RHT along `axis`
-//   xla_fp4_qdq_with_scale_stats(x, step) -> (y, s_dec, stats)
-//                                      the same, and the quantization's statistics from the same pass (telemetry)
 //   xla_fp4_mx_qdq(x, key) -> y         an OCP MX format's q * 2^s per 32-block (numerics/mx.py)
-//   xla_fp4_qdq_and_stats(x, s_dec, key, step) -> (y, stats)
-//                                      xla_fp4_qdq (apply_global_scale off) and, in a recorded step, the statistics of
-//                                      what it did to x from the same pass (a partitioned program's telemetry)
+// Their telemetry forms (xla_fp4_qdq_and_stats, xla_fp4_qdq_with_scale_stats) are in quantize_stats_kernels.cc.
 #include <vector>
 
 #include "xla_fp4/cpu_common.h"
 #include "xla_fp4/cpu_kernels.h"
-#include "xla_fp4/cpu_stats.h"
+#include "xla_fp4/cpu_quantize.h"
 #include "xla_fp4/ffi_targets.h"
 
 namespace xla_fp4::cpu {
 namespace {
 
 // ---- Impl: the work ----
-
-// With apply_global_scale off the result is q * scale, exact in every float dtype: the emulated GEMM then folds
-// both tensors' s_dec into its float32 output, as cuBLASLt's alpha does (docs/design.md §2).
-template <typename T>
-void StoreTile(T* y, const View& view, const TilePos& p, const float (&q)[kBlock][kBlock]) {
-  if (p.full) {
-    for (int i = 0; i < kBlock; ++i) {
-      T* out = y + p.base + i * view.cols;
-      for (int j = 0; j < kBlock; ++j) Store(out + j, q[i][j]);
-    }
-  } else {
-    for (int i = 0; i < p.nl; ++i) {
-      for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, q[i][j]);
-    }
-  }
-}
 
 template <typename T>
 void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const TensorParams& tensor,
@@ -46,21 +26,6 @@ void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const R
                        [&](auto, const View& view, const TilePos& p, float (&q)[kBlock][kBlock], const uint8_t*) {
     StoreTile(y, view, p, q);
   });
-}
-
-// -> the FIELDS row of xla_fp4_qdq's result on x (q * scale from the same walker: bit-identical), and with y that
-// result itself (apply_global_scale false), from the same pass.
-template <typename T>
-void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r, const TensorParams& tensor,
-                  float* row, T* y = nullptr) {
-  QuantizationStats<T> stats(x, g, r, tensor);
-  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor, 1.0f,
-                       [&](auto blocks, const View& view, const TilePos& p, float (&v)[kBlock][kBlock],
-                           const uint8_t* code) {
-    if (y != nullptr) StoreTile(y, view, p, v);
-    stats.template Measure<decltype(blocks)::value>(view, p, v, code);
-  });
-  stats.Row(row);
 }
 
 struct TensorStats {
@@ -290,106 +255,24 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
   const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
                                                *static_cast<const uint32_t*>(key.untyped_data()));
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    QdqImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), g, recipe, tensor,
-            apply_global_scale);
-    return ffi::Error::Success();
-  });
-}
-
-// Telemetry's xla_fp4_qdq (a partitioned program's quantizer: x may be a shard): y as xla_fp4_qdq makes it without
-// the global scale, and in a recorded step (step >= 0) the statistics of that quantization of x from the same pass;
-// zeros otherwise.
-ffi::Error QdqAndStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
-                          ffi::Buffer<ffi::S32> step, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> stats,
-                          int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-                          bool four_over_six) {
-  Geometry g;
-  if (ffi::Error e = FirstError({CheckQdq(x, *y, axis, stochastic, rht_seed, &g),
-                                 CheckScalar(s_dec, ffi::DataType::F32, "s_dec"),
-                                 CheckScalar(key, ffi::DataType::U32, "key"),
-                                 CheckStatsRow(stats->element_count(), stats->element_type(),
-                                               "xla_fp4_qdq_and_stats")});
-      e.failure()) {
-    return e;
-  }
-  const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
-  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
-                                               *static_cast<const uint32_t*>(key.untyped_data()));
-  float* row = static_cast<float*>(stats->untyped_data());
-  std::fill_n(row, telemetry::kNumFields, 0.0f);
-  const bool recorded = step.typed_data()[0] >= 0;
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.untyped_data());
-    T* yp = static_cast<T*>(y->untyped_data());
-    if (recorded) {
-      QdqStatsImpl(pool, xp, g, recipe, tensor, row, yp);
-    } else {
-      QdqImpl(pool, xp, yp, g, recipe, tensor, /*apply_global_scale=*/false);
-    }
-    return ffi::Error::Success();
-  });
+  return Qdq(pool, x, *y, g, recipe, tensor, apply_global_scale);
 }
 
 // For programs that are not partitioned, where x is the whole tensor: the amax and the key come from x itself instead
 // of from reductions emitted around the call (the same numbers as the partitioned pattern's: kernel_twins.decode_scale
 // over xla_fp4_block_amax, and kernel_twins.stochastic_key), which keeps XLA's compile time and the step's memory
 // traffic close to the baseline's.
-ffi::Error QdqWithScaleImpl(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer& y, ffi::AnyBuffer& s_dec,
-                            float* stats_row, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-                            int64_t salt, bool four_over_six);
-
 ffi::Error QdqWithScaleFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                            ffi::Result<ffi::AnyBuffer> s_dec, int64_t axis, bool block_2d, bool stochastic, bool rht,
                            int64_t rht_seed, int64_t salt, bool four_over_six) {
-  return QdqWithScaleImpl(pool, x, *y, *s_dec, nullptr, axis, block_2d, stochastic, rht, rht_seed, salt,
-                          four_over_six);
-}
-
-// Telemetry's xla_fp4_qdq_with_scale: the same results, and in a recorded step (step >= 0) the statistics of the
-// quantization (numerics/telemetry.py FIELDS) from the same pass over x; zeros otherwise.
-ffi::Error QdqWithScaleStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> step,
-                                ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> s_dec,
-                                ffi::Result<ffi::AnyBuffer> stats, int64_t axis, bool block_2d, bool stochastic,
-                                bool rht, int64_t rht_seed, int64_t salt, bool four_over_six) {
-  if (ffi::Error e = CheckStatsRow(stats->element_count(), stats->element_type(), "xla_fp4_qdq_with_scale_stats");
-      e.failure()) {
-    return e;
-  }
-  float* row = static_cast<float*>(stats->untyped_data());
-  std::fill_n(row, telemetry::kNumFields, 0.0f);
-  return QdqWithScaleImpl(pool, x, *y, *s_dec, step.typed_data()[0] >= 0 ? row : nullptr, axis, block_2d, stochastic,
-                          rht, rht_seed, salt, four_over_six);
-}
-
-ffi::Error QdqWithScaleImpl(ffi::ThreadPool& pool, ffi::AnyBuffer x, ffi::AnyBuffer& y, ffi::AnyBuffer& s_dec,
-                            float* stats_row, int64_t axis, bool block_2d, bool stochastic, bool rht, int64_t rht_seed,
-                            int64_t salt, bool four_over_six) {
-  Geometry g;
-  if (ffi::Error e = FirstError({CheckQdq(x, y, axis, stochastic, rht_seed, &g),
-                                 CheckScalar(s_dec, ffi::DataType::F32, "the s_dec result"),
-                                 CheckU32Attribute(salt, "salt")});
-      e.failure()) {
-    return e;
-  }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = static_cast<const T*>(x.untyped_data());
-    const TensorStats stats = MeasureTensor(pool, xp, g, recipe.rht_signs(), stochastic);
-    const float scale = GlobalDecodeScale(stats.amax_bits, recipe.four_over_six);
-    const uint32_t key = (stochastic ? stats.digest : 0u) ^ static_cast<uint32_t>(salt);
-    *static_cast<float*>(s_dec.untyped_data()) = scale;
-    T* yp = static_cast<T*>(y.untyped_data());
-    if (stats_row != nullptr) {
-      QdqStatsImpl(pool, xp, g, recipe, MakeTensorParams(scale, key), stats_row, yp);
-    } else {
-      QdqImpl(pool, xp, yp, g, recipe, MakeTensorParams(scale, key), /*apply_global_scale=*/false);
-    }
-    return ffi::Error::Success();
-  });
+  Geometry g;
+  TensorParams tensor;
+  if (ffi::Error e = CheckAndMeasureWithScale(pool, x, *y, *s_dec, axis, recipe, rht_seed, salt, &g, &tensor);
+      e.failure()) {
+    return e;
+  }
+  return Qdq(pool, x, *y, g, recipe, tensor, /*apply_global_scale=*/false);
 }
 
 ffi::Error RhtFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t axis,
@@ -443,6 +326,38 @@ ffi::Error MxQdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer key, 
 }
 
 }  // namespace
+
+ffi::Error Qdq(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const Geometry& g,
+               const Recipe& r, const TensorParams& tensor, bool apply_global_scale) {
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QdqImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y.untyped_data()), g, r, tensor,
+            apply_global_scale);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error CheckAndMeasureWithScale(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
+                                    const ffi::AnyBuffer& s_dec, int64_t axis, const Recipe& r, int64_t rht_seed,
+                                    int64_t salt, Geometry* g, TensorParams* tensor) {
+  if (ffi::Error e = FirstError({CheckQdq(x, y, axis, r.stochastic, rht_seed, g),
+                                 CheckScalar(s_dec, ffi::DataType::F32, "the s_dec result"),
+                                 CheckU32Attribute(salt, "salt")});
+      e.failure()) {
+    return e;
+  }
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    const TensorStats stats = MeasureTensor(pool, static_cast<const T*>(x.untyped_data()), *g, r.rht_signs(),
+                                            r.stochastic);
+    const float scale = GlobalDecodeScale(stats.amax_bits, r.four_over_six);
+    const uint32_t key = (r.stochastic ? stats.digest : 0u) ^ static_cast<uint32_t>(salt);
+    *static_cast<float*>(s_dec.untyped_data()) = scale;
+    *tensor = MakeTensorParams(scale, key);
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace xla_fp4::cpu
 
 namespace ffi = xla::ffi;
@@ -463,27 +378,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleCpu, xla_fp4::cpu::QdqWithScaleF
                                   .Ret<ffi::AnyBuffer>()  // y: q * scale, x's shape and dtype
                                   .Ret<ffi::AnyBuffer>()  // s_dec (float32 scalar)
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqWithScaleStatsCpu, xla_fp4::cpu::QdqWithScaleStatsFfi,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded)
-                                  .Ret<ffi::AnyBuffer>()         // y: q * scale, x's shape and dtype
-                                  .Ret<ffi::AnyBuffer>()         // s_dec (float32 scalar)
-                                  .Ret<ffi::AnyBuffer>()         // statistics, float32[11] (zeros when not recorded)
-                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_WITH_SCALE_ATTRIBUTES));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QdqAndStatsCpu, xla_fp4::cpu::QdqAndStatsFfi,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()         // x (a shard, in a partitioned program)
-                                  .Arg<ffi::AnyBuffer>()         // s_dec (float32 scalar)
-                                  .Arg<ffi::AnyBuffer>()         // key (uint32 scalar)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // step (-1: not recorded)
-                                  .Ret<ffi::AnyBuffer>()         // y: q * scale, x's shape and dtype
-                                  .Ret<ffi::AnyBuffer>()         // statistics, float32[11]
-                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QDQ_AND_STATS_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4RhtCpu, xla_fp4::cpu::RhtFfi,
                               ffi::Ffi::Bind()

@@ -1,0 +1,94 @@
+// What the plain quantizing kernels (qdq_kernels.cc, packed_kernels.cc) share with their telemetry forms
+// (quantize_stats_kernels.cc). The telemetry forms live in a file of their own so that the three compile in parallel
+// (one file held every tile walker's variants for 5-8 minutes of each build); they reach the plain kernels' work
+// through the non-template calls declared here, so that a step that is not recorded runs the same code, compiled once.
+#ifndef XLA_FP4_CPU_QUANTIZE_H_
+#define XLA_FP4_CPU_QUANTIZE_H_
+
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_fp4/cpu_common.h"
+
+namespace xla_fp4::cpu {
+
+// ---- what the tile walker's sinks (ForEachQuantizedTile) do with a quantized tile ----
+
+// The tile's values stored into y (x's shape). With apply_global_scale off they are q * scale, exact in every float
+// dtype: the emulated GEMM then folds both tensors' s_dec into its float32 output, as cuBLASLt's alpha does
+// (docs/design.md §2).
+template <typename T>
+void StoreTile(T* y, const View& view, const TilePos& p, const float (&q)[kBlock][kBlock]) {
+  if (p.full) {
+    for (int i = 0; i < kBlock; ++i) {
+      T* out = y + p.base + i * view.cols;
+      for (int j = 0; j < kBlock; ++j) Store(out + j, q[i][j]);
+    }
+  } else {
+    for (int i = 0; i < p.nl; ++i) {
+      for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, q[i][j]);
+    }
+  }
+}
+
+// A line's 16 E2M1 codes as 8 bytes, the even element in the low nibble: each pair read as one little-endian 16-bit
+// word, whose high byte's nibble moves down beside the low one.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "PackPairs reads pairs of codes as little-endian words");
+inline void PackPairs(const uint8_t (&codes)[kBlock], uint8_t* out) {
+  uint16_t pairs[kBlock / 2];
+  std::memcpy(pairs, codes, sizeof pairs);
+  for (int j = 0; j < kBlock / 2; ++j) out[j] = static_cast<uint8_t>((pairs[j] & 0x0Fu) | ((pairs[j] >> 4) & 0xF0u));
+}
+
+// The tile's E2M1 values q and its blocks' E4M3 codes into the packed layout (numerics/packing.py): data and scales
+// have x's dims with the axis K divided by 2 and by 16, two elements adjacent along K sharing a byte (the even one in
+// the low nibble), and a block's scale where its first element's pair would be.
+template <Blocks kBlocks>
+void PackTile(const Geometry& g, const View& view, const TilePos& p, const float (&q)[kBlock][kBlock],
+              const uint8_t* code, uint8_t* data, uint8_t* scales) {
+  if (g.axis_last()) {  // (rows, K): every tile line is 16 consecutive elements of one row and one block
+    // The tile's codes first, then each line's pairs: two loops that vectorize (pairing codes as they are made
+    // does not).
+    alignas(64) uint8_t c[kBlock][kBlock];
+    for (int i = 0; i < kBlock; ++i) {
+      for (int j = 0; j < kBlock; ++j) c[i][j] = E2M1Code(q[i][j]);
+    }
+    for (int i = 0; i < p.nl; ++i) {
+      const int64_t e = p.base + i * view.cols;  // the line's first element, row-major
+      scales[e / kBlock] = code[BlockOf<kBlocks>(i, 0)];  // (row, block) row-major
+      PackPairs(c[i], data + e / 2);
+    }
+    return;
+  }
+  // (K, rows) (outer = 1): lines are K (whole blocks of 16: K % 16 == 0), columns rows; lines i and i + 1 share bytes.
+  const int64_t line = p.base / view.cols, col = p.base % view.cols;
+  for (int i = 0; i < p.nl; i += 2) {
+    uint8_t* out = data + (line + i) / 2 * view.cols + col;
+    for (int j = 0; j < p.nc; ++j) {
+      out[j] = static_cast<uint8_t>(E2M1Code(q[i][j]) | (E2M1Code(q[i + 1][j]) << 4));
+    }
+  }
+  uint8_t* s = scales + line / kBlock * view.cols + col;
+  for (int j = 0; j < p.nc; ++j) s[j] = code[BlockOf<kBlocks>(0, j)];
+}
+
+// ---- the plain kernels' work, for their telemetry forms' unrecorded steps (x: float32, bfloat16 or float16) ----
+
+// qdq_kernels.cc: y = xla_fp4_qdq's result on x (y has x's shape and dtype).
+ffi::Error Qdq(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const Geometry& g,
+               const Recipe& r, const TensorParams& tensor, bool apply_global_scale);
+
+// qdq_kernels.cc: xla_fp4_qdq_with_scale's checks (g: x's geometry), then its tensor parameters measured from x itself:
+// s_dec (also written to the s_dec result) and the stochastic-rounding key (x's digest with `salt`).
+ffi::Error CheckAndMeasureWithScale(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
+                                    const ffi::AnyBuffer& s_dec, int64_t axis, const Recipe& r, int64_t rht_seed,
+                                    int64_t salt, Geometry* g, TensorParams* tensor);
+
+// packed_kernels.cc: xla_fp4_quantize_packed's codes and scales of x.
+ffi::Error QuantizePacked(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const Geometry& g, const Recipe& r,
+                          const TensorParams& tensor, const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales);
+
+}  // namespace xla_fp4::cpu
+
+#endif  // XLA_FP4_CPU_QUANTIZE_H_
