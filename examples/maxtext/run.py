@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import hashlib
 import json
 import os
 import re
@@ -117,11 +118,29 @@ def setup():
     subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
     subprocess.run([python, "-m", "pip", "install", "-q", MAXTEXT], check=True)
     (VENV / ".maxtext_ok").write_text(MAXTEXT + "\n")
+  # Installed again only when what the wheel is built from changed: each isolated build compiles the kernels anew
+  # (its build tools' paths change), minutes that CI's second run.py call spent on the same checkout.
+  stamp, want = VENV / ".xla_fp4_checkout", _checkout_digest()
+  if stamp.exists() and stamp.read_text() == want:
+    print(f"== this checkout is installed in {VENV} already", flush=True)
+    return python
   print(f"== installing this checkout into {VENV} (pip install ., isolated build)", flush=True)
   # A build folder of its own: the checkout's dev venvs build into build/{wheel_tag} (pyproject.toml), maybe at once.
   subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
                   "-Cbuild-dir=build/maxtext-{wheel_tag}", str(ROOT)], check=True)
+  stamp.write_text(want)
   return python
+
+
+def _checkout_digest():
+  """A digest of every file the wheel is built from (its sources, Python and C++, and the build's own files)."""
+  files = [ROOT / "pyproject.toml", ROOT / "CMakeLists.txt",
+           *(f for folder in ("cmake", "xla_fp4", "python") for f in (ROOT / folder).rglob("*")
+             if f.is_file() and "__pycache__" not in f.parts)]
+  digest = hashlib.sha256()
+  for f in sorted(files):
+    digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+  return digest.hexdigest()
 
 
 def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, small=SMALL, telemetry=None,
