@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import train_lm  # noqa: E402
 
+# Its module fixture takes a while (a measurement or a compile): every test of this file runs on one worker (./dev
+# passes --dist loadgroup), so the fixture runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 # 2 blocks of d_model 32 (every GEMM dimension a multiple of 16, so NVFP4 applies), 12 steps.
 TINY = ["--steps", "12", "--batch", "8", "--seq", "32", "--d-model", "32", "--layers", "2", "--heads", "2",
         "--lr", "1e-2", "--eval-every", "6", "--eval-batches", "2", "--no-progress"]

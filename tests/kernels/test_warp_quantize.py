@@ -19,6 +19,10 @@ import pytest
 from nvfp4_testing import assert_same_bits, extension_or_skip
 from xla_fp4 import kernels
 
+# Its module fixture takes a while (a measurement or a compile): every test of this file runs on one worker (./dev
+# passes --dist loadgroup), so the fixture runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -11,6 +11,21 @@ import textwrap
 
 import pytest
 
+# Its module fixture takes a while (a measurement or a compile): every test of this file runs on one worker (./dev
+# passes --dist loadgroup), so the fixture runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
+
+
+def test_the_grouped_files_run_on_one_worker(request):
+  """./dev test's --dist loadgroup sends every test of a file marked xdist_group to one worker, which xdist shows by
+  the group in the test's id; where the grouping silently stopped (pytest 9.2, pytest-dev/pytest-xdist#1386) each
+  worker ran the files' minutes-long module fixtures again."""
+  if not getattr(request.config.option, "loadgroup", False):
+    pytest.skip("runs under pytest-xdist's --dist loadgroup (./dev test passes it)")
+  assert request.node.nodeid.endswith("@" + __name__), request.node.nodeid
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

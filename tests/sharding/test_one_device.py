@@ -18,6 +18,10 @@ import pytest
 
 from tests.sharding.test_layouts import LAYOUTS, run_python
 
+# Its module fixture takes a while (a measurement or a compile): every test of this file runs on one worker (./dev
+# passes --dist loadgroup), so the fixture runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group(__name__)
+
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
