@@ -34,6 +34,17 @@ void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, co
   stats.Row(row);
 }
 
+// y as xla_fp4_qdq makes it without the global scale, and in a recorded step (row not null) its FIELDS row.
+ffi::Error QdqRecorded(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y, const Geometry& g,
+                       const Recipe& r, const TensorParams& tensor, float* row) {
+  if (row == nullptr) return Qdq(pool, x, y, g, r, tensor, /*apply_global_scale=*/false);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QdqStatsImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y.untyped_data()), g, r, tensor, row);
+    return ffi::Error::Success();
+  });
+}
+
 // xla_fp4_quantize_packed's codes and scales of x, and the FIELDS row of that quantization into row.
 template <typename T>
 void QuantizePackedStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
@@ -78,13 +89,7 @@ ffi::Error QdqAndStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
   const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
                                                *static_cast<const uint32_t*>(key.untyped_data()));
-  if (row == nullptr) return Qdq(pool, x, *y, g, recipe, tensor, /*apply_global_scale=*/false);
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    QdqStatsImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), g, recipe, tensor,
-                 row);
-    return ffi::Error::Success();
-  });
+  return QdqRecorded(pool, x, *y, g, recipe, tensor, row);
 }
 
 ffi::Error QdqWithScaleStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> step,
@@ -100,13 +105,7 @@ ffi::Error QdqWithScaleStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buf
       e.failure()) {
     return e;
   }
-  if (row == nullptr) return Qdq(pool, x, *y, g, recipe, tensor, /*apply_global_scale=*/false);
-  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
-    using T = decltype(tag);
-    QdqStatsImpl(pool, static_cast<const T*>(x.untyped_data()), static_cast<T*>(y->untyped_data()), g, recipe, tensor,
-                 row);
-    return ffi::Error::Success();
-  });
+  return QdqRecorded(pool, x, *y, g, recipe, tensor, row);
 }
 
 ffi::Error QuantizePackedStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, ffi::AnyBuffer key,
