@@ -1,7 +1,7 @@
 // What the plain quantizing kernels (qdq_kernels.cc, packed_kernels.cc) share with their telemetry forms
 // (quantize_stats_kernels.cc). The telemetry forms live in a file of their own so that the three compile in parallel
-// (one file held every tile walker's variants for 5-8 minutes of each build); they reach the plain kernels' work
-// through the non-template calls declared here, so that a step that is not recorded runs the same code, compiled once.
+// (each instantiates the tile walker for every dtype and recipe); they reach the plain kernels' work through the
+// non-template calls declared here, so that a step that is not recorded runs the same code, compiled once.
 #ifndef XLA_FP4_CPU_QUANTIZE_H_
 #define XLA_FP4_CPU_QUANTIZE_H_
 
