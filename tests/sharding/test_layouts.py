@@ -16,7 +16,6 @@ import pytest
 pytestmark = pytest.mark.xdist_group(__name__)
 
 
-
 def test_the_grouped_files_run_on_one_worker(request):
   """./dev test's --dist loadgroup sends every test of a file marked xdist_group to one worker, which xdist shows by
   the group in the test's id; where the grouping silently stopped (pytest 9.2, pytest-dev/pytest-xdist#1386) each
