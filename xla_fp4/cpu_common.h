@@ -210,6 +210,11 @@ struct TensorParams {
 };
 
 inline TensorParams MakeTensorParams(float s_dec, uint32_t key) { return {MakeTensorScale(s_dec), Mix32(key)}; }
+// The same from a call's s_dec (float32 scalar) and key (uint32 scalar) operands, both already checked.
+inline TensorParams MakeTensorParams(const ffi::AnyBuffer& s_dec, const ffi::AnyBuffer& key) {
+  return MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
+                          *static_cast<const uint32_t*>(key.untyped_data()));
+}
 
 // ---- x viewed as a row-major matrix (lines, cols), walked in 16x16 tiles of contiguous rows ----
 //

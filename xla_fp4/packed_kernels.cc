@@ -190,8 +190,7 @@ ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
     return e;
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
-  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
-                                               *static_cast<const uint32_t*>(key.untyped_data()));
+  const TensorParams tensor = MakeTensorParams(s_dec, key);
   return QuantizePacked(pool, x, g, recipe, tensor, *data, *scales);
 }
 

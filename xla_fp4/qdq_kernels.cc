@@ -253,8 +253,7 @@ ffi::Error QdqFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer s_dec, 
     return e;
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
-  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
-                                               *static_cast<const uint32_t*>(key.untyped_data()));
+  const TensorParams tensor = MakeTensorParams(s_dec, key);
   return Qdq(pool, x, *y, g, recipe, tensor, apply_global_scale);
 }
 

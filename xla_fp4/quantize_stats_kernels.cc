@@ -87,8 +87,7 @@ ffi::Error QdqAndStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     return e;
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
-  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
-                                               *static_cast<const uint32_t*>(key.untyped_data()));
+  const TensorParams tensor = MakeTensorParams(s_dec, key);
   return QdqRecorded(pool, x, *y, g, recipe, tensor, row);
 }
 
@@ -120,8 +119,7 @@ ffi::Error QuantizePackedStatsFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::A
     return e;
   }
   const Recipe recipe(block_2d, stochastic, rht, rht_seed, four_over_six);
-  const TensorParams tensor = MakeTensorParams(*static_cast<const float*>(s_dec.untyped_data()),
-                                               *static_cast<const uint32_t*>(key.untyped_data()));
+  const TensorParams tensor = MakeTensorParams(s_dec, key);
   if (row == nullptr) return QuantizePacked(pool, x, g, recipe, tensor, *data, *scales);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T = decltype(tag);
