@@ -4,7 +4,8 @@
     python benchmarks/kernels.py --size 1024 --repeats 3  # quick look
 
 Kernels (each in the recipe variants below where it takes them):
-  qdq              xla_fp4_qdq (the caller's s_dec), the emulate backend's quantize-dequantize in partitioned programs
+  qdq              xla_fp4_qdq (the caller's s_dec), the emulate backend's quantize-dequantize in partitioned programs,
+                   as the pass emits it (apply_global_scale false: q * scale)
   qdq_with_scale   xla_fp4_qdq_with_scale, what the pass emits elsewhere: it also measures amax (and the key), one more read
   packed           xla_fp4_quantize_packed, the native backend's operand (E2M1 pairs and E4M3 scales, K-major)
   packed_stats     xla_fp4_quantize_packed_stats in a recorded step (telemetry's statistics from the same pass)
@@ -75,7 +76,7 @@ def kernel_table(x, s_dec):
   for name, r in VARIANTS.items():
     r = {"axis": -1, **r}
     s = s_dec[name]
-    table["qdq", name] = lambda x, r=r, s=s: kernels.qdq(x, s, key, rht_seed=RHT_SEED, **r)
+    table["qdq", name] = lambda x, r=r, s=s: kernels.qdq(x, s, key, rht_seed=RHT_SEED, apply_global_scale=False, **r)
     table["qdq_with_scale", name] = lambda x, r=r: kernels.qdq_with_scale(x, 1234, rht_seed=RHT_SEED, **r)
     packed = {**r, "axis": _packed_axis(r)}
     table["packed", name] = lambda x, r=packed, s=s: kernels.quantize_packed(x, s, key, rht_seed=RHT_SEED, **r)

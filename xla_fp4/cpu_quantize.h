@@ -15,19 +15,36 @@ namespace xla_fp4::cpu {
 
 // ---- what the tile walker's sinks (ForEachQuantizedTile) do with a quantized tile ----
 
-// The tile's values stored into y (x's shape). With apply_global_scale off they are q * scale, exact in every float
-// dtype: the emulated GEMM then folds both tensors' s_dec into its float32 output, as cuBLASLt's alpha does
-// (docs/design.md §2).
+// A decoded E2M1 value q * scale (q in {0, 0.5, ..., 6}, scale an E4M3 value, or NaN) is exact in every float dtype:
+// at most 2 + 4 significant bits, a magnitude in [2**-10, 2688] or zero. So bfloat16 takes its top 16 bits: Store's
+// rounding would change nothing, and a NaN made by arithmetic is already quiet (Store's NaN case sets no new bit).
+inline void StoreExact(Bf16* p, float v) { p->bits = static_cast<uint16_t>(BitsOf(v) >> 16); }
 template <typename T>
-void StoreTile(T* y, const View& view, const TilePos& p, const float (&q)[kBlock][kBlock]) {
-  if (p.full) {
+inline void StoreExact(T* p, float v) {
+  Store(p, v);
+}
+
+// The tile's decoded values v = q * scale stored into y (x's shape): with decode_scale 1 as they are (the emulated GEMM
+// then folds both tensors' s_dec into its float32 output, as cuBLASLt's alpha does: docs/design.md §2), else as
+// DecodeElement(q, scale, decode_scale), rounded to T.
+template <typename T>
+void StoreTile(T* y, const View& view, const TilePos& p, const float (&v)[kBlock][kBlock], float decode_scale) {
+  if (decode_scale != 1.0f) {
+    alignas(64) float d[kBlock][kBlock];
+    for (int i = 0; i < kBlock; ++i) {
+      for (int j = 0; j < kBlock; ++j) d[i][j] = FlushSubnormal(v[i][j] * decode_scale);
+    }
+    for (int i = 0; i < p.nl; ++i) {
+      for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, d[i][j]);
+    }
+  } else if (p.full) {
     for (int i = 0; i < kBlock; ++i) {
       T* out = y + p.base + i * view.cols;
-      for (int j = 0; j < kBlock; ++j) Store(out + j, q[i][j]);
+      for (int j = 0; j < kBlock; ++j) StoreExact(out + j, v[i][j]);
     }
   } else {
     for (int i = 0; i < p.nl; ++i) {
-      for (int j = 0; j < p.nc; ++j) Store(y + p.base + i * view.cols + j, q[i][j]);
+      for (int j = 0; j < p.nc; ++j) StoreExact(y + p.base + i * view.cols + j, v[i][j]);
     }
   }
 }

@@ -26,7 +26,7 @@ namespace {
 template <typename T>
 void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
                         const TensorParams& tensor, uint8_t* data, uint8_t* scales) {
-  ForEachQuantizedTile</*kDecode=*/false>(pool, x, g, r, tensor, /*decode_scale=*/1.0f,
+  ForEachQuantizedTile</*kDecode=*/false>(pool, x, g, r, tensor,
                        [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
                            const uint8_t* code) {
     PackTile<decltype(blocks)::value>(g, view, p, q, code, data, scales);

@@ -22,9 +22,9 @@ template <typename T>
 void QdqImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r, const TensorParams& tensor,
              bool apply_global_scale) {
   const float decode_scale = apply_global_scale ? tensor.scale.s_dec : 1.0f;
-  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor, decode_scale,
-                       [&](auto, const View& view, const TilePos& p, float (&q)[kBlock][kBlock], const uint8_t*) {
-    StoreTile(y, view, p, q);
+  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor,
+                       [&](auto, const View& view, const TilePos& p, float (&v)[kBlock][kBlock], const uint8_t*) {
+    StoreTile(y, view, p, v, decode_scale);
   });
 }
 

@@ -25,10 +25,10 @@ template <typename T>
 void QdqStatsImpl(ffi::ThreadPool& pool, const T* x, T* y, const Geometry& g, const Recipe& r,
                   const TensorParams& tensor, float* row) {
   QuantizationStats<T> stats(x, g, r, tensor);
-  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor, 1.0f,
+  ForEachQuantizedTile</*kDecode=*/true>(pool, x, g, r, tensor,
                        [&](auto blocks, const View& view, const TilePos& p, float (&v)[kBlock][kBlock],
                            const uint8_t* code) {
-    StoreTile(y, view, p, v);
+    StoreTile(y, view, p, v, /*decode_scale=*/1.0f);
     stats.template Measure<decltype(blocks)::value>(view, p, v, code);
   });
   stats.Row(row);
@@ -50,13 +50,13 @@ template <typename T>
 void QuantizePackedStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
                              const TensorParams& tensor, uint8_t* data, uint8_t* scales, float* row) {
   QuantizationStats<T> stats(x, g, r, tensor);
-  ForEachQuantizedTile</*kDecode=*/false>(pool, x, g, r, tensor, /*decode_scale=*/1.0f,
+  ForEachQuantizedTile</*kDecode=*/false>(pool, x, g, r, tensor,
                        [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
                            const uint8_t* code) {
     constexpr Blocks kBlocks = decltype(blocks)::value;
     alignas(64) float v[kBlock][kBlock];  // q * scale, exactly as xla_fp4_qdq's walker decodes it
     for (int i = 0; i < kBlock; ++i) {
-      for (int j = 0; j < kBlock; ++j) v[i][j] = DecodeElement(q[i][j], E4M3Decode(code[BlockOf<kBlocks>(i, j)]), 1.0f);
+      for (int j = 0; j < kBlock; ++j) v[i][j] = q[i][j] * E4M3Decode(code[BlockOf<kBlocks>(i, j)]);
     }
     stats.template Measure<kBlocks>(view, p, v, code);
     PackTile<kBlocks>(g, view, p, q, code, data, scales);

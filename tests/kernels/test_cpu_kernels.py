@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -101,6 +102,37 @@ def test_qdq_matches_reference(t, recipe, key, scale_kind, apply_global_scale):
   key = jnp.uint32(key)
   got = kernels.qdq(x, s_dec, key, axis=axis, **recipe)
   assert_same_bits(got, ref_qdq(x, s_dec, key, axis=axis, **recipe))
+
+
+def test_decoded_values_are_exact_in_every_dtype():
+  """q * scale, what xla_fp4_qdq stores without the global scale, is exact in float32, bfloat16 and float16 for every
+  E2M1 value and every E4M3 scale, and zero or at least 2**-10 in magnitude: so the kernels skip DecodeElement's flush
+  and store bfloat16 by truncation (cpu_quantize.h StoreExact)."""
+  scales = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+  scales = scales[np.isfinite(scales)]
+  q = np.concatenate([formats.E2M1_VALUES, -formats.E2M1_VALUES]).astype(np.float64)
+  exact = (q[:, None] * scales[None, :]).ravel()
+  p = exact.astype(np.float32)
+  np.testing.assert_array_equal(p.astype(np.float64), exact)
+  for dtype in (ml_dtypes.bfloat16, np.float16):
+    np.testing.assert_array_equal(p.astype(dtype).astype(np.float32), p)
+  assert np.all((p == 0) | (np.abs(p) >= 2.0**-10))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_qdq_takes_every_block_scale_bit_for_bit(dtype, stochastic):
+  """A tensor whose 1x16 blocks take every E4M3 code (block amax 6 * scale with s_dec = 1), a zero block, a NaN block
+  and an Inf block: xla_fp4_qdq without the global scale equals the reference bit for bit."""
+  rng = np.random.default_rng(0)
+  scales = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)[:127]  # 0 .. 448
+  rows = rng.uniform(-1, 1, (scales.size + 2, 16)).astype(np.float32) * np.append(scales, [1, 1])[:, None] * 6
+  rows[: scales.size, 0] = 6 * scales  # the block's amax
+  rows[-2, 3], rows[-1, 5] = np.nan, -np.inf
+  x = jnp.asarray(rows.astype(dtype))
+  recipe = dict(axis=-1, block_2d=False, stochastic=stochastic, rht=False, rht_seed=0, apply_global_scale=False)
+  key = jnp.uint32(7)
+  assert_same_bits(kernels.qdq(x, jnp.float32(1.0), key, **recipe), ref_qdq(x, jnp.float32(1.0), key, **recipe))
 
 
 @SETTINGS
