@@ -145,13 +145,13 @@ XLA_FP4_HOST_DEVICE inline float RoundE2M1Stochastic(float v, float u) {
 }
 
 // 4-bit code of an E2M1 value: sign in bit 3, magnitude index 0..7 in bits 0..2. NaN (which E2M1 lacks) encodes 0.
-// Selects rather than branches, so that the packers' loops over a tile vectorize.
+// Integer ops on q's bits: t, its exponent and first mantissa bit, is 252 for 0.5, then 254, 255, ..., 259 for 1, 1.5,
+// ..., 6, so the index is t - 252 from 1 up (0.5 takes 253 through the max), 0 where t is 0 (a zero of either sign),
+// and t >= 510 is NaN. Selects rather than branches, so that the packers' loops over a tile vectorize.
 XLA_FP4_HOST_DEVICE inline uint8_t E2M1Code(float q) {
-  const bool nan = IsNan(q);
-  const float a = Select(nan, 0.0f, Abs(q));
-  const float index = Select(a < 2.0f, a * 2.0f, Select(a < 4.0f, a + 2.0f, a * 0.5f + 4.0f));  // exact
-  const uint32_t sign = SelectBits(nan, 0u, (BitsOf(q) >> 31) << 3);
-  return static_cast<uint8_t>(static_cast<uint32_t>(static_cast<int32_t>(index)) | sign);
+  const uint32_t bits = BitsOf(q), t = (bits >> 22) & 0x1FFu;
+  const uint32_t index = SelectBits(t == 0u, 0u, (t > 253u ? t : 253u) - 252u);
+  return static_cast<uint8_t>(SelectBits(t >= 510u, 0u, index | ((bits >> 28) & 8u)));
 }
 
 XLA_FP4_HOST_DEVICE inline float E2M1Decode(uint8_t code) {
