@@ -39,24 +39,39 @@ XLA_FP4_VECTOR_CLONES TileStats MeasureTile(const T* x, const View& view, const 
       am[b] = m > am[b] ? m : am[b];
     }
   }
-  // Whole tiles in fixed-trip loops that vectorize; a padded tile's missing elements (zeros in a and v) must not
-  // count as live, so it takes the bounded loop.
-  const int nl = p.full ? kBlock : p.nl, nc = p.full ? kBlock : p.nc;
+  // Whole tiles in fixed-trip loops that vectorize (the bounds compile-time constants); a padded tile's missing
+  // elements (zeros in a; in v zero, or NaN in a NaN tile) must not count, so it takes the bounded loop. Every sum and
+  // maximum runs down the columns first, in 16 lanes (one per column, so a row is one vector operation and no row ends
+  // in a reduction across lanes), then across the lanes. The energies' order is not the twin's jnp.sum's, as no order
+  // is (telemetry takes energies to float rounding), and it is the same whatever the threads do.
+  alignas(64) uint32_t amax_j[kBlock] = {}, nonzero_j[kBlock] = {}, underflow_j[kBlock] = {}, kept_j[kBlock] = {};
+  alignas(64) float energy_j[kBlock] = {}, error_j[kBlock] = {};
+  auto accumulate = [&](auto nl, auto nc) {
+    for (int i = 0; i < nl; ++i) {
+      for (int j = 0; j < nc; ++j) {
+        const float x_ij = a[i][j], q_ij = v[i][j], e = x_ij - q_ij * scale.s_dec;
+        const uint32_t m = BitsOf(x_ij) & 0x7FFFFFFFu;
+        amax_j[j] = m > amax_j[j] ? m : amax_j[j];
+        nonzero_j[j] += x_ij != 0.0f;
+        underflow_j[j] += (x_ij != 0.0f) & (q_ij == 0.0f);
+        kept_j[j] += q_ij != 0.0f;
+        energy_j[j] += x_ij * x_ij;
+        error_j[j] += e * e;
+      }
+    }
+  };
+  if (p.full) {
+    accumulate(std::integral_constant<int, kBlock>{}, std::integral_constant<int, kBlock>{});
+  } else {
+    accumulate(p.nl, p.nc);
+  }
   uint32_t amax = 0;
   int nonzero = 0, underflow = 0, kept = 0, live = 0, scale_zero = 0, clipped = 0;
-  float energy = 0, error = 0;
-  for (int i = 0; i < nl; ++i) {
-    for (int j = 0; j < nc; ++j) {
-      const float x_ij = a[i][j], q_ij = v[i][j], e = x_ij - q_ij * scale.s_dec;
-      const uint32_t m = BitsOf(x_ij) & 0x7FFFFFFFu;
-      amax = m > amax ? m : amax;
-      nonzero += x_ij != 0.0f;
-      underflow += (x_ij != 0.0f) & (q_ij == 0.0f);
-      kept += q_ij != 0.0f;
-      energy += x_ij * x_ij;
-      error += e * e;
-    }
+  for (int j = 0; j < kBlock; ++j) {
+    amax = amax_j[j] > amax ? amax_j[j] : amax;
+    nonzero += nonzero_j[j], underflow += underflow_j[j], kept += kept_j[j];
   }
+  const int nl = p.full ? kBlock : p.nl, nc = p.full ? kBlock : p.nc;
   // Per block, weighted by its elements in this tile: a row (kRow), a column (kCol) or the whole tile (kTile).
   const int per_block = kBlocks == Blocks::kRow ? nc : (kBlocks == Blocks::kCol ? nl : nl * nc);
   const int blocks = kBlocks == Blocks::kRow ? nl : (kBlocks == Blocks::kCol ? nc : 1);
@@ -71,7 +86,7 @@ XLA_FP4_VECTOR_CLONES TileStats MeasureTile(const T* x, const View& view, const 
   s.nonzero = static_cast<uint16_t>(nonzero), s.underflow = static_cast<uint16_t>(underflow);
   s.kept = static_cast<uint16_t>(kept), s.live = static_cast<uint16_t>(live);
   s.scale_zero = static_cast<uint16_t>(scale_zero), s.clipped = static_cast<uint16_t>(clipped);
-  s.energy = energy, s.error = error;
+  s.energy = TreeSum16(energy_j), s.error = TreeSum16(error_j);
   return s;
 }
 

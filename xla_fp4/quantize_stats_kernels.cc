@@ -54,9 +54,10 @@ void QuantizePackedStatsImpl(ffi::ThreadPool& pool, const T* x, const Geometry& 
                        [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
                            const uint8_t* code) {
     constexpr Blocks kBlocks = decltype(blocks)::value;
-    alignas(64) float v[kBlock][kBlock];  // q * scale, exactly as xla_fp4_qdq's walker decodes it
+    alignas(64) float scale[kBlock], v[kBlock][kBlock];  // v = q * scale, exactly as xla_fp4_qdq's walker decodes it
+    for (int b = 0; b < kBlock; ++b) scale[b] = E4M3Decode(code[b]);
     for (int i = 0; i < kBlock; ++i) {
-      for (int j = 0; j < kBlock; ++j) v[i][j] = q[i][j] * E4M3Decode(code[BlockOf<kBlocks>(i, j)]);
+      for (int j = 0; j < kBlock; ++j) v[i][j] = q[i][j] * scale[BlockOf<kBlocks>(i, j)];
     }
     stats.template Measure<kBlocks>(view, p, v, code);
     PackTile<kBlocks>(g, view, p, q, code, data, scales);
