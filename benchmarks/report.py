@@ -51,7 +51,8 @@ def pass_overhead():
 
 `python benchmarks/pass_overhead.py` (writes `benchmarks/results/pass_overhead.json`): the pass's time on a train
 step's module ({p['module_lines']} lines of StableHLO, {p['dots']} dots, {p['dots_nvfp4']} rewritten), and compile and
-step times with and without the pass, interleaved in one run. {m['cpus']} CPU cores, jax {m['jax']}.
+step times with and without the pass, interleaved in one run (compile times: medians of
+{len(p.get('compile_s_each', {}).get('fp4', [0]))} alternating compiles each). {m['cpus']} CPU cores, jax {m['jax']}.
 
 {table(["measure", "model", "without the pass", "with the pass", "with / without", "target"], rows)}
 
@@ -83,7 +84,8 @@ def kernels():
 
 `python benchmarks/kernels.py` (writes `benchmarks/results/kernels.json`): every quantizing CPU kernel on a {shape}
 tensor against a jitted `x * 1`, which XLA makes a copy of the same tensor (its rate: {", ".join(f"{t} {copy[t]} GB/s"
-for t in dtypes)}). `qdq` takes the decode scale; `qdq_with_scale`, what the pass emits in programs that are not
+for t in dtypes)}). `qdq` takes the decode scale and writes q * scale, as the pass emits it in partitioned programs
+(the emulated GEMM applies the global scales); `qdq_with_scale`, what the pass emits in programs that are not
 partitioned, measures the amax (and the rounding key) itself, one more read; `packed` is the native backend's
 operand, `block_amax` a partitioned program's per-block maxima; `grouped` is an expert stack's quantizer as the pass
 lowers it (XLA-compiled JAX, as `jax` is the pure-JAX qdq). Each cell is the kernel's rate ((input + output bytes) /
