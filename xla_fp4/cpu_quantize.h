@@ -49,15 +49,6 @@ void StoreTile(T* y, const View& view, const TilePos& p, const float (&v)[kBlock
   }
 }
 
-// A line's 16 E2M1 codes as 8 bytes, the even element in the low nibble: each pair read as one little-endian 16-bit
-// word, whose high byte's nibble moves down beside the low one.
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "PackPairs reads pairs of codes as little-endian words");
-inline void PackPairs(const uint8_t (&codes)[kBlock], uint8_t* out) {
-  uint16_t pairs[kBlock / 2];
-  std::memcpy(pairs, codes, sizeof pairs);
-  for (int j = 0; j < kBlock / 2; ++j) out[j] = static_cast<uint8_t>((pairs[j] & 0x0Fu) | ((pairs[j] >> 4) & 0xF0u));
-}
-
 // The tile's E2M1 values q and its blocks' E4M3 codes into the packed layout (numerics/packing.py): data and scales
 // have x's dims with the axis K divided by 2 and by 16, two elements adjacent along K sharing a byte (the even one in
 // the low nibble), and a block's scale where its first element's pair would be.

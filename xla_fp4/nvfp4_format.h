@@ -154,6 +154,16 @@ XLA_FP4_HOST_DEVICE inline uint8_t E2M1Code(float q) {
   return static_cast<uint8_t>(SelectBits(t >= 510u, 0u, index | ((bits >> 28) & 8u)));
 }
 
+// N E2M1 codes as N / 2 bytes, the even element in the low nibble: each pair read as one little-endian 16-bit word,
+// whose high byte's nibble moves down beside the low one (a loop that vectorizes, where pairing bytes does not).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "PackPairs reads pairs of codes as little-endian words");
+template <int N>
+XLA_FP4_HOST_DEVICE inline void PackPairs(const uint8_t (&codes)[N], uint8_t* out) {
+  uint16_t pairs[N / 2];
+  std::memcpy(pairs, codes, sizeof pairs);
+  for (int j = 0; j < N / 2; ++j) out[j] = static_cast<uint8_t>((pairs[j] & 0x0Fu) | ((pairs[j] >> 4) & 0xF0u));
+}
+
 XLA_FP4_HOST_DEVICE inline float E2M1Decode(uint8_t code) {
   const float i = static_cast<float>(code & 7);
   const float a = i < 4.0f ? i * 0.5f : (i < 6.0f ? i - 2.0f : (i - 4.0f) * 2.0f);
@@ -438,6 +448,10 @@ XLA_FP4_HOST_DEVICE inline void StoreMxCodes(uint8_t* data, int64_t base, int64_
   uint8_t* out = data + (base - i) / 2 + i;  // the block's first pair; pairs are `inner` bytes apart
   uint8_t c[kMxBlock];  // the codes first, then the pairs: two loops that vectorize
   for (int j = 0; j < kMxBlock; ++j) c[j] = E2M1Code(q[j]);
+  if (inner == 1) {
+    PackPairs(c, out);
+    return;
+  }
   for (int j = 0; j < kMxBlock; j += 2) out[j / 2 * inner] = static_cast<uint8_t>(c[j] | (c[j + 1] << 4));
 }
 
