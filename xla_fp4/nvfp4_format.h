@@ -146,8 +146,9 @@ XLA_FP4_HOST_DEVICE inline float RoundE2M1Stochastic(float v, float u) {
 
 // 4-bit code of an E2M1 value: sign in bit 3, magnitude index 0..7 in bits 0..2. NaN (which E2M1 lacks) encodes 0.
 // Integer ops on q's bits: t, its exponent and first mantissa bit, is 252 for 0.5, then 254, 255, ..., 259 for 1, 1.5,
-// ..., 6, so the index is t - 252 from 1 up (0.5 takes 253 through the max), 0 where t is 0 (a zero of either sign),
-// and t >= 510 is NaN. Selects rather than branches, so that the packers' loops over a tile vectorize.
+// ..., 6, so the index is t - 252 from 1 up (0.5 takes 253 through the max), 0 where t is 0 (a zero of either sign);
+// t >= 510 (an all-ones exponent) is NaN, as q is never infinite. Selects rather than branches, so that the packers'
+// loops over a tile vectorize.
 XLA_FP4_HOST_DEVICE inline uint8_t E2M1Code(float q) {
   const uint32_t bits = BitsOf(q), t = (bits >> 22) & 0x1FFu;
   const uint32_t index = SelectBits(t == 0u, 0u, (t > 253u ? t : 253u) - 252u);
