@@ -52,7 +52,7 @@ def pass_overhead():
 `python benchmarks/pass_overhead.py` (writes `benchmarks/results/pass_overhead.json`): the pass's time on a train
 step's module ({p['module_lines']} lines of StableHLO, {p['dots']} dots, {p['dots_nvfp4']} rewritten), and compile and
 step times with and without the pass, interleaved in one run (compile times: medians of
-{len(p.get('compile_s_each', {}).get('fp4', [0]))} alternating compiles each). {m['cpus']} CPU cores, jax {m['jax']}.
+{len(p['compile_s_each']['fp4'])} alternating compiles each). {m['cpus']} CPU cores, jax {m['jax']}.
 
 {table(["measure", "model", "without the pass", "with the pass", "with / without", "target"], rows)}
 
