@@ -102,28 +102,10 @@ else()
 endif()
 message(STATUS "CUDA ${CUDAToolkit_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
 
-add_library(xla_fp4_cuda STATIC
-  xla_fp4/cuda/qdq_kernels.cu
-  xla_fp4/cuda/packed_kernels.cu
-  xla_fp4/cuda/telemetry_kernels.cu
-  xla_fp4/cuda/fp4_gemm.cc)
-set_target_properties(xla_fp4_cuda PROPERTIES
-  POSITION_INDEPENDENT_CODE ON
-  CUDA_STANDARD 17
-  CUDA_STANDARD_REQUIRED ON
-  CXX_VISIBILITY_PRESET hidden
-  CUDA_VISIBILITY_PRESET hidden)
-target_include_directories(xla_fp4_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
-target_include_directories(xla_fp4_cuda SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
-# Bit-exactness with the reference: no fused multiply-add contraction, no fast math (nvcc's default is --fmad=true),
-# and subnormals flushed as XLA's CPU executables flush them (nvfp4_format.h: the subnormal rule).
-target_compile_options(xla_fp4_cuda PRIVATE
-  $<$<COMPILE_LANGUAGE:CUDA>:--fmad=false --ftz=true -O3>
-  $<$<COMPILE_LANGUAGE:CXX>:-O3 -ffp-contract=off -fno-fast-math>)
-# The static runtime: importing the extension needs no libcudart; the driver is loaded on first use only.
-target_link_libraries(xla_fp4_cuda PUBLIC CUDA::cudart_static xla_fp4_cublaslt)
+# The kernels and the GEMM: xla_fp4/cuda/CMakeLists.txt (a folder of its own, as the CPU kernels: reinstalls reuse them).
+add_subdirectory(xla_fp4/cuda)
 
-nanobind_add_module(_xla_fp4_cuda NB_STATIC xla_fp4/cuda/bindings.cc)
+nanobind_add_module(_xla_fp4_cuda NB_STATIC STABLE_ABI xla_fp4/cuda/bindings.cc)
 target_include_directories(_xla_fp4_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
 target_include_directories(_xla_fp4_cuda SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
 target_link_libraries(_xla_fp4_cuda PRIVATE xla_fp4_cuda)

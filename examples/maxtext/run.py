@@ -118,16 +118,16 @@ def setup():
     subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
     subprocess.run([python, "-m", "pip", "install", "-q", MAXTEXT], check=True)
     (VENV / ".maxtext_ok").write_text(MAXTEXT + "\n")
-  # Installed again only when what the wheel is built from changed: each isolated build compiles the kernels anew
-  # (its build tools' paths change), minutes that CI's second run.py call spent on the same checkout.
+  # Installed again only when what the wheel is built from changed (a reinstall relinks the module and compiles its
+  # bindings, about half a minute, where the kernels are built already).
   stamp, want = VENV / ".xla_fp4_checkout", _checkout_digest()
   if stamp.exists() and stamp.read_text() == want:
     print(f"== this checkout is installed in {VENV} already", flush=True)
     return python
   print(f"== installing this checkout into {VENV} (pip install ., isolated build)", flush=True)
-  # A build folder of its own: the checkout's dev venvs build into build/{wheel_tag} (pyproject.toml), maybe at once.
-  subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
-                  "-Cbuild-dir=build/maxtext-{wheel_tag}", str(ROOT)], check=True)
+  # pyproject.toml's build folder, build/cp312-abi3-linux_x86_64, which a Python 3.13 dev venv shares: whichever builds
+  # second compiles the extension's bindings only, not the kernels (not two builds at once: one folder, no lock).
+  subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)], check=True)
   stamp.write_text(want)
   return python
 
