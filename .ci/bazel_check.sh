@@ -3,7 +3,8 @@
 #   1. installs bazel-bootstrap if bazel is missing (apt-get; needs root, as CI runs),
 #   2. `bazel test //...`: builds the CPU kernel library and the extension, runs the C++ unit tests,
 #   3. loads the Bazel-built _xla_fp4_ext.so next to the pip build in one Python process, registers its qdq handler
-#      under another target name, runs both on the same inputs (every qdq variant) and compares bit for bit.
+#      under another target name, runs both on the same inputs (every qdq variant, float32 and bfloat16) and compares
+#      bit for bit.
 # Bazel's output root is build/bazel/root (ignored by git). Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,12 +39,13 @@ assert set(bazel_ext.registrations()) == set(pip_ext.registrations()), "the two 
 for name, ext in (("pip", pip_ext), ("bazel", bazel_ext)):
     jax.ffi.register_ffi_target(f"bazel_check_qdq_{name}", ext.registrations()["xla_fp4_qdq"], platform="cpu")
 
-x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32) * 3)
-s_dec = jnp.float32(float(jnp.max(jnp.abs(x))) / 2688)
+x32 = np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32) * 3
+s_dec = jnp.float32(float(np.max(np.abs(x32))) / 2688)
 key = jnp.uint32(1234)
 failures = 0
-for variant in [dict(), dict(block_2d=True), dict(stochastic=True), dict(rht=True, rht_seed=7),
-                dict(four_over_six=True, block_2d=True)]:
+variants = [dict(), dict(block_2d=True), dict(stochastic=True), dict(rht=True, rht_seed=7),
+            dict(four_over_six=True, block_2d=True), dict(apply_global_scale=False)]  # the last as the pass emits it
+for x, variant in [(jnp.asarray(x32, dtype), v) for dtype in (jnp.float32, jnp.bfloat16) for v in variants]:
     attrs = dict(axis=np.int64(-1), block_2d=False, stochastic=False, rht=False, rht_seed=np.int64(0),
                  apply_global_scale=True, four_over_six=False)
     attrs.update({k: (np.int64(v) if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in variant.items()})
@@ -51,9 +53,9 @@ for variant in [dict(), dict(block_2d=True), dict(stochastic=True), dict(rht=Tru
     for name in ("pip", "bazel"):
         call = jax.ffi.ffi_call(f"bazel_check_qdq_{name}", jax.ShapeDtypeStruct(x.shape, x.dtype))
         out[name] = np.asarray(jax.jit(lambda x, s, k: call(x, s, k, **attrs))(x, s_dec, key))
-    same = np.array_equal(out["pip"].view(np.uint32), out["bazel"].view(np.uint32))
+    same = np.array_equal(out["pip"].view(np.uint8), out["bazel"].view(np.uint8))
     changed = not np.array_equal(out["pip"], np.asarray(x))
-    print(f"qdq {variant or 'nearest 1x16'}: pip vs bazel bit-identical={same}, quantized={changed}")
+    print(f"qdq {x.dtype} {variant or 'nearest 1x16'}: pip vs bazel bit-identical={same}, quantized={changed}")
     failures += (not same) + (not changed)
 sys.exit(1 if failures else 0)
 PY

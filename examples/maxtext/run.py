@@ -4,7 +4,7 @@
     python examples/maxtext/run.py --configs default fsdp8 --steps 4 --out /tmp/mt.json    # the CI smoke test
     python examples/maxtext/run.py --families --steps 3 --native   # MaxText's newer families, every layout
 
-Builds (once) a Python 3.12 venv with `maxtext[tpu]==0.2.4` (which pins jax 0.10.2) outside the checkout
+Builds (once) a Python 3.12 venv with `maxtext[tpu]==0.2.4` (jax >= 0.10.2: pip takes the newest) outside the checkout
 (MAXTEXT_VENV, default ~/.cache/xla_fp4/maxtext-venv), installs this checkout into it the way a user would
 (`pip install .`, pip's isolated build), then runs MaxText's own trainer on CPU with synthetic data, a small
 decoder, for each configuration: once as is, once with XLA_FP4=1 and a dump dir. From MaxText's log it takes each
