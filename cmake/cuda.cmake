@@ -102,12 +102,11 @@ else()
 endif()
 message(STATUS "CUDA ${CUDAToolkit_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
 
-# The kernels and the GEMM: xla_fp4/cuda/CMakeLists.txt (a folder of its own, as the CPU kernels: reinstalls reuse them).
+# The kernels and the GEMM: xla_fp4/cuda/CMakeLists.txt (a folder of its own, as the CPU kernels: reinstalls reuse
+# them); its include folders come with it.
 add_subdirectory(xla_fp4/cuda)
 
 nanobind_add_module(_xla_fp4_cuda NB_STATIC STABLE_ABI xla_fp4/cuda/bindings.cc)
-target_include_directories(_xla_fp4_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
-target_include_directories(_xla_fp4_cuda SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}")
 target_link_libraries(_xla_fp4_cuda PRIVATE xla_fp4_cuda)
 if(XLA_FP4_CUBLASLT_LIBRARY)
   # Installed, site-packages/xla_fp4/_xla_fp4_cuda.so finds the wheel's site-packages/nvidia/cu13/lib (where JAX's CUDA
