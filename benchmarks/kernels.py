@@ -9,6 +9,8 @@ Kernels (each in the recipe variants below where it takes them):
   qdq_with_scale   xla_fp4_qdq_with_scale, what the pass emits elsewhere: it also measures amax (and the key), one more read
   packed           xla_fp4_quantize_packed, the native backend's operand (E2M1 pairs and E4M3 scales, K-major)
   packed_stats     xla_fp4_quantize_packed_stats in a recorded step (telemetry's statistics from the same pass)
+  packed_pair      xla_fp4_quantize_packed_pair: a value's row-wise and column-wise packed copies from one read
+  packed_two       the same two copies from two xla_fp4_quantize_packed calls (two reads), for the pair's gain
   block_amax       xla_fp4_block_amax (a partitioned program's per-block maxima; with the RHT; with the key's digest)
   mx_qdq, mx_packed  the MX formats' quantizers (MXFP4 and MXFP8, nearest)
   grouped          an expert stack's quantizer, each expert with its own scale (numerics.grouped.slice_qdq, which the
@@ -48,6 +50,12 @@ VARIANTS = {  # name -> quantizer recipe
     # A wgrad's gradient operand: the RHT and the blocks run down the token axis (axis 0 of a row-major matrix).
     "1x16_stochastic_rht_axis0": dict(block_2d=False, stochastic=True, rht=True, axis=0),
 }
+# The pair quantizer's (row-wise copy, column-wise copy) recipes: an output gradient's (the dgrad's and the wgrad's:
+# stochastic rounding both ways, the RHT down the tokens) and an activation's (the fprop's and the wgrad's).
+PAIR_VARIANTS = {
+    "1x16_stochastic|stochastic_rht_axis0": (dict(stochastic=True, rht=False), dict(stochastic=True, rht=True)),
+    "1x16_nearest|rht_axis0": (dict(stochastic=False, rht=False), dict(stochastic=False, rht=True)),
+}
 RHT_SEED = 0
 TARGET_NEAREST, TARGET_STOCHASTIC_OR_RHT = 0.9, 0.75
 EXPERTS = 8  # the grouped rows: x as a stack of this many experts
@@ -85,6 +93,16 @@ def kernel_table(x, s_dec):
   table["packed_stats", "1x16_nearest"] = lambda x: kernels.quantize_packed_stats(x, plain, key, step=0, axis=1)
   table["packed_stats", "1x16_stochastic_rht_axis0"] = lambda x: kernels.quantize_packed_stats(
       x, s_dec["1x16_stochastic_rht_axis0"], key, step=0, axis=0, stochastic=True, rht=True, rht_seed=RHT_SEED)
+  # A GEMM pair's two packed copies of one value (rewrite/pairs.py): the pair quantizer's one read of x against the two
+  # quantizers' two reads ("two", one jitted function); both move the same bytes, so their rates compare directly.
+  for name, (row, col) in PAIR_VARIANTS.items():
+    s_row, s_col = s_dec["1x16_nearest"], s_dec["1x16_stochastic_rht_axis0"]
+    table["packed_pair", name] = lambda x, row=row, col=col: kernels.quantize_packed_pair(
+        x, s_row, s_col, key, key, row_stochastic=row["stochastic"], row_rht=row["rht"],
+        col_stochastic=col["stochastic"], col_rht=col["rht"], rht_seed=RHT_SEED)
+    table["packed_two", name] = lambda x, row=row, col=col: (
+        kernels.quantize_packed(x, s_row, key, axis=1, rht_seed=RHT_SEED, **row),
+        kernels.quantize_packed(x, s_col, key, axis=0, rht_seed=RHT_SEED, **col))
   table["block_amax", "1x16_nearest"] = lambda x: kernels.block_amax(x)
   table["block_amax", "1x16_rht"] = lambda x: kernels.block_amax(x, rht=True, rht_seed=RHT_SEED)
   table["block_amax", "1x16_nearest_digest"] = lambda x: kernels.block_amax(x, digest=True)
@@ -137,7 +155,7 @@ def run(size, repeats, only=None):
       entry = {"dtype": jnp.dtype(dtype).name, "shape": [size, size], "kernel": kernel, "variant": variant,
                "seconds": seconds, "gb_per_s": moved / seconds / 1e9, "copy_seconds": copy_seconds,
                "copy_gb_per_s": copy_moved / copy_seconds / 1e9, "fraction_of_copy_bandwidth": fraction}
-      if kernel not in ("jax", "grouped"):  # the C++ kernels carry the targets; the JAX forms are for scale
+      if kernel not in ("jax", "grouped", "packed_two"):  # the C++ kernels carry the targets; the rest are for scale
         entry["target"] = target(variant)
         entry["meets_target"] = fraction >= entry["target"]
       results.append(entry)

@@ -80,6 +80,16 @@ def kernels():
   judged = [r for r in res if "target" in r]
   count = lambda t: f"{t} {sum(r['meets_target'] for r in judged if r['dtype'] == t)} of " \
                     f"{sum(r['dtype'] == t for r in judged)}"
+  pairs = [v for k, v in dict.fromkeys((r["kernel"], r["variant"]) for r in res) if k == "packed_pair"]
+  gain = lambda v, t: x(by["packed_pair", v, t]["fraction_of_copy_bandwidth"]  # noqa: E731
+                        / by["packed_two", v, t]["fraction_of_copy_bandwidth"])
+  pair_text = "" if not pairs else f"""
+`packed_pair` makes a value's row-wise and column-wise packed copies (`xla_fp4_quantize_packed_pair`: an output
+gradient's for its dgrad and wgrad, an activation's for its fprop and wgrad; variants name the row-wise copy's recipe,
+then the column-wise one's) from one read; `packed_two` makes the same two copies with two quantizers. Both move the
+same bytes, so the pair's rate over theirs is its speed-up: {"; ".join(
+    f"{v}: " + ", ".join(f"{t} {gain(v, t)}" for t in dtypes if ("packed_two", v, t) in by) for v in pairs)}.
+"""
   text = f"""## Quantization kernels
 
 `python benchmarks/kernels.py` (writes `benchmarks/results/kernels.json`): every quantizing CPU kernel on a {shape}
@@ -97,7 +107,7 @@ time) over the copy's. Method: {meta['method']}; {meta['repeats']} rounds; {meta
 Targets met: {", ".join(count(t) for t in dtypes)}. The copy's time is mostly its page faults on its fresh output
 buffer, which every kernel pays too; what a kernel adds is its arithmetic, about the same per element in
 either dtype, so against bfloat16's copy of half the bytes it weighs twice as much.
-"""
+{pair_text}"""
   of_copy = lambda kernel: ", ".join(f"{t} {x(by[kernel, '1x16_nearest', t]['fraction_of_copy_bandwidth'])}"
                                      for t in dtypes if (kernel, "1x16_nearest", t) in by)
   return text, [[f"C++ quantizers against a copy, {shape}: with their own amax (what the pass emits); packed (the "

@@ -243,6 +243,25 @@ inline ffi::Error CheckQuantizePacked(const ffi::AnyBuffer& x, const ffi::AnyBuf
                      CheckCounterRange(stochastic, rows * k, dims)});
 }
 
+// xla_fp4_quantize_packed_pair's: x (rows, K) and, per copy, its s_dec, key and results as xla_fp4_quantize_packed's
+// along axis 1 (row_*: (rows, K/2), (rows, K/16)) and along axis 0 (col_*: (rows/2, K), (rows/16, K)). Fills `shape`
+// with x's along axis 1.
+inline ffi::Error CheckQuantizePackedPair(const ffi::AnyBuffer& x, const ffi::AnyBuffer& row_s_dec,
+                                          const ffi::AnyBuffer& row_key, const ffi::AnyBuffer& col_s_dec,
+                                          const ffi::AnyBuffer& col_key, const ffi::AnyBuffer& row_data,
+                                          const ffi::AnyBuffer& row_scales, const ffi::AnyBuffer& col_data,
+                                          const ffi::AnyBuffer& col_scales, bool row_stochastic, bool col_stochastic,
+                                          int64_t rht_seed, AxisShape* shape) {
+  AxisShape along_rows;
+  const auto dims = x.dimensions();
+  return FirstError({dims.size() == 2 ? CheckBlocks(dims[0], "x's rows (x.shape[0], the column-wise copy's K)")
+                                      : ffi::Error::Success(),
+                     CheckQuantizePacked(x, &row_s_dec, row_key, row_data, row_scales, 1, row_stochastic, rht_seed,
+                                         shape),
+                     CheckQuantizePacked(x, &col_s_dec, col_key, col_data, col_scales, 0, col_stochastic, rht_seed,
+                                         &along_rows)});
+}
+
 // xla_fp4_dequantize_packed's operands and result: packed data and scales, s_dec (null for the MX formats), a
 // (rows, K) result.
 inline ffi::Error CheckDequantizePacked(const ffi::AnyBuffer& data, const ffi::AnyBuffer& scales,

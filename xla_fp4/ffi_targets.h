@@ -23,6 +23,12 @@
 #define XLA_FP4_BLOCK_AMAX_ATTRIBUTES(A) A(int64_t, axis) A(bool, rht) A(int64_t, rht_seed) A(bool, digest)
 #define XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES(A) \
   A(int64_t, axis) A(bool, block_2d) A(bool, stochastic) A(bool, rht) A(int64_t, rht_seed) A(bool, four_over_six)
+// The pair quantizer: one read of x (rows, K) makes both packed copies a GEMM pair needs, the row-wise one along K
+// (axis 1) and the column-wise one along rows (axis 0), each with its own rounding and RHT (1x16 blocks: a weight in
+// 16x16 tiles is packed once anyway).
+#define XLA_FP4_QUANTIZE_PACKED_PAIR_ATTRIBUTES(A)                                                      \
+  A(bool, row_stochastic) A(bool, row_rht) A(bool, col_stochastic) A(bool, col_rht) A(int64_t, rht_seed) \
+  A(bool, four_over_six)
 // emulate: how XLA's partitioner runs the GEMM on shards (sharding/partition.py): the dequantized operands through
 // XLA's dot (the emulate backend of a partitioned program) instead of the FP4 GEMM. The handlers compute the same
 // numbers either way. b_transposed: b is given as B's transpose packed along N, b_data (K, N/2) and b_scales
@@ -62,6 +68,8 @@
   X(kQuantizePackedTarget, QuantizePacked, "xla_fp4_quantize_packed", XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)      \
   X(kQuantizePackedStatsTarget, QuantizePackedStats, "xla_fp4_quantize_packed_stats",                          \
     XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES)                                                                        \
+  X(kQuantizePackedPairTarget, QuantizePackedPair, "xla_fp4_quantize_packed_pair",                           \
+    XLA_FP4_QUANTIZE_PACKED_PAIR_ATTRIBUTES)                                                                   \
   X(kDequantizePackedTarget, DequantizePacked, "xla_fp4_dequantize_packed", XLA_FP4_NO_ATTRIBUTES)             \
   X(kGemmPackedTarget, GemmPacked, "xla_fp4_gemm_packed", XLA_FP4_GEMM_PACKED_ATTRIBUTES)                      \
   X(kRaggedGemmPackedTarget, RaggedGemmPacked, "xla_fp4_ragged_gemm_packed",                                  \

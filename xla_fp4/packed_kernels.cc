@@ -3,6 +3,7 @@
 //   xla_fp4_quantize_packed(x (rows, K), s_dec, key) {axis = 1} -> data u8 (rows, K/2), scales u8 (rows, K/16)
 //                          (x (K, rows), ...)          {axis = 0} -> data u8 (K/2, rows), scales u8 (K/16, rows)
 //                          (its telemetry form, xla_fp4_quantize_packed_stats, is in quantize_stats_kernels.cc)
+//   xla_fp4_quantize_packed_pair(x (rows, K), row_s_dec, row_key, col_s_dec, col_key) -> both: along axis 1 and 0
 //   xla_fp4_dequantize_packed(data, scales, s_dec) -> x (rows, K) in the result's float dtype
 //   xla_fp4_gemm_packed(a_data (M, K/2), a_scales, b_data (N, K/2), b_scales, alpha) -> C (M, N)   ("TN": K-major)
 //   xla_fp4_ragged_gemm_packed(a_data, a_scales, b_data, b_scales, group_sizes, alpha) {ragged_k}: the grouped form
@@ -23,13 +24,85 @@ namespace {
 
 // ---- Impl: the work ----
 
+// Packs tiles [begin, end) of `view` (x of geometry g) into data and scales: the tile walker with the packing sink,
+// one instantiation per dtype, blocks, rounding and RHT direction, which the single and the pair quantizer share.
+template <typename T, Blocks kBlocks, bool kStochastic, RhtAlong kRht>
+void PackTiles(const T* x, const Geometry& g, const View& view, const TensorParams& tensor, const float* sign_quarter,
+               bool four_over_six, int64_t begin, int64_t end, uint8_t* data, uint8_t* scales) {
+  QuantizeTiles<kBlocks, kStochastic, kRht, /*kDecode=*/false>(
+      x, view, tensor, sign_quarter, four_over_six, begin, end,
+      [&](const TilePos& p, float (&q)[kBlock][kBlock], const uint8_t* code) {
+        PackTile<kBlocks>(g, view, p, q, code, data, scales);
+      });
+}
+
+template <typename T>
+using PackTilesFn = void (*)(const T*, const Geometry&, const View&, const TensorParams&, const float*, bool, int64_t,
+                             int64_t, uint8_t*, uint8_t*);
+
+// The tiles x of geometry g is packed in under recipe r (ForEachQuantizedTile's choice), and their packer.
+template <typename T>
+PackTilesFn<T> PackerFor(const Geometry& g, const Recipe& r, Blocks* blocks) {
+  *blocks = r.block_2d ? Blocks::kTile : (g.axis_last() ? Blocks::kRow : Blocks::kCol);
+  return WithBool(r.stochastic, [&](auto stochastic) -> PackTilesFn<T> {
+    return WithRht(RhtDirection(g, r.rht_signs()), [&](auto along) -> PackTilesFn<T> {
+      constexpr bool kS = decltype(stochastic)::value;
+      constexpr RhtAlong kA = decltype(along)::value;
+      switch (*blocks) {  // kRow only meets the RHT along rows and kCol only down columns (both follow from axis_last)
+        case Blocks::kTile: return &PackTiles<T, Blocks::kTile, kS, kA>;
+        case Blocks::kRow:
+          if constexpr (kA != RhtAlong::kCols) return &PackTiles<T, Blocks::kRow, kS, kA>;
+          return nullptr;
+        default:
+          if constexpr (kA != RhtAlong::kRows) return &PackTiles<T, Blocks::kCol, kS, kA>;
+          return nullptr;
+      }
+    });
+  });
+}
+
+inline const float* SignQuarter(const Recipe& r) { return r.rht ? r.signs.sign_quarter : nullptr; }
+
 template <typename T>
 void QuantizePackedImpl(ffi::ThreadPool& pool, const T* x, const Geometry& g, const Recipe& r,
                         const TensorParams& tensor, uint8_t* data, uint8_t* scales) {
-  ForEachQuantizedTile</*kDecode=*/false>(pool, x, g, r, tensor,
-                       [&](auto blocks, const View& view, const TilePos& p, float (&q)[kBlock][kBlock],
-                           const uint8_t* code) {
-    PackTile<decltype(blocks)::value>(g, view, p, q, code, data, scales);
+  Blocks blocks;
+  const PackTilesFn<T> pack = PackerFor<T>(g, r, &blocks);
+  const View view = ViewOf(g, blocks);
+  ParallelFor(pool, view.tiles(), kBlock * kBlock, [&](int64_t begin, int64_t end) {
+    pack(x, g, view, tensor, SignQuarter(r), r.four_over_six, begin, end, data, scales);
+  });
+}
+
+// One copy of xla_fp4_quantize_packed_pair: x's geometry along its axis, the recipe, its tensor parameters and
+// results.
+struct PairCopy {
+  Geometry g;
+  Recipe r;
+  TensorParams tensor;
+  uint8_t *data, *scales;
+};
+
+// Both copies of x (rows, K), strip by strip: a strip of 16 rows is 16 tiles deep for the column-wise copy (its
+// blocks run down the rows) and whole blocks for the row-wise one, tiles [s * K/16, (s + 1) * K/16) of either view.
+// The column-wise copy reads the strip from memory, the row-wise one from the cache (16 * K elements: 256 KiB of
+// float32 at K = 4096), so x is read once. Each copy's numbers are xla_fp4_quantize_packed's (the same tile walker on
+// the same tiles).
+template <typename T>
+void QuantizePackedPairImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t k, const PairCopy& row,
+                            const PairCopy& col) {
+  Blocks row_blocks, col_blocks;
+  const PackTilesFn<T> pack_row = PackerFor<T>(row.g, row.r, &row_blocks);
+  const PackTilesFn<T> pack_col = PackerFor<T>(col.g, col.r, &col_blocks);
+  const View row_view = ViewOf(row.g, row_blocks), col_view = ViewOf(col.g, col_blocks);
+  const int64_t per_strip = k / kBlock;
+  ParallelFor(pool, rows / kBlock, 2 * kBlock * k, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      pack_col(x, col.g, col_view, col.tensor, SignQuarter(col.r), col.r.four_over_six, s * per_strip,
+               (s + 1) * per_strip, col.data, col.scales);
+      pack_row(x, row.g, row_view, row.tensor, SignQuarter(row.r), row.r.four_over_six, s * per_strip,
+               (s + 1) * per_strip, row.data, row.scales);
+    }
   });
 }
 
@@ -194,6 +267,33 @@ ffi::Error QuantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   return QuantizePacked(pool, x, g, recipe, tensor, *data, *scales);
 }
 
+ffi::Error QuantizePackedPairFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer row_s_dec,
+                                 ffi::AnyBuffer row_key, ffi::AnyBuffer col_s_dec, ffi::AnyBuffer col_key,
+                                 ffi::Result<ffi::AnyBuffer> row_data, ffi::Result<ffi::AnyBuffer> row_scales,
+                                 ffi::Result<ffi::AnyBuffer> col_data, ffi::Result<ffi::AnyBuffer> col_scales,
+                                 bool row_stochastic, bool row_rht, bool col_stochastic, bool col_rht, int64_t rht_seed,
+                                 bool four_over_six) {
+  Geometry g;
+  if (ffi::Error e = CheckQuantizePackedPair(x, row_s_dec, row_key, col_s_dec, col_key, *row_data, *row_scales,
+                                             *col_data, *col_scales, row_stochastic, col_stochastic, rht_seed, &g);
+      e.failure()) {
+    return e;
+  }
+  const int64_t rows = g.outer, k = g.k;
+  Geometry along_rows;
+  along_rows.outer = 1, along_rows.k = rows, along_rows.inner = k;
+  const auto u8 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<uint8_t*>(b->untyped_data()); };
+  const PairCopy row{g, Recipe(false, row_stochastic, row_rht, rht_seed, four_over_six),
+                     MakeTensorParams(row_s_dec, row_key), u8(row_data), u8(row_scales)};
+  const PairCopy col{along_rows, Recipe(false, col_stochastic, col_rht, rht_seed, four_over_six),
+                     MakeTensorParams(col_s_dec, col_key), u8(col_data), u8(col_scales)};
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QuantizePackedPairImpl(pool, static_cast<const T*>(x.untyped_data()), rows, k, row, col);
+    return ffi::Error::Success();
+  });
+}
+
 ffi::Error DequantizePackedFfi(ffi::ThreadPool pool, ffi::AnyBuffer data, ffi::AnyBuffer scales, ffi::AnyBuffer s_dec,
                                ffi::Result<ffi::AnyBuffer> out) {
   int64_t rows = 0, k = 0;
@@ -334,6 +434,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedCpu, xla_fp4::cpu::QuantizePac
                                   .Ret<ffi::AnyBuffer>()  // data
                                   .Ret<ffi::AnyBuffer>()  // scales
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedPairCpu, xla_fp4::cpu::QuantizePackedPairFfi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x (rows, K)
+                                  .Arg<ffi::AnyBuffer>()  // row_s_dec
+                                  .Arg<ffi::AnyBuffer>()  // row_key
+                                  .Arg<ffi::AnyBuffer>()  // col_s_dec
+                                  .Arg<ffi::AnyBuffer>()  // col_key
+                                  .Ret<ffi::AnyBuffer>()  // row_data (rows, K/2)
+                                  .Ret<ffi::AnyBuffer>()  // row_scales (rows, K/16)
+                                  .Ret<ffi::AnyBuffer>()  // col_data (rows/2, K)
+                                  .Ret<ffi::AnyBuffer>()  // col_scales (rows/16, K)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_PAIR_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCpu, xla_fp4::cpu::DequantizePackedFfi,
                               ffi::Ffi::Bind()

@@ -250,6 +250,57 @@ def test_packed_along_axis_0_reads_x_as_the_program_holds_it(t, recipe, key):
                      kernels.qdq(x, s_dec, key, axis=0, **recipe).T)
 
 
+pair_copies = st.fixed_dictionaries(dict(stochastic=st.booleans(), rht=st.booleans()))
+
+
+@SETTINGS
+@given(rows=st.sampled_from([16, 32, 80]), k=st.sampled_from([16, 48, 272, 528]), dtype=st.sampled_from(DTYPES),
+       row=pair_copies, col=pair_copies, seed=st.integers(0, 2**32 - 1), four_over_six=st.booleans(),
+       keys=st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)),
+       special=st.sampled_from(["none", "nan", "tiny"]))
+def test_packed_pair_is_both_packed_copies_bit_for_bit(rows, k, dtype, row, col, seed, four_over_six, keys, special):
+  """One read of x (rows, K) makes quantize_packed's copy along axis 1 with the row recipe and along axis 0 with the
+  column recipe (K not a multiple of the CUDA kernel's 256-column tiles, and over a partial one, included)."""
+  rng = np.random.default_rng(seed % 1000)
+  x = rng.standard_normal((rows, k)).astype(np.float32) * np.float32(2.0 ** rng.integers(-20, 20))
+  if special == "nan":
+    x[rng.integers(0, rows), rng.integers(0, k)] = np.nan
+  elif special == "tiny":
+    x[::3, ::2] = 1e-39
+  x = jnp.asarray(x).astype(dtype)
+  s_row, s_col = s_dec_of(x, 1, row["rht"], seed), s_dec_of(x, 0, col["rht"], seed)
+  got = kernels.quantize_packed_pair(x, s_row, s_col, keys[0], keys[1], row_stochastic=row["stochastic"],
+                                     row_rht=row["rht"], col_stochastic=col["stochastic"], col_rht=col["rht"],
+                                     rht_seed=seed, four_over_six=four_over_six)
+  want = [*kernels.quantize_packed(x, s_row, keys[0], axis=1, rht_seed=seed, four_over_six=four_over_six, **row),
+          *kernels.quantize_packed(x, s_col, keys[1], axis=0, rht_seed=seed, four_over_six=four_over_six, **col)]
+  assert [g.shape for g in got] == [(rows, k // 2), (rows, k // 16), (rows // 2, k), (rows // 16, k)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_pair_large_multithreaded_under_jit(dtype):
+  """Strips of 16 rows spread over the thread pool give the single quantizers' numbers (the gradient's recipe:
+  stochastic rounding both ways, the RHT on the column-wise copy)."""
+  x = jax.random.normal(jax.random.PRNGKey(3), (1024, 768), dtype)
+  s_row, s_col = s_dec_of(x, 1, False, 7), s_dec_of(x, 0, True, 7)
+  pair = jax.jit(functools.partial(kernels.quantize_packed_pair, row_stochastic=True, col_stochastic=True,
+                                   col_rht=True, rht_seed=7))
+  got = pair(x, s_row, s_col, jnp.uint32(5), jnp.uint32(6))
+  want = [*kernels.quantize_packed(x, s_row, 5, axis=1, stochastic=True, rht_seed=7),
+          *kernels.quantize_packed(x, s_col, 6, axis=0, stochastic=True, rht=True, rht_seed=7)]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_packed_pair_says_what_it_needs():
+  with pytest.raises(Exception, match="multiple of 16"):
+    kernels.quantize_packed_pair(jnp.ones((24, 32)), 1.0, 1.0)  # 24 rows: the column-wise copy's K
+  with pytest.raises(ValueError, match="takes a matrix"):
+    kernels.quantize_packed_pair(jnp.ones((16, 16, 16)), 1.0, 1.0)
+
+
 def test_packed_rejects_an_axis_it_does_not_read():
   with pytest.raises(ValueError, match="axis 0 or 1"):
     kernels.quantize_packed(jnp.ones((16, 16)), 1.0, axis=2)

@@ -283,6 +283,23 @@ def test_quantize_packed_along_axis_0_matches_the_cpu_kernel(gpu, block_2d, stoc
     np.testing.assert_array_equal(scales, want_scales)
 
 
+@pytest.mark.parametrize("row_stochastic,col_rht,four_over_six", [(False, True, False), (True, True, False),
+                                                                    (True, False, True)])
+def test_quantize_packed_pair_matches_the_cpu_kernel(gpu, row_stochastic, col_rht, four_over_six):
+  # 48 rows (3 strips), 528 columns (two full 256-column tiles and a partial one), NaN and subnormals planted
+  for dtype in DTYPES:
+    x = _data((48, 528), dtype)
+    x[5, 7], x[::3, ::5] = np.nan, 1e-39
+    flags = dict(row_stochastic=row_stochastic, col_stochastic=True, col_rht=col_rht, rht_seed=RHT_SEED,
+                 four_over_six=four_over_six)
+    finite = np.nan_to_num(np.asarray(x, np.float32))
+    args = (x, _s_dec(finite), _s_dec(finite, 0, col_rht), np.uint32(99), np.uint32(7))
+    got = _run(gpu, kernels.quantize_packed_pair, *args, **flags)
+    want = _run(_cpu(), kernels.quantize_packed_pair, *args, **flags)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_dequantize_packed_matches_reference(gpu, dtype):
   x = _data((200, 80), jnp.float32)

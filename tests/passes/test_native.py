@@ -76,16 +76,19 @@ def test_the_packed_quantizer_reads_every_operand_in_place():
   cfg = config.load(environ={}, enabled=True, backend="native", keep_head=False, keep_first=0, keep_last=0)
   result = pipeline.transform(module, cfg)
   with result.module.context:
-    calls = [op for op in _walk(result.module.operation) if op.name == "stablehlo.custom_call"
-             and str(op.attributes["call_target_name"]) == '"xla_fp4_quantize_packed"']
-    assert len(calls) == 10, len(calls)  # 2 fprops, 2 dgrads, 2 wgrads: two operands each, the dgrads' weights shared
-    assert all(getattr(c.operands[0].owner, "name", "an argument") != "stablehlo.transpose" for c in calls)
+    named = lambda target: [op for op in _walk(result.module.operation) if op.name == "stablehlo.custom_call"  # noqa
+                            and str(op.attributes["call_target_name"]) == f'"{target}"']
+    calls, pairs = named("xla_fp4_quantize_packed"), named("xla_fp4_quantize_packed_pair")
+    # 2 fprops, 2 dgrads, 2 wgrads: two operands each, the dgrads' weights shared; x, h and both output gradients
+    # read along both axes, each by one pair quantizer (rewrite/pairs.py)
+    assert (len(calls), len(pairs)) == (2, 4), (len(calls), len(pairs))
+    assert all(getattr(c.operands[0].owner, "name", "an argument") != "stablehlo.transpose" for c in calls + pairs)
     axes = [str(c.attributes["mhlo.backend_config"]) for c in calls]
     gemms = [str(op.attributes["mhlo.backend_config"]) for op in _walk(result.module.operation)
              if op.name == "stablehlo.custom_call"
              and str(op.attributes["call_target_name"]) == '"xla_fp4_gemm_packed"']
   assert sum("b_transposed = true" in g for g in gemms) == 2, gemms  # the dgrads
-  assert sum("axis = 0" in a for a in axes) == 6, axes  # the fprops' weights, the wgrads' four operands
+  assert sum("axis = 0" in a for a in axes) == 2, axes  # the fprops' weights
 
 
 def test_a_weight_read_as_the_forward_lhs_is_packed_once_too():
@@ -115,7 +118,9 @@ def test_a_weight_read_as_the_forward_lhs_is_packed_once_too():
              if t == '"xla_fp4_gemm_packed"']
   assert len(gemms) == 5, gemms  # w1's dgrad (into x) is not needed
   assert sum("b_transposed = true" in g for g in gemms) == 1, gemms  # w2's dgrad
-  assert targets_.count('"xla_fp4_quantize_packed"') == 9, targets_  # 5 GEMMs x 2, w2 packed once
+  # 5 GEMMs x 2 operands, w2 packed once: w1, w2 and the first layer's output gradient (its wgrad's) alone, x, h and
+  # the second layer's output gradient each by one pair quantizer (its fprop's or dgrad's and its wgrad's copies)
+  assert (targets_.count('"xla_fp4_quantize_packed"'), targets_.count('"xla_fp4_quantize_packed_pair"')) == (3, 3)
   got = {}
   for backend in ("emulate", "native"):
     xla_fp4.enable(backend=backend, **options)
@@ -123,6 +128,36 @@ def test_a_weight_read_as_the_forward_lhs_is_packed_once_too():
   xla_fp4.disable()
   for n, e in zip(got["native"], got["emulate"]):
     assert jnp.allclose(n, e, rtol=1e-5, atol=1e-7), float(jnp.max(jnp.abs(n - e)))
+
+
+def test_a_value_read_along_both_axes_is_packed_in_one_read():
+  """A two-layer MLP's step under the native backend: the activation that a fprop and its wgrad read, and the output
+  gradient that a dgrad and its wgrad read, are each packed by one xla_fp4_quantize_packed_pair (both copies from one
+  read of the value: rewrite/pairs.py), the weights once each (16x16 tiles); the step equals the emulate backend's bit
+  for bit in both roundings, as the pair's copies are the single quantizers'."""
+  def loss(ws, x):
+    w1, w2 = ws
+    return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2) ** 2)
+
+  x = jax.random.normal(jax.random.key(0), (2, 16, 64), jnp.bfloat16)
+  ws = (jax.random.normal(jax.random.key(1), (64, 96), jnp.bfloat16) / 8,
+        jax.random.normal(jax.random.key(2), (96, 32), jnp.bfloat16) / 10)
+  for stochastic in (False, True):
+    results = {}
+    for backend in ("emulate", "native"):
+      xla_fp4.enable(strict=True, keep_head=False, keep_first=0, keep_last=0, backend=backend,
+                     stochastic_rounding=stochastic)
+      try:
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        results[backend] = step(ws, x)
+        hlo = step.lower(ws, x).compile().as_text()
+      finally:
+        xla_fp4.disable()
+    # x, h (fprop 1 / wgrad 1, fprop 2 / wgrad 2) and both output gradients (dgrad / wgrad)
+    assert hlo.count('custom_call_target="xla_fp4_quantize_packed_pair"') == 4, hlo
+    assert hlo.count('custom_call_target="xla_fp4_quantize_packed"') == 2, hlo  # w1, w2
+    for e, n in zip(jax.tree.leaves(results["emulate"]), jax.tree.leaves(results["native"])):
+      assert jnp.array_equal(e, n), (stochastic, float(jnp.max(jnp.abs(e - n))))
 
 
 def test_auto_is_emulate_without_an_fp4_gemm():

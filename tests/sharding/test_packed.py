@@ -61,8 +61,9 @@ SCRIPT = textwrap.dedent("""
         gemms = sum(text.count(f'custom_call_target="xla_fp4_{t}gemm_packed"') for t in ("", "mx_"))
         out[name] = dict(flops=c.dot_flops, bytes=c.large_collective_bytes, gemms=gemms,
                          weight_gathers=c.collective_bytes_by_kind["weight_gathers"],
-                         quantize_packed=sum(text.count(f'custom_call_target="xla_fp4_{t}quantize_packed"')
-                                             for t in ("", "mx_")),
+                         quantize_packed=sum(text.count(f'custom_call_target="xla_fp4_{t}"')
+                                             for t in ("quantize_packed", "quantize_packed_pair",
+                                                       "mx_quantize_packed")),
                          wide_gathers=wide_gathers, temp=compiled.memory_analysis().temp_size_in_bytes,
                          rel_l2_sharded_minus_single=diff)
       rows.append(dict(layout=layout, **out))
@@ -136,6 +137,57 @@ def test_data_and_tensor_parallel_move_no_more(rows, layout, backend):
 
 GSPMD_SCRIPT = SCRIPT.replace("import xla_fp4\n",
                               "import xla_fp4\njax.config.update('jax_use_shardy_partitioner', False)\n")
+
+
+PAIRS_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import xla_fp4
+    from xla_fp4.passes.rewrite import pairs
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    k = jax.random.split(jax.random.key(0), 3)
+    w1 = jax.random.normal(k[0], (256, 512), jnp.bfloat16) * 0.06
+    w2 = jax.random.normal(k[1], (512, 256), jnp.bfloat16) * 0.03
+    x = jax.random.normal(k[2], (16, 64, 256), jnp.bfloat16)
+    def loss(p, x):
+      w1, w2 = p
+      return jnp.mean(((x + jax.nn.gelu(x @ w1) @ w2) ** 2).astype(jnp.float32))
+    layouts = {"data_parallel": (P(), P(), P("d")), "fsdp": (P("d", None), P("d", None), P("d")),
+               "tensor_parallel": (P(None, "d"), P("d", None), P())}
+    fuse = pairs.fuse
+    rows = []
+    for layout, (s1, s2, sx) in layouts.items():
+      args = ((put(w1, s1), put(w2, s2)), put(x, sx))
+      for backend in ("native", "emulate"):
+        out = {}
+        for name, f in (("paired", fuse), ("apart", lambda kernels, packings: 0)):
+          pairs.fuse = f
+          xla_fp4.enable(strict=True, keep_head=False, keep_first=0, keep_last=0, backend=backend,
+                         packed_gathers=True)
+          step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+          compiled = step.lower(*args).compile()
+          out[name] = (compiled.as_text().count('custom_call_target="xla_fp4_quantize_packed_pair"'),
+                       [np.asarray(g, np.float32) for g in jax.tree.leaves(compiled(*args))])
+          xla_fp4.disable()
+        rows.append(dict(layout=layout, backend=backend, pairs=out["paired"][0], apart_pairs=out["apart"][0],
+                         equal=all(np.array_equal(a, b) for a, b in zip(out["paired"][1], out["apart"][1]))))
+    print(json.dumps(rows))
+""")
+
+
+def test_pairs_run_on_shards_and_change_no_number():
+  """Stochastic rounding, bfloat16, 8 host devices: the pair quantizer (one read for a value's row-wise and
+  column-wise packed copies) partitions in every layout (its Shardy rule and partitioner: both dims in units of 32,
+  both keys mixed with the shard's index) and its step equals the step with the two quantizers apart bit for bit."""
+  rows = json.loads(run_python(["-c", PAIRS_SCRIPT]).strip().splitlines()[-1])
+  assert len(rows) == 6, rows
+  for row in rows:
+    # the emulate backend packs where a weight is gathered: not with weights whole on every device
+    packs = row["backend"] == "native" or row["layout"] != "data_parallel"
+    assert (row["pairs"] > 0) == packs and row["apart_pairs"] == 0 and row["equal"], row
 
 
 def test_the_packed_path_partitions_under_gspmd_too():

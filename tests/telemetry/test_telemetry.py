@@ -279,7 +279,11 @@ _MEASURING = {"xla_fp4_qdq_with_scale": "xla_fp4_qdq_with_scale_stats", "xla_fp4
 
 
 def _kernel_calls(text):
-  return collections.Counter(re.findall(r'custom_call_target="(xla_fp4_\w+)"', text))
+  """The xla_fp4 calls of a compiled step, a pair quantizer counted as the two packed quantizers it stands for (the
+  measuring forms have no pair: with telemetry each copy is quantized, and measured, by its own call)."""
+  calls = collections.Counter(re.findall(r'custom_call_target="(xla_fp4_\w+)"', text))
+  pairs = calls.pop("xla_fp4_quantize_packed_pair", 0)
+  return calls + collections.Counter({"xla_fp4_quantize_packed": 2 * pairs})
 
 
 def _projection_step():
@@ -440,7 +444,8 @@ _COLLECTIVES = textwrap.dedent(r"""
       arrays = sorted(f"{op} {a}" for shape, op in ops for a in re.findall(r"\w+\[[\d,]*\]", shape))
       plain = "xla_fp4_qdq" if backend == "emulate" else "xla_fp4_quantize_packed"
       calls = lambda target: text.count(f'custom_call_target="{target}"')
-      print(";".join(arrays), f"{calls(plain)},{calls(plain + ('_and_stats' if backend == 'emulate' else '_stats'))}",
+      plains = calls(plain) + 2 * calls("xla_fp4_quantize_packed_pair")  # a pair: two packed quantizers in one
+      print(";".join(arrays), f"{plains},{calls(plain + ('_and_stats' if backend == 'emulate' else '_stats'))}",
             text.count("conditional("))
 """)
 

@@ -1,7 +1,7 @@
-// xla_fp4_quantize_packed (and its telemetry form, xla_fp4_quantize_packed_stats) and xla_fp4_dequantize_packed on
-// CUDA: the storage numerics/packing.py defines (two E2M1 codes per byte, even element in the low nibble; E4M3 scales
-// (rows, K/16) row-major), and SwizzleScales, which lays such scales out as cuBLASLt's FP4 GEMM reads them (128x4
-// tiles, padding zero).
+// xla_fp4_quantize_packed (and its telemetry form, xla_fp4_quantize_packed_stats), xla_fp4_quantize_packed_pair and
+// xla_fp4_dequantize_packed on CUDA: the storage numerics/packing.py defines (two E2M1 codes per byte, even element in
+// the low nibble; E4M3 scales (rows, K/16) row-major), and SwizzleScales, which lays such scales out as cuBLASLt's FP4
+// GEMM reads them (128x4 tiles, padding zero).
 #include <cstdint>
 #include <string>
 
@@ -111,6 +111,123 @@ ffi::Error QuantizePackedStats(cudaStream_t stream, ffi::ScratchAllocator scratc
     StatsFinishKernel<<<1, 1, 0, stream>>>(acc.counts, acc.energies, s, step.typed_data(),
                                            static_cast<float>(shape.size()), stats->typed_data());
     return LaunchStatus("xla_fp4_quantize_packed_stats finish kernel");
+  });
+}
+
+// ---- xla_fp4_quantize_packed_pair: both packed copies of x (rows, K) from one read ----
+
+// One 1D block of 16 values quantized as QuantizeKernel quantizes it (after the RHT where the recipe asks): its scale
+// and E2M1 values; the random bits of element j are drawn at row-major position first + j * stride.
+__device__ inline BlockScale QuantizeOneBlock(float (&v)[kBlock], const Recipe& r, const TensorScale& ts,
+                                              uint32_t mixed_key, int64_t first, int64_t stride, float (&q)[kBlock]) {
+  if (r.rht) Rht16(v, r.signs.sign_quarter);
+  float amax = 0.0f;
+  for (int j = 0; j < kBlock; ++j) amax = MaxNan(amax, Abs(v[j]));
+  const auto u = [&](int j) {
+    return r.stochastic ? UniformFromBits(RandomBits(mixed_key, static_cast<uint32_t>(first + j * stride))) : 0.0f;
+  };
+  BlockScale bs = MakeBlockScale(amax, ts);
+  if (r.four_over_six) {
+    const BlockScale four = MakeBlockScaleToFour(amax, ts);
+    float sse[2];
+    for (int c = 0; c < 2; ++c) {
+      float e[kBlock];
+      for (int j = 0; j < kBlock; ++j) e[j] = SquaredError(v[j], c == 0 ? bs : four, ts.s_dec, r.stochastic, u(j));
+      sse[c] = TreeSum16(e);
+    }
+    if (sse[1] < sse[0]) bs = four;  // a tie keeps 6
+  }
+  for (int j = 0; j < kBlock; ++j) q[j] = QuantizeElement(v[j], bs, r.stochastic, u(j));
+  return bs;
+}
+
+constexpr int kPairCols = 256;  // a tile's columns, one thread each; its 16 rows hold 256 row blocks, one a thread
+// The tile's row pitch in shared memory, with a float of padding after every 16 columns: the 16 blocks of one row
+// then sit in 16 distinct banks, and 272 = 16 (mod 32) puts the next row's in the other 16.
+constexpr int kPairPitch = kPairCols + kPairCols / kBlock;
+__device__ inline int PairSlot(int i, int c) { return i * kPairPitch + c + c / kBlock; }
+
+struct PairCopy {
+  Recipe r;
+  const float* s_dec;
+  const uint32_t* key;
+  uint8_t *data, *scales;
+};
+
+// A thread block takes a 16 x 256 tile of x (rows, K) into shared memory with 16-byte loads (256 consecutive elements
+// of a row: whole sectors); then thread t quantizes column t of the tile for the column-wise copy (a block down the
+// rows; its codes go out a byte per thread, neighbouring threads on neighbouring columns) and row t / 16's block t % 16
+// for the row-wise copy (8 bytes of codes per thread, a row's 16 blocks in 128 consecutive bytes). x is read once.
+template <typename T>
+__global__ void QuantizePairKernel(const T* x, int64_t rows, int64_t k, PairCopy row, PairCopy col) {
+  __shared__ float tile[kBlock * kPairPitch];
+  const int64_t col_tiles = (k + kPairCols - 1) / kPairCols;
+  const int64_t r0 = blockIdx.x / col_tiles * kBlock, c0 = blockIdx.x % col_tiles * kPairCols;
+  const int width = static_cast<int>(k - c0 < kPairCols ? k - c0 : kPairCols);  // a multiple of 16 (K % 16 == 0)
+  constexpr int kPer = 16 / sizeof(T);
+  const int vectors = width / kPer;  // per row
+  for (int n = threadIdx.x; n < kBlock * vectors; n += blockDim.x) {
+    const int i = n / vectors, c = n % vectors * kPer;
+    const T* p = x + (r0 + i) * k + c0 + c;
+    float e[kPer];
+    if (Aligned16(p)) {
+      LoadRun<kPer>(p, e);
+    } else {
+      for (int j = 0; j < kPer; ++j) e[j] = ToFloat(p[j]);
+    }
+    for (int j = 0; j < kPer; ++j) tile[PairSlot(i, c + j)] = e[j];
+  }
+  __syncthreads();
+  const int t = threadIdx.x;
+  float v[kBlock], q[kBlock];
+  if (t < width) {  // the column-wise copy: (rows/2, K) codes, (rows/16, K) scales
+    for (int j = 0; j < kBlock; ++j) v[j] = tile[PairSlot(j, t)];
+    const int64_t c = c0 + t;
+    const BlockScale bs = QuantizeOneBlock(v, col.r, MakeTensorScale(*col.s_dec), col.r.stochastic ? Mix32(*col.key) : 0u,
+                                           r0 * k + c, k, q);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      col.data[(r0 / 2 + j) * k + c] = static_cast<uint8_t>(E2M1Code(q[2 * j]) | (E2M1Code(q[2 * j + 1]) << 4));
+    }
+    col.scales[r0 / kBlock * k + c] = bs.code;
+  }
+  const int i = t / kBlock, b = t % kBlock;
+  if (b * kBlock < width) {  // the row-wise copy: (rows, K/2) codes, (rows, K/16) scales
+    for (int j = 0; j < kBlock; ++j) v[j] = tile[PairSlot(i, b * kBlock + j)];
+    const int64_t first = (r0 + i) * k + c0 + b * kBlock;
+    const BlockScale bs = QuantizeOneBlock(v, row.r, MakeTensorScale(*row.s_dec), row.r.stochastic ? Mix32(*row.key) : 0u,
+                                           first, 1, q);
+    uint64_t packed = 0;
+    for (int j = 0; j < kBlock; ++j) packed |= static_cast<uint64_t>(E2M1Code(q[j])) << (4 * j);
+    reinterpret_cast<uint64_t*>(row.data)[first / kBlock] = packed;  // little-endian: the even code low
+    row.scales[first / kBlock] = bs.code;
+  }
+}
+
+ffi::Error QuantizePackedPair(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer row_s_dec, ffi::AnyBuffer row_key,
+                              ffi::AnyBuffer col_s_dec, ffi::AnyBuffer col_key, ffi::Result<ffi::AnyBuffer> row_data,
+                              ffi::Result<ffi::AnyBuffer> row_scales, ffi::Result<ffi::AnyBuffer> col_data,
+                              ffi::Result<ffi::AnyBuffer> col_scales, bool row_stochastic, bool row_rht,
+                              bool col_stochastic, bool col_rht, int64_t rht_seed, bool four_over_six) {
+  AxisShape shape;
+  XLA_FP4_RETURN_IF_ERROR(CheckQuantizePackedPair(x, row_s_dec, row_key, col_s_dec, col_key, *row_data, *row_scales,
+                                                  *col_data, *col_scales, row_stochastic, col_stochastic, rht_seed,
+                                                  &shape));
+  const int64_t rows = shape.outer, k = shape.k;
+  const int64_t tiles = rows / kBlock * ((k + kPairCols - 1) / kPairCols);
+  if (tiles == 0) return ffi::Error::Success();
+  const auto u8 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<uint8_t*>(b->untyped_data()); };
+  const auto copy = [&](bool stochastic, bool rht, ffi::AnyBuffer& s_dec, ffi::AnyBuffer& key,
+                        ffi::Result<ffi::AnyBuffer>& data, ffi::Result<ffi::AnyBuffer>& scales) {
+    return PairCopy{Recipe(false, stochastic, rht, rht_seed, four_over_six), static_cast<const float*>(s_dec.untyped_data()),
+                    static_cast<const uint32_t*>(key.untyped_data()), u8(data), u8(scales)};
+  };
+  const PairCopy row = copy(row_stochastic, row_rht, row_s_dec, row_key, row_data, row_scales);
+  const PairCopy col = copy(col_stochastic, col_rht, col_s_dec, col_key, col_data, col_scales);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T = decltype(tag);
+    QuantizePairKernel<<<static_cast<unsigned>(tiles), kPairCols, 0, stream>>>(static_cast<const T*>(x.untyped_data()),
+                                                                                rows, k, row, col);
+    return LaunchStatus("xla_fp4_quantize_packed_pair kernel");
   });
 }
 
@@ -265,6 +382,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedStatsCuda, xla_fp4::cuda::Quan
                                   .Ret<xla::ffi::AnyBuffer>()              // scales, uint8
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // statistics, float32[11]
                                   XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_ATTRIBUTES));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4QuantizePackedPairCuda, xla_fp4::cuda::QuantizePackedPair,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x (rows, K)
+                                  .Arg<xla::ffi::AnyBuffer>()  // row_s_dec (float32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()  // row_key (uint32 scalar)
+                                  .Arg<xla::ffi::AnyBuffer>()  // col_s_dec
+                                  .Arg<xla::ffi::AnyBuffer>()  // col_key
+                                  .Ret<xla::ffi::AnyBuffer>()  // row_data, uint8 (rows, K/2)
+                                  .Ret<xla::ffi::AnyBuffer>()  // row_scales, uint8 (rows, K/16)
+                                  .Ret<xla::ffi::AnyBuffer>()  // col_data, uint8 (rows/2, K)
+                                  .Ret<xla::ffi::AnyBuffer>()  // col_scales, uint8 (rows/16, K)
+                                  XLA_FP4_BIND_ATTRIBUTES(XLA_FP4_QUANTIZE_PACKED_PAIR_ATTRIBUTES));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaFp4DequantizePackedCuda, xla_fp4::cuda::DequantizePacked,
                               xla::ffi::Ffi::Bind()

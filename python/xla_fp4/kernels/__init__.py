@@ -52,6 +52,11 @@ must say so in its `operand_layouts` and `result_layouts`: `custom_call(...)` em
                                                                                      (== numerics.pack(quantize(...)))
       axis 1; with axis 0 x is [K, rows] and data, scales u8[K/2, rows], u8[K/16, rows] (x's dims: the transposes),
       read as the program holds x (no K-major copy of x; stochastic rounding's bits follow positions in x).
+  xla_fp4_quantize_packed_pair(x: f32|bf16|f16[rows, K], row_s_dec: f32[], row_key: u32[], col_s_dec, col_key)
+      -> (row_data: u8[rows, K/2], row_scales: u8[rows, K/16], col_data: u8[rows/2, K], col_scales: u8[rows/16, K])
+      attrs row_stochastic, row_rht, col_stochastic, col_rht: bool, rht_seed: i64, four_over_six: bool
+      both packed copies from one read of x: xla_fp4_quantize_packed's along axis 1 (row_*) and along axis 0 (col_*),
+      bit for bit.
   xla_fp4_quantize_packed_stats(x, s_dec, key, step: i32[]) -> (data, scales, f32[11])
       attrs as xla_fp4_quantize_packed's: its results, and where step >= 0 the statistics of that quantization of x
       from the same pass (== numerics.telemetry.qdq_and_stats's row: counts exactly, energies to float rounding),
@@ -247,6 +252,19 @@ def quantize_packed(x, s_dec, key=0, *, axis=1, block_2d=False, stochastic=False
   return _call(targets.QUANTIZE_PACKED, [x, _scalar(s_dec, jnp.float32), _scalar(key, jnp.uint32)],
                axis=axis, block_2d=block_2d, stochastic=stochastic, rht=rht, rht_seed=rht_seed,
                four_over_six=four_over_six)
+
+
+def quantize_packed_pair(x, row_s_dec, col_s_dec, row_key=0, col_key=0, *, row_stochastic=False, row_rht=False,
+                         col_stochastic=False, col_rht=False, rht_seed=0, four_over_six=False):
+  """x (rows, K) -> (row data, row scales, col data, col scales): quantize_packed(x, axis=1) with the row_* recipe and
+  quantize_packed(x, axis=0) with the col_* one, from one read of x."""
+  x = jnp.asarray(x)
+  if x.ndim != 2:
+    raise ValueError(f"quantize_packed_pair takes a matrix, got shape {x.shape}")
+  return _call(targets.QUANTIZE_PACKED_PAIR, [x, _scalar(row_s_dec, jnp.float32), _scalar(row_key, jnp.uint32),
+                                              _scalar(col_s_dec, jnp.float32), _scalar(col_key, jnp.uint32)],
+               row_stochastic=row_stochastic, row_rht=row_rht, col_stochastic=col_stochastic, col_rht=col_rht,
+               rht_seed=rht_seed, four_over_six=four_over_six)
 
 
 def quantize_packed_stats(x, s_dec, key=0, *, step=0, axis=1, block_2d=False, stochastic=False, rht=False,

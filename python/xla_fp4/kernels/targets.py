@@ -10,7 +10,7 @@ shard that holds whole blocks runs the same kernel on its own elements.
 
 import dataclasses
 import types
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,11 @@ class BlockLocal:
 @dataclasses.dataclass(frozen=True)
 class Packed:
   """How shards run a target of packed operands (sharding/packed.py): `quantize` (x (rows, K) -> codes and scales
-  along the same dims: a shard keeps whole blocks) or `gemm` (a dot of two packed K-major operands: rows split as the
+  along the same dims: a shard keeps whole blocks), `pair` (both of x's packed copies, along either dim) or `gemm` (a dot of two packed K-major operands: rows split as the
   operands' rows, K split into f32 partial sums that an all-reduce adds)."""
   kind: str
-  key_operand: Optional[int] = None  # the stochastic-rounding key: each shard mixes its index into it
+  # the stochastic-rounding key (a tuple: keys, the pair quantizer's): each shard mixes its index into it
+  key_operand: Optional[Union[int, tuple]] = None
   device_stats: bool = False  # telemetry: the last result is the statistics row, as BlockLocal.device_stats says
   block: int = BLOCK  # elements along K per scale: NVFP4's 16, the MX formats' 32 (codes per byte: `codes_per_byte`)
 
@@ -66,7 +67,8 @@ class Target:
   block_local: Optional[BlockLocal] = None  # None: not partitioned (whole operands only)
   packed: Optional[Packed] = None  # a packed target's partitioning (sharding/packed.py), or None
   side_effect: bool = False  # the call acts on the host (telemetry): XLA must neither remove nor merge it
-  quantizes: bool = False  # it quantizes its first operand (sharding/cost.py counts the elements it quantizes)
+  # how many quantized copies of its first operand it makes (sharding/cost.py counts the elements it quantizes)
+  quantizes: int = 0
   # telemetry: the target that computes the same and also measures it, taking the step as its last operand and adding
   # a statistics row as its last result (the rewrite calls it where the GEMM is probed)
   with_stats: Optional["Target"] = None
@@ -180,21 +182,21 @@ QDQ_WITH_SCALE_STATS = _target("xla_fp4_qdq_with_scale_stats",
                                {"axis": int, **_QUANTIZE, "salt": int, **_FOUR_OVER_SIX},
                                lambda operands, attrs, dtype: _with_scale(operands, attrs, dtype) + _ROW(
                                    operands, attrs, dtype), twin=telemetry.qdq_with_scale_stats,
-                               twin_operands=("salt",), quantizes=True)
+                               twin_operands=("salt",), quantizes=1)
 # A partitioned program's quantizer with telemetry: xla_fp4_qdq's y (apply_global_scale false) and the row of what it
 # did to the shard it holds (zeros in an unrecorded step).
 QDQ_AND_STATS = _target("xla_fp4_qdq_and_stats", {"axis": int, **_QUANTIZE, **_FOUR_OVER_SIX},
                         lambda operands, attrs, dtype: _like_x(operands, attrs, dtype) + _ROW(operands, attrs, dtype),
                         twin=telemetry.qdq_and_stats,
                         block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True, device_stats=True),
-                        quantizes=True)
+                        quantizes=1)
 QDQ = _target("xla_fp4_qdq", {"axis": int, **_QUANTIZE, "apply_global_scale": bool, **_FOUR_OVER_SIX}, _like_x,
               twin=kernel_twins.qdq, twin_fixed=(("apply_global_scale", False),),
-              block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True), quantizes=True,
+              block_local=BlockLocal(key_operand=2, takes_2d=True, k_may_follow_dot=True), quantizes=1,
               with_stats=QDQ_AND_STATS)
 QDQ_WITH_SCALE = _target("xla_fp4_qdq_with_scale", {"axis": int, **_QUANTIZE, "salt": int, **_FOUR_OVER_SIX},
                          _with_scale,
-                         twin=kernel_twins.qdq_with_scale, twin_operands=("salt",), quantizes=True,
+                         twin=kernel_twins.qdq_with_scale, twin_operands=("salt",), quantizes=1,
                          with_stats=QDQ_WITH_SCALE_STATS)
 OUTPUT_STATS = _target("xla_fp4_output_stats", {}, _ROW, twin=telemetry.output_stats,
                        block_local=BlockLocal(blocked=False, device_stats=True))
@@ -205,16 +207,25 @@ BLOCK_AMAX = _target("xla_fp4_block_amax", {"axis": int, "rht": bool, "rht_seed"
 # The OCP MX formats' quantizer (numerics/mx.py): q * 2^s per 32-block (32x32 tile with block_2d), E4M3 elements with
 # `fp8`, else E2M1; on whole tensors and on shards (its blocks and tiles of 32 kept whole: sharding/partition.py).
 MX_QDQ = _target("xla_fp4_mx_qdq", {"axis": int, **_QUANTIZE, "fp8": bool}, _like_x, twin=kernel_twins.mx_qdq,
-                 quantizes=True, block_local=BlockLocal(key_operand=1, takes_2d=True, block=MX_BLOCK))
+                 quantizes=1, block_local=BlockLocal(key_operand=1, takes_2d=True, block=MX_BLOCK))
 # The native forms' quantizer with telemetry: xla_fp4_quantize_packed's codes and scales, and the row of what it did to
 # the x (or shard) it holds, from the same pass (zeros in an unrecorded step).
 QUANTIZE_PACKED_STATS = _target("xla_fp4_quantize_packed_stats", {"axis": int, **_QUANTIZE, **_FOUR_OVER_SIX},
                                 lambda operands, attrs, dtype: _packed(operands, attrs, dtype) + _ROW(
                                     operands, attrs, dtype),
-                                packed=Packed("quantize", key_operand=2, device_stats=True), quantizes=True)
+                                packed=Packed("quantize", key_operand=2, device_stats=True), quantizes=1)
 QUANTIZE_PACKED = _target("xla_fp4_quantize_packed", {"axis": int, **_QUANTIZE, **_FOUR_OVER_SIX}, _packed,
-                          packed=Packed("quantize", key_operand=2), quantizes=True,
+                          packed=Packed("quantize", key_operand=2), quantizes=1,
                           with_stats=QUANTIZE_PACKED_STATS)
+# Both packed copies a GEMM pair takes of one value (the row-wise one of a fprop's activation or a dgrad's output
+# gradient, the wgrad's column-wise one, usually with the RHT) from one read of x (rows, K), each with its own s_dec,
+# key and rounding: xla_fp4_quantize_packed's numbers along axis 1 and along axis 0 (rewrite/pairs.py makes it).
+QUANTIZE_PACKED_PAIR = _target("xla_fp4_quantize_packed_pair",
+                               {"row_stochastic": bool, "row_rht": bool, "col_stochastic": bool, "col_rht": bool,
+                                "rht_seed": int, **_FOUR_OVER_SIX},
+                               lambda operands, attrs, dtype: _packed(operands, {"axis": 1}, dtype) + _packed(
+                                   operands, {"axis": 0}, dtype),
+                               packed=Packed("pair", key_operand=(2, 4)), quantizes=2)
 DEQUANTIZE_PACKED = _target("xla_fp4_dequantize_packed", {}, _unpacked)
 # `emulate`: shards multiply the dequantized operands with XLA's dot (the emulate backend of a partitioned program,
 # which gathers packed operands but has no FP4 GEMM); the numbers are the same. `b_transposed`: b is Bᵀ packed along N,
@@ -231,7 +242,7 @@ RAGGED_GEMM_PACKED = _target("xla_fp4_ragged_gemm_packed", {"ragged_k": bool}, _
 # with blocks of 32 (sharding/packed.py).
 MX_QUANTIZE_PACKED = _target("xla_fp4_mx_quantize_packed", {"axis": int, **_QUANTIZE, "fp8": bool},
                              _packed_as(MX_BLOCK), packed=Packed("quantize", key_operand=1, block=MX_BLOCK),
-                             quantizes=True)
+                             quantizes=1)
 MX_DEQUANTIZE_PACKED = _target("xla_fp4_mx_dequantize_packed", {"fp8": bool}, _unpacked)
 MX_GEMM_PACKED = _target("xla_fp4_mx_gemm_packed", {"emulate": bool, "b_transposed": bool, "fp8": bool}, _product,
                          packed=Packed("gemm", block=MX_BLOCK), counts_as_dot=True)
@@ -248,6 +259,6 @@ TELEMETRY_RECORD = _target("xla_fp4_telemetry_record", {"module": int, "site": i
                            lambda operands, attrs, dtype: [jax.ShapeDtypeStruct((), np.int32)], side_effect=True)
 
 ALL = (QDQ, QDQ_WITH_SCALE, QDQ_WITH_SCALE_STATS, QDQ_AND_STATS, OUTPUT_STATS, RHT, BLOCK_AMAX, QUANTIZE_PACKED,
-       QUANTIZE_PACKED_STATS, DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP, TELEMETRY_RECORD, MX_QDQ,
-       MX_QUANTIZE_PACKED, MX_DEQUANTIZE_PACKED, MX_GEMM_PACKED)
+       QUANTIZE_PACKED_STATS, QUANTIZE_PACKED_PAIR, DEQUANTIZE_PACKED, GEMM_PACKED, RAGGED_GEMM_PACKED, TELEMETRY_STEP,
+       TELEMETRY_RECORD, MX_QDQ, MX_QUANTIZE_PACKED, MX_DEQUANTIZE_PACKED, MX_GEMM_PACKED)
 BY_NAME = types.MappingProxyType({t.name: t for t in ALL})

@@ -37,7 +37,7 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
 _PACKED_GEMM = re.compile('custom_call_target="(' + "|".join(t.name for t in targets.ALL if t.counts_as_dot) + ')"')
-_QUANTIZING = re.compile('custom_call_target="(?:' + "|".join(t.name for t in targets.ALL if t.quantizes) + ')"')
+_QUANTIZING = re.compile('custom_call_target="(' + "|".join(t.name for t in targets.ALL if t.quantizes) + ')"')
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _PARAMETER = re.compile(r"\bparameter\((\d+)\)")
 _INDEX = re.compile(r"\bindex=(\d+)")
@@ -96,9 +96,10 @@ def _instruction_cost(ins):
     (_, a_scales), = _result_arrays(ins.operands()[1])
     packed = targets.BY_NAME[gemm.group(1)].packed
     return 2 * math.prod(out) * (packed.block if packed else BLOCK) * a_scales[-1], 0, 1, []
-  if op == "kCustomCall" and _QUANTIZING.search(ins.to_string()):
+  quantizer = _QUANTIZING.search(ins.to_string()) if op == "kCustomCall" else None
+  if quantizer:
     (_, dims), = _result_arrays(ins.operands()[0])
-    return 0, math.prod(dims), 0, []
+    return 0, math.prod(dims) * targets.BY_NAME[quantizer.group(1)].quantizes, 0, []
   if op in _COLLECTIVES:
     sizes = [math.prod(dims) * _BYTES[dtype] for dtype, dims in _result_arrays(ins)]
     if op.endswith("Start"):  # (operands..., results...): the results are the second half

@@ -15,6 +15,9 @@ codes and scales are the whole tensor's shards.
   moves the packed bytes: the weight that FSDP gathers is gathered packed.
 - Partitioner: the codes' sharding, with any dim whose shards would split a group replicated; a stochastic-rounding
   key mixed with the shard's index (as for xla_fp4_qdq).
+xla_fp4_quantize_packed_pair(x [R, K], s_dec and key of either copy) -> codes [R, K/2], scales [R, K/16] (along K)
+and codes [R/2, K], scales [R/16, K] (along R): as two quantizers of x, with R a K too: both dims split in units of 32
+elements, x's sharding shared by all four results; both keys mixed with the shard's index.
 xla_fp4_quantize_packed_stats(x, s_dec, key, step) -> codes, scales and (telemetry) the statistics of that
 quantization, declared f32[devices, FIELDS]: partitioned as xla_fp4_quantize_packed, each device's row its shard's,
 zeros on a replica of a shard (partition.py `device_stats`: its Shardy rule gives the rows factors of their own).
@@ -124,6 +127,12 @@ def sharding_rule(target, operand_types, result_types, attrs):
   scalar = _mapping([])
   f = _Factors()
   layout = _layout(target, attrs)
+  if PACKED[target].kind == "pair":  # rows are the column-wise copy's K, K the row-wise copy's: both split in units
+    rows_x, rows_codes, rows_scales = _k(f, shapes[0][0], layout)
+    k_x, k_codes, k_scales = _k(f, shapes[0][1], layout)
+    return _rule(f, [_mapping([rows_x, k_x])] + [scalar] * (len(shapes) - 1),
+                 [_mapping([rows_x, k_codes]), _mapping([rows_x, k_scales]), _mapping([rows_codes, k_x]),
+                  _mapping([rows_scales, k_x])])
   if PACKED[target].kind == "quantize":
     axis = attrs["axis"]
     rows, k = shapes[0][1 - axis], shapes[0][axis]
@@ -200,15 +209,23 @@ def _num_devices(shardings):
   return max((int(np.max(s.tile_assignment_devices())) + 1 for s in tiled), default=1)
 
 
-def _quantize_sharding(x_shape, sharding, block_2d, axis, block):
-  """The sharding of x, its codes and its scales (the same dims; K is dim `axis`): `sharding` with the dims replicated
-  whose shards would split a group of rows (block x block tiles) or a unit of K."""
+def _quantize_sharding(x_shape, sharding, target, attrs):
+  """The sharding of x, its codes and its scales (the same dims): `sharding` with the dims replicated whose shards
+  would split a unit of K (each K of the pair quantizer's two copies) or a group of rows (block x block tiles)."""
   tiles = shards.tiles_and_devices(sharding, 2)[0]
-  bad = set()
-  for dim, group in ((1 - axis, block if block_2d else 1), (axis, K_UNIT)):
-    if tiles[dim] > 1 and (x_shape[dim] % tiles[dim] or (x_shape[dim] // tiles[dim]) % group):
-      bad.add(dim)
+  if PACKED[target].kind == "pair":
+    groups = (K_UNIT, K_UNIT)
+  else:
+    axis, rows_group = attrs["axis"], PACKED[target].block if attrs["block_2d"] else 1
+    groups = (K_UNIT, rows_group) if axis == 0 else (rows_group, K_UNIT)
+  bad = {dim for dim, group in enumerate(groups)
+         if tiles[dim] > 1 and (x_shape[dim] % tiles[dim] or (x_shape[dim] // tiles[dim]) % group)}
   return shards.replicate_dims(sharding, 2, bad)
+
+
+def _stochastic(attrs):
+  """Whether a packed quantizer's call rounds stochastically (either copy of the pair quantizer)."""
+  return attrs.get("stochastic") or attrs.get("row_stochastic") or attrs.get("col_stochastic")
 
 
 def _partition_quantize(target, arg_shapes, arg_shardings, result_shape, result_sharding, backend_config):
@@ -221,13 +238,12 @@ def _partition_quantize(target, arg_shapes, arg_shardings, result_shape, result_
   if _whole(shardings[0]):
     module = shards.kernel_module(target, attrs, arg_shapes, results, None)
     return module, [shardings[0]] * len(arg_shapes), result_sharding
-  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), shardings[0], attrs["block_2d"], attrs["axis"],
-                                PACKED[target].block)
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), shardings[0], target, attrs)
   stats = PACKED[target].device_stats
   num = results[-1].dimensions()[0] if stats else _num_devices([sharding])
   table = shards.shard_index_table(sharding, 2, num)
-  salts = shards.shard_salts(table) if attrs["stochastic"] and not sharding.is_replicated() else None
-  out, counted = [sharding, sharding], None
+  salts = shards.shard_salts(table) if _stochastic(attrs) and not sharding.is_replicated() else None
+  out, counted = [sharding] * (len(results) - stats), None
   if stats:
     out.append(shardings[-1] if device_rows.one_row_each(shardings[-1], num) else device_rows.device_rows(num))
     counted = shards.first_replicas(table)
@@ -336,9 +352,8 @@ def _infer_quantize(target, arg_shapes, arg_shardings, result_shape, backend_con
   if arg_shardings[0] is None:
     return None
   attrs = shards.decode_config(target, backend_config)
-  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], attrs["block_2d"], attrs["axis"],
-                                PACKED[target].block)
-  out = [sharding, sharding]
+  sharding = _quantize_sharding(list(arg_shapes[0].dimensions()), arg_shardings[0], target, attrs)
+  out = [sharding] * (len(result_shape.tuple_shapes()) - PACKED[target].device_stats)
   if PACKED[target].device_stats:
     out.append(device_rows.device_rows(result_shape.tuple_shapes()[-1].dimensions()[0]))
   return xc.HloSharding.tuple_sharding(result_shape, out)

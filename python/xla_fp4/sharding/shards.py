@@ -138,8 +138,9 @@ def kernel_module(target, attrs, arg_shapes, result_shapes, salts, counted=None)
 
   def body(operands):
     if salts is not None:
-      key_index = record.sharded.key_operand
-      operands[key_index] = salted(operands[key_index], salts)
+      keys = record.sharded.key_operand
+      for key_index in keys if isinstance(keys, tuple) else (keys,):
+        operands[key_index] = salted(operands[key_index], salts)
     if counted is not None and not counted.all():
       i32 = ir.IntegerType.get_signless(32)
       table = hlo.ConstantOp(ir.DenseElementsAttr.get(np.where(counted, 0, -1).astype(np.int32),

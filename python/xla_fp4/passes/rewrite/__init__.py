@@ -15,6 +15,7 @@ a shard_map body around the dot gets it as an operand (scope.py).
   quantize.py     dense operand quantization (q·scale and its decode scale)
   emulated.py     the emulated GEMM (Form.WHOLE_TENSOR, Form.PARTITIONED)
   packed.py       the packed FP4 GEMM (Form.PACKED)
+  pairs.py        a value's row-wise and column-wise packed copies from one read, once every dot is rewritten
   experts.py      expert GEMMs (Form.GROUPED, Form.PACKED_GROUPED)
   probes.py       the telemetry of one dot (the `telemetry` option): the Probe the forms report to
   context.py      what the forms share: kernels, twins, seed, reuse
@@ -28,6 +29,7 @@ a shard_map body around the dot gets it as an operand (scope.py).
 from jax._src.lib.mlir import ir
 
 from xla_fp4.passes.analysis.records import BlockIndex
+from xla_fp4.passes.rewrite import pairs
 from xla_fp4.passes.rewrite.emitter import Emitter
 from xla_fp4.passes.rewrite.kernel_sets import FfiKernels, KernelSet, ReferenceKernels, Twins
 from xla_fp4.passes.rewrite.probes import Probes, Settings
@@ -55,6 +57,7 @@ def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, emulate=False, 
     dot.results[0].replace_all_uses_with(y)
     dot.erase()
     replacements.append(y)
+  pairs.fuse(kernel_set, emitter.ctx.packings)  # one read of a value for both its packed copies
   # The verifier has crashed the process on a use across an isolated region (scope.py): such a module is refused first.
   # Where block indices were plumbed into functions, every function is checked; otherwise the shard_map bodies around
   # the rewritten dots, the only isolated regions the rewrite's ops can sit in (checking every op of a 12-block step

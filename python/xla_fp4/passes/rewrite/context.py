@@ -22,6 +22,7 @@ class Context:
   matrix_gemm: bool = False
   emulate: bool = False  # the packed GEMM's `emulate`: shards multiply dequantized operands (sharding/packed.py)
   reuse: Reuse = dataclasses.field(default_factory=Reuse)
+  packings: list = dataclasses.field(default_factory=list)  # the packed form's quantizers, which pairs.py may pair
 
   @property
   def mesh(self):

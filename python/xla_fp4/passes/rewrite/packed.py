@@ -6,6 +6,8 @@ epilogue does:
   %codes, %scales = xla_fp4_quantize_packed(%x_read, %s, %key) {axis, block_2d, stochastic, rht, rht_seed}
   %y = xla_fp4_gemm_packed(%codes_a, %scales_a, %codes_b, %scales_b, %sa * %sb) {emulate, b_transposed}
 
+Once every dot is rewritten, a value's quantizers along either axis become one xla_fp4_quantize_packed_pair (pairs.py).
+
 Each operand is read as a matrix in place where its contracting dims lead or trail (`dims.as_read`: (K, rows) or
 (rows, K), a reshape; else a K-major copy). Where K leads, the uint8 codes and scales are transposed, not the wide
 operand: a pair of codes shares a byte along K either way, so XLA moves a tensor an eighth the size of a float32
@@ -30,6 +32,7 @@ from jax._src.lib.mlir.dialects import hlo
 
 from xla_fp4.kernels import targets
 from xla_fp4.passes.rewrite import dims
+from xla_fp4.passes.rewrite import pairs
 from xla_fp4.passes.rewrite import quantize
 from xla_fp4.passes.rewrite.context import dtype_name
 from xla_fp4.passes.rewrite.probes import device_rows_type
@@ -110,6 +113,7 @@ def _packed(ctx, probe, x, axis, measured, operand, user):
     *packed, row = ctx.kernels.call(target, [x, s_dec, key, probe.step], attrs, result_types=types)
   else:
     packed = ctx.kernels.call(targets.QUANTIZE_PACKED, [x, s_dec, key], attrs)
+    ctx.packings.append(pairs.Packing(packed[0].owner.operation, x, axis, s_dec, key, attrs))
   packed = _k_major(packed, axis)
   probe.keep_row(packed[0], row)
   return tuple(packed), s_dec, key
