@@ -186,6 +186,11 @@ KERNELS = {
     "quantize_packed 1x16": lambda k, x, s: k.quantize_packed(x, s),
     "quantize_packed 16x16": lambda k, x, s: k.quantize_packed(x, s, block_2d=True),
     "quantize_packed 1x16 axis 0": lambda k, x, s: k.quantize_packed(x, s, axis=0),
+    # an output gradient's two copies (dgrad's, wgrad's with the RHT) from one read, and from two quantizers' two
+    "quantize_packed_pair gradient": lambda k, x, s: k.quantize_packed_pair(
+        x, s, s, 7, 8, row_stochastic=True, col_stochastic=True, col_rht=True),
+    "quantize_packed two gradient": lambda k, x, s: (k.quantize_packed(x, s, 7, stochastic=True),
+                                                     k.quantize_packed(x, s, 8, axis=0, stochastic=True, rht=True)),
     "block_amax": lambda k, x, s: k.block_amax(x),
     "mx_qdq mxfp4": lambda k, x, s: k.mx_qdq(x),
     "mx_qdq mxfp8": lambda k, x, s: k.mx_qdq(x, fp8=True),

@@ -86,8 +86,9 @@ struct PairCopy {
 // Both copies of x (rows, K), strip by strip: a strip of 16 rows is 16 tiles deep for the column-wise copy (its
 // blocks run down the rows) and whole blocks for the row-wise one, tiles [s * K/16, (s + 1) * K/16) of either view.
 // The column-wise copy reads the strip from memory, the row-wise one from the cache (16 * K elements: 256 KiB of
-// float32 at K = 4096), so x is read once. Each copy's numbers are xla_fp4_quantize_packed's (the same tile walker on
-// the same tiles).
+// float32 at K = 4096), so x comes from memory once. Each copy's numbers are xla_fp4_quantize_packed's (the same tile
+// walker on the same tiles). The CPU kernels are bound by their arithmetic, so here the pair takes the two quantizers'
+// time (benchmarks/kernels.py packed_pair, packed_two); the read it saves is a GPU's gain.
 template <typename T>
 void QuantizePackedPairImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t k, const PairCopy& row,
                             const PairCopy& col) {
@@ -280,8 +281,9 @@ ffi::Error QuantizePackedPairFfi(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::An
     return e;
   }
   const int64_t rows = g.outer, k = g.k;
-  Geometry along_rows;
-  along_rows.outer = 1, along_rows.k = rows, along_rows.inner = k;
+  Geometry along_rows;  // x (rows, K) quantized along axis 0: outer 1, K rows, inner K
+  along_rows.k = rows;
+  along_rows.inner = k;
   const auto u8 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<uint8_t*>(b->untyped_data()); };
   const PairCopy row{g, Recipe(false, row_stochastic, row_rht, rht_seed, four_over_six),
                      MakeTensorParams(row_s_dec, row_key), u8(row_data), u8(row_scales)};

@@ -158,3 +158,28 @@ def test_a_use_across_an_isolated_region_falls_back_before_the_verifier():
 
 if __name__ == "__main__":
   print(json.dumps(_sharded_case(sys.argv[1])))
+
+
+def test_kept_iteration_cases_merge_and_pair_under_the_native_backend(monkeypatch):
+  """A scanned stack with a kept block under the native backend, where each dot sits in a kept-iteration case: the
+  dgrad's and the wgrad's cases of an iteration select alike and read neither's results, so they merge
+  (rewrite/cases.py) and the output gradient both read gets one pair quantizer (rewrite/pairs.py); the gradients
+  equal those with every case and quantizer apart bit for bit (stochastic rounding), and the kept block's too."""
+  from xla_fp4.passes.rewrite import cases, pairs
+
+  def grads_and_calls():
+    xla_fp4.enable(strict=True, keep_head=False, keep_first=1, keep_last=0, backend="native")
+    try:
+      step = jax.jit(jax.grad(_model))
+      text = step.lower(*_args()).compile().as_text()
+      return step(*_args()), text.count("conditional("), text.count('"xla_fp4_quantize_packed_pair"')
+    finally:
+      xla_fp4.disable()
+
+  merged, merged_cases, merged_pairs = grads_and_calls()
+  monkeypatch.setattr(cases, "merge", lambda found: 0)
+  monkeypatch.setattr(pairs, "fuse", lambda kernels, packings: 0)
+  apart, apart_cases, apart_pairs = grads_and_calls()
+  assert (merged_pairs, apart_pairs) == (1, 0), (merged_pairs, apart_pairs)
+  assert merged_cases < apart_cases, (merged_cases, apart_cases)
+  assert jnp.array_equal(merged, apart)

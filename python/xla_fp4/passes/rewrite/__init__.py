@@ -15,7 +15,9 @@ a shard_map body around the dot gets it as an operand (scope.py).
   quantize.py     dense operand quantization (q·scale and its decode scale)
   emulated.py     the emulated GEMM (Form.WHOLE_TENSOR, Form.PARTITIONED)
   packed.py       the packed FP4 GEMM (Form.PACKED)
-  pairs.py        a value's row-wise and column-wise packed copies from one read, once every dot is rewritten
+  cases.py        a scanned stack's kept-iteration cases that select alike merged, once every dot is rewritten
+  pairs.py        then a value's row-wise and column-wise packed copies from one read
+  hoist.py        moving the pure ops that compute some values above an op (for both)
   experts.py      expert GEMMs (Form.GROUPED, Form.PACKED_GROUPED)
   probes.py       the telemetry of one dot (the `telemetry` option): the Probe the forms report to
   context.py      what the forms share: kernels, twins, seed, reuse
@@ -29,7 +31,7 @@ a shard_map body around the dot gets it as an operand (scope.py).
 from jax._src.lib.mlir import ir
 
 from xla_fp4.passes.analysis.records import BlockIndex
-from xla_fp4.passes.rewrite import pairs
+from xla_fp4.passes.rewrite import cases, pairs
 from xla_fp4.passes.rewrite.emitter import Emitter
 from xla_fp4.passes.rewrite.kernel_sets import FfiKernels, KernelSet, ReferenceKernels, Twins
 from xla_fp4.passes.rewrite.probes import Probes, Settings
@@ -57,6 +59,7 @@ def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, emulate=False, 
     dot.results[0].replace_all_uses_with(y)
     dot.erase()
     replacements.append(y)
+  cases.merge(emitter.ctx.cases)  # a stack's kept-iteration cases that select alike, in one where independent
   pairs.fuse(kernel_set, emitter.ctx.packings)  # one read of a value for both its packed copies
   # The verifier has crashed the process on a use across an isolated region (scope.py): such a module is refused first.
   # Where block indices were plumbed into functions, every function is checked; otherwise the shard_map bodies around

@@ -23,6 +23,7 @@ class Context:
   emulate: bool = False  # the packed GEMM's `emulate`: shards multiply dequantized operands (sharding/packed.py)
   reuse: Reuse = dataclasses.field(default_factory=Reuse)
   packings: list = dataclasses.field(default_factory=list)  # the packed form's quantizers, which pairs.py may pair
+  cases: list = dataclasses.field(default_factory=list)  # (kept-iteration case, its predicate), for cases.py
 
   @property
   def mesh(self):

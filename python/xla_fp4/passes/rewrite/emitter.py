@@ -59,21 +59,22 @@ class Emitter:
 
       if plan.form is Form.PACKED_GROUPED:
         native = experts.native_per_expert if site.groups.kind is Grouping.SLICES else experts.native_ragged
-        return _in_case(select, runs, dot, lambda: probed(lambda c, p: native(c, p, plan)))
+        return _in_case(ctx, select, runs, dot, lambda: probed(lambda c, p: native(c, p, plan)))
       if plan.form is Form.GROUPED and site.groups.kind is Grouping.SLICES:
         return probed(lambda c, p: experts.slices(c, p, plan, select))
       if plan.form is Form.GROUPED:
-        return _in_case(select, runs, dot, lambda: probed(lambda c, p: experts.ragged(c, p, plan)))
+        return _in_case(ctx, select, runs, dot, lambda: probed(lambda c, p: experts.ragged(c, p, plan)))
       if plan.form is not Form.PACKED:
         return probed(lambda c, p: emulated.emit(c, p, plan, select))
-      return _in_case(select, runs, dot, lambda: probed(lambda c, p: packed.emit(c, p, plan)))
+      return _in_case(ctx, select, runs, dot, lambda: probed(lambda c, p: packed.emit(c, p, plan)))
 
 
-def _in_case(select, runs, dot, build):
+def _in_case(ctx, select, runs, dot, build):
   """`build()`, or with `select` a stablehlo.case that runs the original op in kept iterations and `build()`'s pattern
   in the others. `runs` (kept, other iterations of the stack) goes with the case as the frontend attribute
   BRANCH_RUNS, so that a cost model of the compiled step weights each branch by how often it runs (sharding/cost.py)
-  rather than taking the dearer one: a kept branch gathers its weight at full width."""
+  rather than taking the dearer one: a kept branch gathers its weight at full width. The case goes into ctx.cases,
+  which cases.py merges once every dot is rewritten."""
   if select is None:
     return build()
   i32 = ir.IntegerType.get_signless(32)
@@ -84,6 +85,7 @@ def _in_case(select, runs, dot, build):
     hlo.ReturnOp([dot.operation.clone().results[0]])
   with ir.InsertionPoint(case.regions[1].blocks.append()):
     hlo.ReturnOp([build()])
+  ctx.cases.append((case.operation, select))
   return case.results[0]
 
 

@@ -19,15 +19,17 @@ the two calls sit in the forward and the backward (an activation read by its fpr
 copy is made in the forward and held, packed, in place of what the backward would have quantized. Only plain 1x16
 NVFP4 quantizers pair: a 16x16-tiled weight is packed once anyway (reuse.py), telemetry's measuring forms and the MX
 formats have no pair target. Where the second call's scale or key depends on anything but pure ops after the first
-call (or on the first call itself), the calls stay apart.
+call (or on the first call itself), the calls stay apart. In a scanned stack with kept blocks the dots sit in
+kept-iteration cases, which cases.py merges first where they select alike and are independent (a dgrad's and its
+wgrad's), so that their quantizers share a region.
 """
 
 import dataclasses
-import functools
 
 from jax._src.lib.mlir import ir
 
 from xla_fp4.kernels import targets
+from xla_fp4.passes.rewrite import hoist
 
 
 @dataclasses.dataclass
@@ -67,11 +69,8 @@ def _compatible(row, col):
 
 def _pair(kernels, row, col):
   first, second = (row, col) if row.op.is_before_in_block(col.op) else (col, row)
-  cone = _cone([second.s_dec, second.key], first.op, {first.op, second.op})
-  if cone is None:
+  if not hoist.before(first.op, [second.s_dec, second.key], {first.op, second.op}):
     return False
-  for op in cone:
-    op.move_before(first.op)
   with ir.InsertionPoint(first.op), first.op.location:
     attrs = dict(row_stochastic=row.attrs["stochastic"], row_rht=row.attrs["rht"], col_stochastic=col.attrs["stochastic"],
                  col_rht=col.attrs["rht"], rht_seed=row.attrs["rht_seed"], four_over_six=row.attrs["four_over_six"])
@@ -81,31 +80,3 @@ def _pair(kernels, row, col):
   row.op.erase()
   col.op.erase()
   return True
-
-
-_MOVABLE = ("stablehlo.", "func.call")  # pure ops (side-effecting custom calls aside) and the twins' calls
-
-
-def _cone(values, first, calls):
-  """The ops of `first`'s block after it that compute `values`, in program order, which can move before it: pure,
-  without regions but a reduction's, and none of `calls`; None where one cannot."""
-  cone, stack = set(), list(values)
-  while stack:
-    v = stack.pop()
-    owner = v.owner
-    if not isinstance(owner, ir.Operation):
-      owner = getattr(owner, "operation", None)
-    if owner is None or owner.block != first.block or owner.is_before_in_block(first):
-      continue  # a block argument, a value of an enclosing block, or one made before `first`
-    if owner in calls:
-      return None
-    if owner in cone:
-      continue
-    name = owner.name
-    side_effect = "has_side_effect" in owner.attributes and ir.BoolAttr(owner.attributes["has_side_effect"]).value
-    if not name.startswith(_MOVABLE) or side_effect or (len(owner.regions) and name != "stablehlo.reduce"):
-      return None
-    cone.add(owner)
-    stack.extend(owner.operands)
-  order = lambda a, b: -1 if a.is_before_in_block(b) else 1  # noqa: E731
-  return sorted(cone, key=functools.cmp_to_key(order))
