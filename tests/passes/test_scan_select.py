@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import xla_fp4
 
@@ -160,17 +161,24 @@ if __name__ == "__main__":
   print(json.dumps(_sharded_case(sys.argv[1])))
 
 
-def test_kept_iteration_cases_merge_and_pair_under_the_native_backend(monkeypatch):
+@pytest.mark.parametrize("remat", [True, False])
+def test_kept_iteration_cases_merge_and_pair_under_the_native_backend(monkeypatch, remat):
   """A scanned stack with a kept block under the native backend, where each dot sits in a kept-iteration case: the
   dgrad's and the wgrad's cases of an iteration select alike and read neither's results, so they merge
   (rewrite/cases.py) and the output gradient both read gets one pair quantizer (rewrite/pairs.py); the gradients
-  equal those with every case and quantizer apart bit for bit (stochastic rounding), and the kept block's too."""
+  equal those with every case and quantizer apart bit for bit (stochastic rounding), and the kept block's too; with
+  and without remat. (MaxText's scanned fsdp8 step, whose dots read the block index in the loop's own scope, checks
+  the other path: there the pass once looked for shard_map bodies around the merged cases' erased results.)"""
   from xla_fp4.passes.rewrite import cases, pairs
+
+  def model(ws, x):
+    h, _ = jax.lax.scan(jax.checkpoint(_layer) if remat else _layer, x, ws)
+    return jnp.sum(h ** 2)
 
   def grads_and_calls():
     xla_fp4.enable(strict=True, keep_head=False, keep_first=1, keep_last=0, backend="native")
     try:
-      step = jax.jit(jax.grad(_model))
+      step = jax.jit(jax.grad(model))
       text = step.lower(*_args()).compile().as_text()
       return step(*_args()), text.count("conditional("), text.count('"xla_fp4_quantize_packed_pair"')
     finally:

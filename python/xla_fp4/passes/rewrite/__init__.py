@@ -59,16 +59,17 @@ def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, emulate=False, 
     dot.results[0].replace_all_uses_with(y)
     dot.erase()
     replacements.append(y)
-  cases.merge(emitter.ctx.cases)  # a stack's kept-iteration cases that select alike, in one where independent
-  pairs.fuse(kernel_set, emitter.ctx.packings)  # one read of a value for both its packed copies
   # The verifier has crashed the process on a use across an isolated region (scope.py): such a module is refused first.
   # Where block indices were plumbed into functions, every function is checked; otherwise the shard_map bodies around
   # the rewritten dots, the only isolated regions the rewrite's ops can sit in (checking every op of a 12-block step
-  # took half the pass's time).
+  # took half the pass's time). Found before cases.py erases the cases that some replacements are results of; it and
+  # pairs.py move ops within their blocks only.
   if passed_in:
     scope = [op for op in module.body.operations if op.operation.name == "func.func"]
   else:
     scope = bodies_to_check(replacements)
+  cases.merge(emitter.ctx.cases)  # a stack's kept-iteration cases that select alike, in one where independent
+  pairs.fuse(kernel_set, emitter.ctx.packings)  # one read of a value for both its packed copies
   bad = isolation_violations(scope)
   if bad:
     raise RuntimeError("xla_fp4 built a module that reads values across an isolated region: " + "; ".join(bad))

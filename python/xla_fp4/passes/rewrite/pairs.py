@@ -2,7 +2,8 @@
 
 A linear layer's GEMM pair reads each 2D operand twice: the fprop (or dgrad) along its K, the wgrad along its rows
 (the tokens), usually with the RHT and, for a gradient, stochastic rounding. After the dots are rewritten (packed.py),
-two xla_fp4_quantize_packed calls of the same matrix in the same block, one along each axis, become one
+two xla_fp4_quantize_packed calls of the same matrix (one value, or reshapes of one value to one shape) in the same
+block, one along each axis, become one
 xla_fp4_quantize_packed_pair call (Transformer Engine quantizes row- and column-wise in one kernel alike):
 
   %d1, %s1 = xla_fp4_quantize_packed(%x, %s_row, %k_row) {axis = 1, stochastic = a, rht = b, ...}      (the dgrad's)
@@ -30,6 +31,8 @@ from jax._src.lib.mlir import ir
 
 from xla_fp4.kernels import targets
 from xla_fp4.passes.rewrite import hoist
+from xla_fp4.passes.rewrite.dims import reshape_source
+from xla_fp4.passes.rewrite.values import tensor_type
 
 
 @dataclasses.dataclass
@@ -46,10 +49,10 @@ class Packing:
 def fuse(kernels, packings):
   """Replace each row-wise / column-wise pair of `packings` (in program order) of one value, in one block, with one
   pair call; returns how many pairs were made."""
-  by_value = {}
+  by_value = {}  # a matrix by its elements: reshapes of one value to one shape (made in two regions, say) are alike
   for p in packings:
     if not p.attrs["block_2d"]:
-      by_value.setdefault(p.x, []).append(p)
+      by_value.setdefault((reshape_source(p.x), tuple(tensor_type(p.x).shape)), []).append(p)
   made = 0
   for group in by_value.values():
     rows = [p for p in group if p.axis == 1]
@@ -74,7 +77,8 @@ def _pair(kernels, row, col):
   with ir.InsertionPoint(first.op), first.op.location:
     attrs = dict(row_stochastic=row.attrs["stochastic"], row_rht=row.attrs["rht"], col_stochastic=col.attrs["stochastic"],
                  col_rht=col.attrs["rht"], rht_seed=row.attrs["rht_seed"], four_over_six=row.attrs["four_over_six"])
-    results = kernels.call(targets.QUANTIZE_PACKED_PAIR, [row.x, row.s_dec, row.key, col.s_dec, col.key], attrs)
+    # first.x: the same elements as second.x, and made before first
+    results = kernels.call(targets.QUANTIZE_PACKED_PAIR, [first.x, row.s_dec, row.key, col.s_dec, col.key], attrs)
   for old, new in zip(list(row.op.results) + list(col.op.results), results):
     old.replace_all_uses_with(new)
   row.op.erase()
