@@ -85,10 +85,11 @@ struct PairCopy {
 
 // Both copies of x (rows, K), strip by strip: a strip of 16 rows is 16 tiles deep for the column-wise copy (its
 // blocks run down the rows) and whole blocks for the row-wise one, tiles [s * K/16, (s + 1) * K/16) of either view.
-// The row-wise copy reads the strip from memory in order, the column-wise one (16 rows at once) from the cache (16 * K
-// elements: 256 KiB of float32 at K = 4096; the other order measured slower), so x comes from memory once. Each copy's numbers are xla_fp4_quantize_packed's (the same tile
-// walker on the same tiles). The CPU kernels are bound mostly by their arithmetic, so here the pair runs 0.9-1.2x the two
-// quantizers' rate (benchmarks/kernels.py packed_pair, packed_two); the read it saves is a GPU's gain.
+// The row-wise copy reads the strip from memory in order, the column-wise one (16 rows at once) from the cache
+// (16 * K elements: 256 KiB of float32 at K = 4096; the other order measured slower), so x comes from memory once.
+// Each copy's numbers are xla_fp4_quantize_packed's (the same tile walker on the same tiles). The CPU kernels are
+// bound mostly by their arithmetic, so here the pair runs 0.9-1.2x the two quantizers' rate (benchmarks/kernels.py
+// packed_pair, packed_two); the read it saves is a GPU's gain.
 template <typename T>
 void QuantizePackedPairImpl(ffi::ThreadPool& pool, const T* x, int64_t rows, int64_t k, const PairCopy& row,
                             const PairCopy& col) {

@@ -183,8 +183,8 @@ __global__ void QuantizePairKernel(const T* x, int64_t rows, int64_t k, PairCopy
   if (t < width) {  // the column-wise copy: (rows/2, K) codes, (rows/16, K) scales
     for (int j = 0; j < kBlock; ++j) v[j] = tile[PairSlot(j, t)];
     const int64_t c = c0 + t;
-    const BlockScale bs = QuantizeOneBlock(v, col.r, MakeTensorScale(*col.s_dec), col.r.stochastic ? Mix32(*col.key) : 0u,
-                                           r0 * k + c, k, q);
+    const uint32_t mixed_key = col.r.stochastic ? Mix32(*col.key) : 0u;
+    const BlockScale bs = QuantizeOneBlock(v, col.r, MakeTensorScale(*col.s_dec), mixed_key, r0 * k + c, k, q);
     for (int j = 0; j < kBlock / 2; ++j) {
       col.data[(r0 / 2 + j) * k + c] = static_cast<uint8_t>(E2M1Code(q[2 * j]) | (E2M1Code(q[2 * j + 1]) << 4));
     }
@@ -194,8 +194,8 @@ __global__ void QuantizePairKernel(const T* x, int64_t rows, int64_t k, PairCopy
   if (b * kBlock < width) {  // the row-wise copy: (rows, K/2) codes, (rows, K/16) scales
     for (int j = 0; j < kBlock; ++j) v[j] = tile[PairSlot(i, b * kBlock + j)];
     const int64_t first = (r0 + i) * k + c0 + b * kBlock;
-    const BlockScale bs = QuantizeOneBlock(v, row.r, MakeTensorScale(*row.s_dec), row.r.stochastic ? Mix32(*row.key) : 0u,
-                                           first, 1, q);
+    const uint32_t mixed_key = row.r.stochastic ? Mix32(*row.key) : 0u;
+    const BlockScale bs = QuantizeOneBlock(v, row.r, MakeTensorScale(*row.s_dec), mixed_key, first, 1, q);
     uint64_t packed = 0;
     for (int j = 0; j < kBlock; ++j) packed |= static_cast<uint64_t>(E2M1Code(q[j])) << (4 * j);
     reinterpret_cast<uint64_t*>(row.data)[first / kBlock] = packed;  // little-endian: the even code low
@@ -218,8 +218,9 @@ ffi::Error QuantizePackedPair(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
   const auto u8 = [](ffi::Result<ffi::AnyBuffer>& b) { return static_cast<uint8_t*>(b->untyped_data()); };
   const auto copy = [&](bool stochastic, bool rht, ffi::AnyBuffer& s_dec, ffi::AnyBuffer& key,
                         ffi::Result<ffi::AnyBuffer>& data, ffi::Result<ffi::AnyBuffer>& scales) {
-    return PairCopy{Recipe(false, stochastic, rht, rht_seed, four_over_six), static_cast<const float*>(s_dec.untyped_data()),
-                    static_cast<const uint32_t*>(key.untyped_data()), u8(data), u8(scales)};
+    return PairCopy{Recipe(false, stochastic, rht, rht_seed, four_over_six),
+                    static_cast<const float*>(s_dec.untyped_data()), static_cast<const uint32_t*>(key.untyped_data()),
+                    u8(data), u8(scales)};
   };
   const PairCopy row = copy(row_stochastic, row_rht, row_s_dec, row_key, row_data, row_scales);
   const PairCopy col = copy(col_stochastic, col_rht, col_s_dec, col_key, col_data, col_scales);

@@ -45,8 +45,9 @@ class BlockLocal:
 @dataclasses.dataclass(frozen=True)
 class Packed:
   """How shards run a target of packed operands (sharding/packed.py): `quantize` (x (rows, K) -> codes and scales
-  along the same dims: a shard keeps whole blocks), `pair` (both of x's packed copies, along either dim) or `gemm` (a dot of two packed K-major operands: rows split as the
-  operands' rows, K split into f32 partial sums that an all-reduce adds)."""
+  along the same dims: a shard keeps whole blocks), `pair` (both of x's packed copies, along either dim) or `gemm`
+  (a dot of two packed K-major operands: rows split as the operands' rows, K split into f32 partial sums that an
+  all-reduce adds)."""
   kind: str
   # the stochastic-rounding key (a tuple: keys, the pair quantizer's): each shard mixes its index into it
   key_operand: Optional[Union[int, tuple]] = None

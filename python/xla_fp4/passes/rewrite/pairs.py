@@ -75,8 +75,9 @@ def _pair(kernels, row, col):
   if not hoist.before(first.op, [second.s_dec, second.key], {first.op, second.op}):
     return False
   with ir.InsertionPoint(first.op), first.op.location:
-    attrs = dict(row_stochastic=row.attrs["stochastic"], row_rht=row.attrs["rht"], col_stochastic=col.attrs["stochastic"],
-                 col_rht=col.attrs["rht"], rht_seed=row.attrs["rht_seed"], four_over_six=row.attrs["four_over_six"])
+    attrs = dict(row_stochastic=row.attrs["stochastic"], row_rht=row.attrs["rht"],
+                 col_stochastic=col.attrs["stochastic"], col_rht=col.attrs["rht"], rht_seed=row.attrs["rht_seed"],
+                 four_over_six=row.attrs["four_over_six"])
     # first.x: the same elements as second.x, and made before first
     results = kernels.call(targets.QUANTIZE_PACKED_PAIR, [first.x, row.s_dec, row.key, col.s_dec, col.key], attrs)
   for old, new in zip(list(row.op.results) + list(col.op.results), results):
