@@ -9,7 +9,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KERNELS = {"qdq", "qdq_with_scale", "packed", "packed_stats", "block_amax", "mx_qdq", "mx_packed", "grouped", "jax"}
+KERNELS = {"qdq", "qdq_with_scale", "packed", "packed_stats", "packed_pair", "block_amax", "mx_qdq", "mx_packed",
+           "grouped", "jax", "packed_two"}
+FOR_SCALE = ("jax", "grouped", "packed_two")  # measured beside the C++ kernels, no target of their own
 
 
 @pytest.mark.benchmark  # runs benchmarks/kernels.py
@@ -24,8 +26,11 @@ def test_kernels_benchmark_measures_every_quantizer_against_a_copy(tmp_path):
     assert {r["kernel"] for r in mine} == KERNELS, dtype
     for r in mine:
       assert r["seconds"] > 0 and r["copy_seconds"] > 0 and r["fraction_of_copy_bandwidth"] > 0, r
-      judged = r["kernel"] not in ("jax", "grouped")
+      judged = r["kernel"] not in FOR_SCALE
       assert ("target" in r) == judged, r
       if judged:
         want = 0.75 if ("stochastic" in r["variant"] or "rht" in r["variant"]) else 0.9
         assert r["target"] == want and r["meets_target"] == (r["fraction_of_copy_bandwidth"] >= want), r
+    # the pair quantizer beside the two quantizers it replaces, in the same variants
+    assert ({r["variant"] for r in mine if r["kernel"] == "packed_pair"}
+            == {r["variant"] for r in mine if r["kernel"] == "packed_two"} != set()), dtype
