@@ -3,8 +3,8 @@
 A linear layer's GEMM pair reads each 2D operand twice: the fprop (or dgrad) along its K, the wgrad along its rows
 (the tokens), usually with the RHT and, for a gradient, stochastic rounding. After the dots are rewritten (packed.py),
 two xla_fp4_quantize_packed calls of the same matrix (one value, or reshapes of one value to one shape) in the same
-block, one along each axis, become one
-xla_fp4_quantize_packed_pair call (Transformer Engine quantizes row- and column-wise in one kernel alike):
+block, one along each axis, become one xla_fp4_quantize_packed_pair call (Transformer Engine quantizes row- and
+column-wise in one kernel alike):
 
   %d1, %s1 = xla_fp4_quantize_packed(%x, %s_row, %k_row) {axis = 1, stochastic = a, rht = b, ...}      (the dgrad's)
   ... the dgrad's GEMM ...
