@@ -50,9 +50,8 @@ def _merged(first, second):
     return None
   with ir.InsertionPoint(first), first.location:
     case = hlo.CaseOp([r.type for r in list(first.results) + list(second.results)], first.operands[0], 2)
-  for name in ("mhlo.frontend_attributes",):  # the branches' run counts (sharding/cost.py BRANCH_RUNS)
-    if name in first.attributes:
-      case.attributes[name] = first.attributes[name]
+  if "mhlo.frontend_attributes" in first.attributes:  # the branches' run counts (sharding/cost.py BRANCH_RUNS)
+    case.attributes["mhlo.frontend_attributes"] = first.attributes["mhlo.frontend_attributes"]
   for i in range(2):
     blocks = [first.regions[i].blocks[0], second.regions[i].blocks[0]]
     returns = [b.operations[len(b.operations) - 1] for b in blocks]
@@ -80,5 +79,4 @@ def _ops_within(op):
 
 
 def _acts_on_host(case):
-  return any("has_side_effect" in op.attributes and ir.BoolAttr(op.attributes["has_side_effect"]).value
-             for op in _ops_within(case))
+  return any(hoist.acts_on_host(op) for op in _ops_within(case))

@@ -21,6 +21,11 @@ def before(op, values, forbidden):
   return True
 
 
+def acts_on_host(op):
+  """Whether `op` is a custom call with side effects (telemetry's): XLA must neither move nor remove it."""
+  return "has_side_effect" in op.attributes and ir.BoolAttr(op.attributes["has_side_effect"]).value
+
+
 def _cone(first, values, forbidden):
   cone, stack = set(), list(values)
   while stack:
@@ -35,8 +40,7 @@ def _cone(first, values, forbidden):
     if owner in cone:
       continue
     name = owner.name
-    side_effect = "has_side_effect" in owner.attributes and ir.BoolAttr(owner.attributes["has_side_effect"]).value
-    if not name.startswith(_MOVABLE) or side_effect or (len(owner.regions) and name != "stablehlo.reduce"):
+    if not name.startswith(_MOVABLE) or acts_on_host(owner) or (len(owner.regions) and name != "stablehlo.reduce"):
       return None
     cone.add(owner)
     stack.extend(owner.operands)
