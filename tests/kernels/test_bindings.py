@@ -85,3 +85,37 @@ def test_mx_packed_says_what_it_needs():
   data, scales = kernels.mx_quantize_packed(jnp.ones((4, 64)))
   with pytest.raises(Exception, match=r"a_scales must have shape \(4, 2\)"):
     kernels.mx_gemm_packed(data, scales[:, :1], data, scales).block_until_ready()
+
+
+def test_custom_calls_are_built_as_jax_ffi_builds_them():
+  """kernels.custom_call builds its op itself (jax's helper builds every attribute anew): the op must be the one jax's
+  mlir.custom_call builds for a typed FFI call, attribute for attribute, with a side effect and without."""
+  from jax._src.interpreters import mlir
+  from jax._src.lib.mlir.dialects import func
+  from jax.extend.mlir import ir
+
+  attrs = dict(axis=-1, block_2d=False, stochastic=True, rht=False, rht_seed=0, salt=7, four_over_six=False)
+  with mlir.make_ir_context(), ir.Location.unknown():
+    module = ir.Module.create()
+    x_type = ir.RankedTensorType.get((4, 32), ir.BF16Type.get())
+    result_types = [x_type, ir.RankedTensorType.get((), ir.F32Type.get())]
+    with ir.InsertionPoint(module.body):
+      fn = func.FuncOp("f", ([x_type], []))
+    with ir.InsertionPoint(fn.add_entry_block()):
+      x = fn.arguments[0]
+      for side_effect in (False, True):
+        config = kernels.backend_config_attributes(kernels.targets.QDQ_WITH_SCALE.name, attrs)
+        ours = kernels.custom_call(kernels.QDQ_WITH_SCALE_TARGET, result_types, [x], config,
+                                   has_side_effect=side_effect, layouts={})
+        theirs = mlir.custom_call(kernels.QDQ_WITH_SCALE_TARGET, result_types=result_types, operands=[x],
+                                  api_version=4, backend_config=config, has_side_effect=side_effect,
+                                  operand_layouts=[[1, 0]], result_layouts=[[1, 0], []])
+        assert _attributes(ours) == _attributes(theirs)
+        assert ours.operation.name == theirs.operation.name
+      func.ReturnOp([])
+    assert module.operation.verify()
+
+
+def _attributes(op):
+  attrs = op.operation.attributes
+  return {attrs[i].name: str(attrs[i].attr) for i in range(len(attrs))}

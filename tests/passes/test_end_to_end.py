@@ -247,6 +247,31 @@ def test_xla_compile_failure_compiles_the_original_and_warns(monkeypatch):
     _grads_uncached(strict=True)
 
 
+def test_a_module_that_does_not_verify_compiles_the_original_and_warns(monkeypatch):
+  """The pass verifies its module only in strict mode (rewrite.apply); otherwise jax's verification of what it
+  compiles finds the broken module, and the hook compiles the original. Broken here: every emulated GEMM's output
+  converted to float16, a type its readers do not take."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import hlo
+  from xla_fp4.passes.rewrite import emulated
+  emit = emulated.emit
+
+  def mistyped(*args):
+    y = emit(*args)
+    return hlo.ConvertOp(ir.RankedTensorType.get(ir.RankedTensorType(y.type).shape, ir.F16Type.get()), y).result
+  monkeypatch.setattr(emulated, "emit", mistyped)
+  base = _grads(fp4=False)
+  with warnings.catch_warnings(record=True) as caught, _not_warned_yet():
+    warnings.simplefilter("always")
+    got = _grads_uncached(stochastic_rounding=False)
+  assert any("could not compile" in str(w.message) and "MLIRError" in str(w.message) for w in caught), \
+      [str(w.message) for w in caught]
+  for layer in ("fc1", "fc2", "head"):
+    assert jnp.array_equal(got["params"][layer]["kernel"], base["params"][layer]["kernel"])
+  with pytest.raises(Exception, match="Verification failed"):  # strict: raised by the pass's own verification
+    _grads_uncached(strict=True)
+
+
 def test_strict_mode_raises(monkeypatch):
   def boom(*a, **k):
     raise RuntimeError("injected")

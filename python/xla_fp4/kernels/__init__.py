@@ -147,17 +147,32 @@ def backend_config_attributes(target, attrs):
 
 def custom_call(target, result_types, operands, config, has_side_effect=False, layouts=None):
   """A `stablehlo.custom_call` to kernel `target` at the current insertion point (needs an MLIR context); `config`:
-  its backend_config attributes (`backend_config_attributes`). The call fixes row-major layouts for its operands and
-  results: left free, XLA's layout assignment may give one another layout (a result that is all-gathered along its
-  last dim gets that dim major), and the kernel would read or write the wrong elements. `layouts`: a dict that a
-  caller emitting many calls into one module keeps, where each list of types' layouts attribute is built once."""
-  from jax._src.interpreters import mlir
+  its backend_config attributes (`backend_config_attributes`), or their DictAttr. The call fixes row-major layouts for
+  its operands and results: left free, XLA's layout assignment may give one another layout (a result that is
+  all-gathered along its last dim gets that dim major), and the kernel would read or write the wrong elements.
+  `layouts`: a dict that a caller emitting many calls into one module keeps, where the attributes that calls share (a
+  list of types' layouts, a target's name) are built once.
 
-  layouts = {} if layouts is None else layouts
-  return mlir.custom_call(target, result_types=result_types, operands=operands, api_version=4, backend_config=config,
-                          has_side_effect=has_side_effect,
-                          extra_attributes={"operand_layouts": _row_major([o.type for o in operands], layouts),
-                                            "result_layouts": _row_major(result_types, layouts)})
+  Built as jax.ffi's calls are (jax's mlir.custom_call with a dict backend_config, the same on jax 0.10 and 0.12): an
+  empty `backend_config` string, the attributes in `mhlo.backend_config`, which tells XLA the call is typed FFI
+  (tests/kernels/test_bindings.py compares the two); built here because jax's helper builds every attribute anew, a
+  twentieth of the pass's time on benchmarks/pass_overhead.py's step."""
+  from jax._src.lib.mlir.dialects import hlo
+  from jax.extend.mlir import ir
+
+  cache = {} if layouts is None else layouts
+  shared = cache.get(("custom_call", target, has_side_effect))
+  if shared is None:
+    shared = cache[("custom_call", target, has_side_effect)] = dict(
+        call_target_name=ir.StringAttr.get(target), has_side_effect=ir.BoolAttr.get(has_side_effect),
+        backend_config=ir.StringAttr.get(""),
+        api_version=ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 1),
+        called_computations=ir.ArrayAttr.get([]))
+  attributes = dict(shared, operand_layouts=_row_major([o.type for o in operands], cache),
+                    result_layouts=_row_major(result_types, cache))
+  op = hlo.CustomCallOp.build_generic(results=result_types, operands=operands, attributes=attributes)
+  op.operation.attributes["mhlo.backend_config"] = config if isinstance(config, ir.DictAttr) else ir.DictAttr.get(config)
+  return op
 
 
 def _row_major(types, cache):

@@ -7,7 +7,9 @@ fresh module, or the original when nothing was selected. Errors are the caller's
 warns).
 """
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 
@@ -75,8 +77,29 @@ def decisions(module: ir.Module, config: Config):
     return report.rows(analysis.sites, decided), unmatched, analysis.blocks_found
 
 
+@contextlib.contextmanager
+def _collector_paused():
+  """Python's cyclic garbage collector off for the pass: the pass allocates binding objects by the hundred thousand,
+  which set the collector off every few hundred, and its older generations' collections walk every object of the
+  process (a tenth of the pass's time on benchmarks/pass_overhead.py's step). What the pass leaves for it, it
+  collects once afterwards (0.1 ms there)."""
+  if not gc.isenabled():
+    yield
+    return
+  gc.disable()
+  try:
+    yield
+  finally:
+    gc.enable()
+
+
 def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=None) -> Result:
   """Rewrite a clone of `module`. `kernels(module) -> KernelSet` overrides the per-platform choice."""
+  with _collector_paused():
+    return _transform(module, config, platform, kernels)
+
+
+def _transform(module, config, platform, kernels):
   new = clone_module(module)
   with new.context, ir.Location.unknown():
     analysis, decided, unmatched = _analyze_and_decide(new, config)
@@ -93,7 +116,7 @@ def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=
           tuple((p.site.index, p.site.layer, str(p.site.role), p.site.block, str(p.form)) for p in plans)))
       probed = rewrite.apply(new, plans, backend.kernel_set, seed=config.seed, matrix_gemm=is_cpu(platform),
                              emulate=backend.gemm != "native",
-                             platform=lowering_platform(platform), telemetry=settings)
+                             platform=lowering_platform(platform), telemetry=settings, verify=config.strict)
       for p in probed:
         telemetry.register_site(settings.module, p.site.index, telemetry.Site(
             directory=config.telemetry, module=module_name(new), layer=p.site.layer, role=str(p.site.role),

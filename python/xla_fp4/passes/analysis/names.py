@@ -23,7 +23,10 @@ HEAD_RE = re.compile(r"(head|logits|unembed|embed\w*|lm_out|output_projection)$"
 def name_of(loc) -> str:
   """The leading name of a location (or of its text: printing a location is the costly part, so callers reuse it)."""
   m = _NAME_LOC_RE.match(loc if isinstance(loc, str) else str(loc))
-  return m.group(1).encode().decode("unicode_escape") if m else ""
+  if not m:
+    return ""
+  name = m.group(1)
+  return name.encode().decode("unicode_escape") if "\\" in name else name  # escapes are rare: decode where there are
 
 
 def frame_of(loc) -> str:

@@ -40,7 +40,7 @@ class FfiKernels:
     # over it; without one (GSPMD) a partitioned program's statistics come from the twins (probes.py).
     self.mesh = mesh if partitioned else None
     # built once per pass run:
-    self._configs = {}  # (target, attributes) -> backend_config, of calls without a salt
+    self._configs = {}  # (target, attributes but a salt) -> ({name: attribute}, their DictAttr)
     self._types = {}  # (target, operand types, attributes) -> result types
     self._layouts = {}  # types -> their row-major layouts attribute (kernels.custom_call)
 
@@ -54,12 +54,14 @@ class FfiKernels:
         types = self._types[signature] = target.result_types(operand_types, attrs)
     else:
       types = result_types
-    salted = "salt" in attrs  # then its attributes are its own (one salt per operand): not kept (held, they slowed)
-    config = None if salted else self._configs.get((target.name, unsalted))
-    if config is None:
-      config = self._kernels.backend_config_attributes(target.name, attrs)
-      if not salted:
-        self._configs[(target.name, unsalted)] = config
+    known = self._configs.get((target.name, unsalted))
+    if known is None:
+      attributes = self._kernels.backend_config_attributes(target.name, attrs)
+      known = self._configs[(target.name, unsalted)] = (attributes, ir.DictAttr.get(attributes))
+    attributes, config = known
+    if "salt" in attrs:  # one salt per operand: its DictAttr is its own
+      config = ir.DictAttr.get({**attributes, "salt": ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
+                                                                         int(attrs["salt"]))})
     op = self._kernels.custom_call(target.name, types, operands, config, has_side_effect=target.side_effect,
                                    layouts=self._layouts)
     if self.partitioned and target.block_local is not None:
