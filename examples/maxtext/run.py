@@ -462,6 +462,9 @@ def main(argv=None):
                       "GEMMs run packed")
   p.add_argument("--format", default=None, choices=("nvfp4", "mxfp4", "mxfp8"),
                  help="train the quantized run with XLA_FP4_FORMAT (and check the policy's decisions in it)")
+  p.add_argument("--setup-only", action="store_true",
+                 help="build MaxText's venv and install this checkout into it, then exit (CI does this first, then runs "
+                      "its two MaxText sections side by side)")
   p.add_argument("--telemetry", action="store_true",
                  help="train the NVFP4 run once more with XLA_FP4_TELEMETRY: same losses, records of every GEMM")
   args = p.parse_args(argv)
@@ -470,6 +473,8 @@ def main(argv=None):
   if args.families:
     args.configs += [c for c in FAMILY_CONFIGS if c not in args.configs]
   python = setup()
+  if args.setup_only:
+    return 0
   results, failed = {}, []
   for name in args.configs:
     work = args.work / name
