@@ -4,8 +4,9 @@ Every kernel has a pure-JAX twin in `xla_fp4.numerics` that defines its numbers 
 attributes: `xla_fp4.numerics.kernel_twins`); the kernels agree with it bit for bit (the GEMM up to float32 summation
 order).
 
-Custom-call contract (for code that emits `stablehlo.custom_call` itself, like the compiler pass): `api_version = 4`
-(typed FFI), `backend_config` a DictionaryAttr with exactly the attributes in `ATTRIBUTES[target]`, typed as follows:
+Custom-call contract (for code that emits `stablehlo.custom_call` itself, like the compiler pass): typed FFI, written
+as jax.ffi writes it (an empty `backend_config` string, the attributes in a DictionaryAttr `mhlo.backend_config`,
+which XLA reads as a typed FFI call) with exactly the attributes in `ATTRIBUTES[target]`, typed as follows:
   - `bool` attributes are `BoolAttr` (MLIR `true`/`false`, i.e. i1); XLA FFI decodes them as C++ `bool` (PRED scalar),
     which is also what `jax.ffi.ffi_call` emits for a Python bool. Do not pass them as integers.
   - `int` attributes are signless 64-bit `IntegerAttr` (`3 : i64`). `rht_seed` and `salt` must lie in [0, 2**32).
@@ -171,7 +172,9 @@ def custom_call(target, result_types, operands, config, has_side_effect=False, l
   attributes = dict(shared, operand_layouts=_row_major([o.type for o in operands], cache),
                     result_layouts=_row_major(result_types, cache))
   op = hlo.CustomCallOp.build_generic(results=result_types, operands=operands, attributes=attributes)
-  op.operation.attributes["mhlo.backend_config"] = config if isinstance(config, ir.DictAttr) else ir.DictAttr.get(config)
+  if not isinstance(config, ir.DictAttr):
+    config = ir.DictAttr.get(config)
+  op.operation.attributes["mhlo.backend_config"] = config
   return op
 
 

@@ -43,13 +43,14 @@ __all__ = ["Emitter", "FfiKernels", "KernelSet", "ReferenceKernels", "Settings",
 def apply(module, plans, kernel_set, *, seed, matrix_gemm=False, emulate=False, platform=None, telemetry=None,
           verify=True):
   """Rewrite every planned dot of `module` (in place, in program order) with `kernel_set`; the module must verify
-  after. `verify`: verify it here (the strict option: the error then names the pass); else its first verification
-  is jax's, which verifies every module it compiles (its cache key's pass pipeline; XLA's parser again), and the hook
-  compiles the original when that fails (tests/passes/test_end_to_end.py). Verifying a 12-block step took a seventh of
-  the pass's time (benchmarks/pass_overhead.py). `matrix_gemm`: emit emulated GEMMs as plain matrices where XLA CPU needs them (Emitter). `emulate`: the
-  packed GEMMs (Form.PACKED) run emulated on each device (the emulate backend of a partitioned program).
-  `platform`: JAX's name of the platform the twins are lowered for (Twins). `telemetry`: probes.Settings, which add
-  the telemetry probes (probes.py) to every GEMM; returns the plans that got them."""
+  after. `verify`: verify it here (the strict option: the error is then raised in the pass); else its first
+  verification is jax's, which verifies every module it compiles (the pass pipeline that makes its cache key), and
+  the hook compiles the original when that fails (tests/passes/test_end_to_end.py); verifying a 12-block step took a
+  seventh of the pass's time (benchmarks/pass_overhead.py). `matrix_gemm`: emit emulated GEMMs as plain matrices
+  where XLA CPU needs them (Emitter). `emulate`: the packed GEMMs (Form.PACKED) run emulated on each device (the
+  emulate backend of a partitioned program). `platform`: JAX's name of the platform the twins are lowered for
+  (Twins). `telemetry`: probes.Settings, which add the telemetry probes (probes.py) to every GEMM; returns the plans
+  that got them."""
   twins = Twins(module, platform)
   probes = None if telemetry is None else Probes(kernel_set, twins, seed, telemetry)
   emitter = Emitter(kernel_set, twins, seed, matrix_gemm=matrix_gemm, emulate=emulate, probes=probes)
