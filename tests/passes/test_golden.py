@@ -50,6 +50,7 @@ def test_golden(path, tmp_path):
     module = ir.Module.parse(text)
     result = pipeline.transform(module, cfg, 
                                 kernels=lambda m: rewrite.FfiKernels(partitioned=pipeline.num_partitions(m) > 1))
+    assert result.module.operation.verify()  # the pass verifies in strict mode only (rewrite.apply)
     out = tmp_path / "after.mlir"
     out.write_text(result.module.operation.get_asm())
     kernel_calls_row_major(result.module)

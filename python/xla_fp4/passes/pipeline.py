@@ -81,8 +81,8 @@ def decisions(module: ir.Module, config: Config):
 def _collector_paused():
   """Python's cyclic garbage collector off for the pass: the pass allocates binding objects by the hundred thousand,
   which set the collector off every few hundred, and its older generations' collections walk every object of the
-  process (a tenth of the pass's time on benchmarks/pass_overhead.py's step). What the pass leaves for it, it
-  collects once afterwards (0.1 ms there)."""
+  process (4-9% of the pass's time on benchmarks/pass_overhead.py's step). What the pass leaves for it, it collects
+  once afterwards (0.1 ms there)."""
   if not gc.isenabled():
     yield
     return
