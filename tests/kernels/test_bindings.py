@@ -106,7 +106,7 @@ def test_custom_calls_are_built_as_jax_ffi_builds_them():
       for side_effect in (False, True):
         config = kernels.backend_config_attributes(kernels.targets.QDQ_WITH_SCALE.name, attrs)
         ours = kernels.custom_call(kernels.QDQ_WITH_SCALE_TARGET, result_types, [x], config,
-                                   has_side_effect=side_effect, layouts={})
+                                   has_side_effect=side_effect, cache={})
         theirs = mlir.custom_call(kernels.QDQ_WITH_SCALE_TARGET, result_types=result_types, operands=[x],
                                   api_version=4, backend_config=config, has_side_effect=side_effect,
                                   operand_layouts=[[1, 0]], result_layouts=[[1, 0], []])

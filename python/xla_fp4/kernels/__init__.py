@@ -130,28 +130,29 @@ from xla_fp4.kernels.registry import (  # noqa: F401  (the package's API)
 
 def backend_config_attributes(target, attrs):
   """{name: MLIR attribute} of a custom call to `target` (needs an active MLIR context); see the module docstring."""
-  from jax.extend.mlir import ir
   want = ATTRIBUTES[target]
   if set(attrs) != set(want):
     raise ValueError(f"{target} takes attributes {sorted(want)}, got {sorted(attrs)}")
-  i64 = ir.IntegerType.get_signless(64)
-  out = {}
-  for name, value in attrs.items():
-    if want[name] is bool:
-      out[name] = ir.BoolAttr.get(bool(value))
-    else:
-      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"attribute {name} of {target} must be an integer, got {value!r}")
-      out[name] = ir.IntegerAttr.get(i64, int(value))
-  return out
+  return {name: attribute(target, name, value) for name, value in attrs.items()}
 
 
-def custom_call(target, result_types, operands, config, has_side_effect=False, layouts=None):
+def attribute(target, name, value):
+  """The MLIR attribute of `target`'s backend_config attribute `name` (needs an active MLIR context): a BoolAttr for
+  a bool attribute, a signless i64 IntegerAttr for an int one, which must be an integer."""
+  from jax.extend.mlir import ir
+  if ATTRIBUTES[target][name] is bool:
+    return ir.BoolAttr.get(bool(value))
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"attribute {name} of {target} must be an integer, got {value!r}")
+  return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), int(value))
+
+
+def custom_call(target, result_types, operands, config, has_side_effect=False, cache=None):
   """A `stablehlo.custom_call` to kernel `target` at the current insertion point (needs an MLIR context); `config`:
   its backend_config attributes (`backend_config_attributes`), or their DictAttr. The call fixes row-major layouts for
   its operands and results: left free, XLA's layout assignment may give one another layout (a result that is
   all-gathered along its last dim gets that dim major), and the kernel would read or write the wrong elements.
-  `layouts`: a dict that a caller emitting many calls into one module keeps, where the attributes that calls share (a
+  `cache`: a dict that a caller emitting many calls into one module keeps, where the attributes that calls share (a
   list of types' layouts, a target's name) are built once.
 
   Built as jax.ffi's calls are (jax's mlir.custom_call with a dict backend_config, the same on jax 0.10 and 0.12): an
@@ -161,7 +162,7 @@ def custom_call(target, result_types, operands, config, has_side_effect=False, l
   from jax._src.lib.mlir.dialects import hlo
   from jax.extend.mlir import ir
 
-  cache = {} if layouts is None else layouts
+  cache = {} if cache is None else cache
   shared = cache.get(("custom_call", target, has_side_effect))
   if shared is None:
     shared = cache[("custom_call", target, has_side_effect)] = dict(

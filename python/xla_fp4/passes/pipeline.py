@@ -83,14 +83,13 @@ def _collector_paused():
   which set the collector off every few hundred, and its older generations' collections walk every object of the
   process (4-9% of the pass's time on benchmarks/pass_overhead.py's step). What the pass leaves for it, it collects
   once afterwards (0.1 ms there)."""
-  if not gc.isenabled():
-    yield
-    return
+  enabled = gc.isenabled()
   gc.disable()
   try:
     yield
   finally:
-    gc.enable()
+    if enabled:
+      gc.enable()
 
 
 def transform(module: ir.Module, config: Config, platform: str = "cpu", kernels=None) -> Result:

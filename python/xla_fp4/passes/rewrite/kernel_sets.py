@@ -40,9 +40,9 @@ class FfiKernels:
     # over it; without one (GSPMD) a partitioned program's statistics come from the twins (probes.py).
     self.mesh = mesh if partitioned else None
     # built once per pass run:
-    self._configs = {}  # (target, attributes but a salt) -> ({name: attribute}, their DictAttr)
+    self._configs = {}  # (target, attributes but a salt) -> ({name: attribute}, their DictAttr if unsalted)
     self._types = {}  # (target, operand types, attributes) -> result types
-    self._layouts = {}  # types -> their row-major layouts attribute (kernels.custom_call)
+    self._attributes = {}  # what custom calls share: types' layouts, targets' names (kernels.custom_call)
 
   def call(self, target, operands, attrs, *, result_types=None, k_follows_dot=False):
     unsalted = tuple(sorted((k, v) for k, v in attrs.items() if k != "salt"))
@@ -57,13 +57,13 @@ class FfiKernels:
     known = self._configs.get((target.name, unsalted))
     if known is None:
       attributes = self._kernels.backend_config_attributes(target.name, attrs)
-      known = self._configs[(target.name, unsalted)] = (attributes, ir.DictAttr.get(attributes))
+      known = self._configs[(target.name, unsalted)] = (attributes, None if "salt" in attrs else
+                                                        ir.DictAttr.get(attributes))
     attributes, config = known
     if "salt" in attrs:  # one salt per operand: its DictAttr is its own
-      config = ir.DictAttr.get({**attributes, "salt": ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
-                                                                         int(attrs["salt"]))})
+      config = ir.DictAttr.get({**attributes, "salt": self._kernels.attribute(target.name, "salt", attrs["salt"])})
     op = self._kernels.custom_call(target.name, types, operands, config, has_side_effect=target.side_effect,
-                                   layouts=self._layouts)
+                                   cache=self._attributes)
     if self.partitioned and target.block_local is not None:
       op.attributes["sdy.sharding_rule"] = self._partition.sharding_rule(
           target.name, operand_types, types, attrs, k_follows_dot)
