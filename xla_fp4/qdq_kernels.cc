@@ -148,13 +148,11 @@ XLA_FP4_VECTOR_CLONES void BlockAmaxTiles(const T* x, float* amax, uint32_t* dig
       }
     }
     if constexpr (kBlocks == Blocks::kRow) {
+      // The row's largest MagnitudeBits counted only from `smallest` up: its raw maximum, clamped at Inf (MagnitudeBits
+      // is monotone), counts whole or not at all.
       for (int i = 0; i < kBlock; ++i) {
-        uint32_t mi = 0;
-        for (int j = 0; j < kBlock; ++j) {
-          const uint32_t a = MagnitudeBits(v[i][j]);
-          mi = a > mi && a >= smallest ? a : mi;
-        }
-        m[i] = mi;
+        const uint32_t raw = RowMaxMagnitudeBits(v[i]), mi = raw < 0x7F800000u ? raw : 0x7F800000u;
+        m[i] = mi >= smallest ? mi : 0u;
       }
       const int64_t first = p.base / kBlock;  // block index = line
       for (int i = 0; i < p.nl; ++i) amax[first + i] = FloatOf(m[i]);
