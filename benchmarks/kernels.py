@@ -165,6 +165,20 @@ def run(size, repeats, only=None):
   return results
 
 
+def cpu():
+  """The CPU's model name and the widest vector ISA of the kernels' clones it runs (cpu_common.h
+  XLA_FP4_VECTOR_CLONES): the kernels' arithmetic, and so their rate against a copy, depends on both."""
+  try:
+    info = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return {"model": platform.processor() or platform.machine(), "vector_isa": "unknown"}
+  fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+  model = fields.get("model name\t", "").strip() or platform.machine()
+  flags = set(fields.get("flags\t\t", "").split())
+  isa = "x86-64-v4 (AVX-512)" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "baseline x86-64")
+  return {"model": model, "vector_isa": isa}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--size", type=int, default=4096, help="square matrix side (a multiple of 256)")
@@ -176,7 +190,7 @@ def main():
   meta = {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "jax": jax.__version__, "python": platform.python_version(), "machine": platform.machine(),
-      "cpu_count": os.cpu_count(), "load_average_at_end": os.getloadavg(),
+      "cpu_count": os.cpu_count(), "cpu": cpu(), "load_average_at_end": os.getloadavg(),
       "method": "rounds of (copy, kernel) after a warm-up, medians of each; GB/s = (input + output bytes) / time; "
                 "qdq and the packers take a precomputed s_dec",
       "repeats": args.repeats, "targets": {"nearest": TARGET_NEAREST, "stochastic_or_rht": TARGET_STOCHASTIC_OR_RHT},

@@ -90,6 +90,7 @@ then the column-wise one's) from one read; `packed_two` makes the same two copie
 same bytes, so the pair's rate over theirs is its speed-up: {"; ".join(
     f"{v}: " + ", ".join(f"{t} {gain(v, t)}" for t in dtypes if ("packed_two", v, t) in by) for v in pairs)}.
 """
+  cpu_text = "" if "cpu" not in meta else f" ({meta['cpu']['model']}, the {meta['cpu']['vector_isa']} clones)"
   text = f"""## Quantization kernels
 
 `python benchmarks/kernels.py` (writes `benchmarks/results/kernels.json`): every quantizing CPU kernel on a {shape}
@@ -99,8 +100,8 @@ for t in dtypes)}). `qdq` takes the decode scale and writes q * scale, as the pa
 partitioned, measures the amax (and the rounding key) itself, one more read; `packed` is the native backend's
 operand, `block_amax` a partitioned program's per-block maxima; `grouped` is an expert stack's quantizer as the pass
 lowers it (XLA-compiled JAX, as `jax` is the pure-JAX qdq). Each cell is the kernel's rate ((input + output bytes) /
-time) over the copy's. Method: {meta['method']}; {meta['repeats']} rounds; {meta['cpu_count']} CPU cores, jax
-{meta['jax']}, {meta['date'][:10]}.
+time) over the copy's. Method: {meta['method']}; {meta['repeats']} rounds; {meta['cpu_count']} CPU cores{cpu_text},
+jax {meta['jax']}, {meta['date'][:10]}.
 
 {table(["kernel", "variant"] + dtypes + ["target"], rows)}
 

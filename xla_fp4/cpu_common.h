@@ -281,10 +281,12 @@ inline void Rht16Rows(float (&v)[kBlock][kBlock], const float* sign_quarter) {
 }
 
 // Rht16 down each column of a tile: the same butterfly and sign order, so every column rounds as Rht16 would. A stage
-// adds and subtracts whole rows, each held as four quads.
+// adds and subtracts whole rows; GCC's vector extensions keep each row in registers (lane-wise arithmetic, which every
+// vector ISA splits into its own widths: no shuffle).
 inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) {
 #if defined(__GNUC__) && !defined(__clang__)
-  Quad r[kBlock][4];
+  typedef float Row __attribute__((vector_size(kBlock * sizeof(float))));
+  Row r[kBlock];
   std::memcpy(r, v, sizeof r);
 #pragma GCC unroll 4
   for (int half = 1; half < kBlock; half *= 2) {
@@ -292,17 +294,13 @@ inline void Rht16Columns(float (&v)[kBlock][kBlock], const float* sign_quarter) 
     for (int g = 0; g < kBlock; g += 2 * half) {
 #pragma GCC unroll 8
       for (int i = g; i < g + half; ++i) {
-        for (int c = 0; c < 4; ++c) {
-          const Quad a = r[i][c], b = r[i + half][c];
-          r[i][c] = a + b;
-          r[i + half][c] = a - b;
-        }
+        const Row a = r[i], b = r[i + half];
+        r[i] = a + b;
+        r[i + half] = a - b;
       }
     }
   }
-  for (int i = 0; i < kBlock; ++i) {
-    for (int c = 0; c < 4; ++c) r[i][c] *= sign_quarter[i];
-  }
+  for (int i = 0; i < kBlock; ++i) r[i] *= sign_quarter[i];
   std::memcpy(v, r, sizeof r);
 #else
   for (int half = 1; half < kBlock; half *= 2) {
