@@ -172,9 +172,12 @@ def cpu():
     info = Path("/proc/cpuinfo").read_text()
   except OSError:
     return {"model": platform.processor() or platform.machine(), "vector_isa": "unknown"}
-  fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-  model = fields.get("model name\t", "").strip() or platform.machine()
-  flags = set(fields.get("flags\t\t", "").split())
+  # "key<tabs>: value" lines; the number of tabs varies by key and kernel version.
+  fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
+  model = fields.get("model name") or platform.machine()
+  flags = set(fields.get("flags", "").split())
+  if platform.machine() not in ("x86_64", "AMD64"):
+    return {"model": model, "vector_isa": f"{platform.machine()} (no vector clones)"}
   isa = "x86-64-v4 (AVX-512)" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "baseline x86-64")
   return {"model": model, "vector_isa": isa}
 
