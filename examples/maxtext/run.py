@@ -147,7 +147,7 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
           backend=None, nearest=False, exact=False, fmt=None, xla_flags=""):
   config = subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
                            "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
-  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FP4") and k != "XLA_FLAGS"}
+  env = {}  # the run's own variables, on top of this process's environment less any of theirs (_own_variable)
   if fp4:
     env.update(XLA_FP4="1", XLA_FP4_DUMP_DIR=str(dump_dir))
   if telemetry:
@@ -166,24 +166,55 @@ def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, sma
   if xla_flags:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
   # An override given twice (a family's layer count) takes its last value.
-  cmd = [str(python), "-m", "maxtext.trainers.pre_train.train", config, f"run_name={name}",
-         f"base_output_directory={dump_dir.parent / 'maxtext_out'}", f"steps={steps}",
-         *_last_wins([*small, *overrides])]
+  argv = ["maxtext.trainers.pre_train.train", config, f"run_name={name}",
+          f"base_output_directory={dump_dir.parent / 'maxtext_out'}", f"steps={steps}",
+          *_last_wins([*small, *overrides])]
   start = time.time()
-  with open(log, "w") as f:
-    proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=dump_dir.parent, timeout=1800)
+  returncode = _trainer(python).run(argv, env, dump_dir.parent, log)
   text = Path(log).read_text()
   steps_seen = [(int(s), float(t), float(l)) for s, t, l in STEP_RE.findall(text)]
   said = sorted(set(re.findall(r"xla_fp4: [^\n]*", text)))
   # The pass says once that it is on (and where its report goes): a notice, not a warning; telemetry alerts are
   # what telemetry is for.
   warnings = [w for w in said if not w.startswith("xla_fp4 is on") and "telemetry alert" not in w]
-  return dict(returncode=proc.returncode, wall_s=round(time.time() - start, 1), warnings=warnings,
+  return dict(returncode=returncode, wall_s=round(time.time() - start, 1), warnings=warnings,
               notices=[w for w in said if w not in warnings],
               log=str(Path(log).relative_to(Path(log).parents[1])),  # under --work
               losses=[l for _, _, l in steps_seen],
               # Step 0 compiles; the median of the others is the step time.
               step_s=statistics.median([t for s, t, _ in steps_seen if s > 0]) if len(steps_seen) > 1 else None)
+
+
+class _Trainer:
+  """MaxText's trainer in the venv's python with its imports done once (preloaded_trainer.py): each run a forked
+  child of it, the same run as `python -m maxtext.trainers.pre_train.train` (its docstring says why), without the
+  20-25 s of imports each (half of a small configuration's run here)."""
+
+  def __init__(self, python):
+    self.cmd = [str(python), str(Path(__file__).with_name("preloaded_trainer.py"))]
+    # MaxText is imported without the variables each run sets (train): a run's child sets its own.
+    self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True, env={k: v for k, v in os.environ.items() if not _own_variable(k)})
+
+  def run(self, argv, env, cwd, log, timeout=1800):
+    """The training's exit status (-9: killed past `timeout` seconds); its output in `log`."""
+    self.proc.stdin.write(json.dumps(dict(argv=argv, env=env, cwd=str(cwd), log=str(log), timeout=timeout)) + "\n")
+    self.proc.stdin.flush()
+    reply = self.proc.stdout.readline()
+    if not reply:
+      raise SystemExit(f"MaxText's preloaded trainer ended before answering (exit {self.proc.wait()}); "
+                       f"`{' '.join(self.cmd)}` shows its error")
+    return json.loads(reply)["returncode"]
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer(python):
+  return _Trainer(python)
+
+
+def _own_variable(name):
+  """Whether each run sets (or unsets) the environment variable `name` itself."""
+  return name.startswith("XLA_FP4") or name == "XLA_FLAGS"
 
 
 def _last_wins(overrides):
@@ -311,15 +342,20 @@ def _proto_reader(python):
                    f"build MaxText 0.2.4's venv (run.py with MAXTEXT_VENV unset) or pip install tensorflow-cpu there")
 
 
-def hlo_module_proto(python, path):
-  """The HloModuleProto inside the xla.HloProto that XLA dumps as *.hlo.pb, read with the XLA protos that ship in the
-  MaxText venv (tensorflow's: `_proto_reader`)."""
-  out = path.with_suffix(".module")
-  subprocess.run([_proto_reader(python), "-c", "import sys; from tensorflow.compiler.xla.service import hlo_pb2; "
-                  "p = hlo_pb2.HloProto.FromString(open(sys.argv[1], 'rb').read()); "
-                  "open(sys.argv[2], 'wb').write(p.hlo_module.SerializeToString())", str(path), str(out)],
-                 check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-  return out.read_bytes()
+def hlo_module_protos(python, paths):
+  """The HloModuleProto inside each xla.HloProto that XLA dumps as *.hlo.pb, read with the XLA protos that ship in the
+  MaxText venv (tensorflow's: `_proto_reader`), all in one process (tensorflow's import takes 10-20 s here); each
+  kept beside its dump as *.module, which a later read of the same dump takes."""
+  outs = [path.with_suffix(".module") for path in paths]
+  todo = [str(f) for path, out in zip(paths, outs)
+          if not (out.exists() and out.stat().st_mtime >= path.stat().st_mtime) for f in (path, out)]
+  if todo:
+    subprocess.run([_proto_reader(python), "-c", "import sys; from tensorflow.compiler.xla.service import hlo_pb2\n"
+                    "for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+                    "  open(dst, 'wb').write(hlo_pb2.HloProto.FromString(open(src, 'rb').read())"
+                    ".hlo_module.SerializeToString())", *todo],
+                   check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  return [out.read_bytes() for out in outs]
 
 
 def is_tokens(number, dtype, dims):
@@ -333,14 +369,14 @@ def sharded_cost(python, dump_dir, base_dump_dir=None):
   `base_dump_dir`: where the run without the pass dumped, when not in `dump_dir`."""
   sys.path.insert(0, str(ROOT / "python"))
   from xla_fp4.sharding.cost import hlo_proto_cost
-  costs = {}
+  dumps = []
   for fp4 in (False, True):
     where = hlo_dir(dump_dir if fp4 or base_dump_dir is None else base_dump_dir, fp4)
     paths = sorted(glob.glob(str(where / "*train_step*after_optimizations.hlo.pb")))
     if not paths:
       return None, [f"no optimized train step HLO dumped under {where}"]
-    costs["pass" if fp4 else "none"] = hlo_proto_cost(hlo_module_proto(python, Path(paths[-1])), is_tokens)
-  none, new = costs["none"], costs["pass"]
+    dumps.append(Path(paths[-1]))
+  none, new = (hlo_proto_cost(proto, is_tokens) for proto in hlo_module_protos(python, dumps))
   by_kind = {k: dict(none=none.collective_bytes_by_kind[k], pass_=new.collective_bytes_by_kind[k],
                      ratio=round(new.collective_bytes_by_kind[k] / max(none.collective_bytes_by_kind[k], 1), 4))
              for k in new.collective_bytes_by_kind}
