@@ -145,8 +145,7 @@ def _checkout_digest():
 
 def train(python, name, overrides, steps, fp4, dump_dir, log, sharded=False, small=SMALL, telemetry=None,
           backend=None, nearest=False, exact=False, fmt=None, xla_flags=""):
-  config = subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
-                           "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
+  config = _base_config(python)
   env = {}  # the run's own variables, on top of this process's environment less any of theirs (_own_variable)
   if fp4:
     env.update(XLA_FP4="1", XLA_FP4_DUMP_DIR=str(dump_dir))
@@ -212,8 +211,15 @@ def _trainer(python):
   return _Trainer(python)
 
 
+@functools.lru_cache(maxsize=None)
+def _base_config(python):
+  """MaxText's configs/base.yml in the venv of `python` (found once, not once per run)."""
+  return subprocess.run([python, "-c", "import maxtext, os; print(os.path.join(os.path.dirname(maxtext.__file__), "
+                         "'configs', 'base.yml'))"], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def _own_variable(name):
-  """Whether each run sets (or unsets) the environment variable `name` itself."""
+  """Whether each run sets the environment variable `name` itself (the trainer imports MaxText without it)."""
   return name.startswith("XLA_FP4") or name == "XLA_FLAGS"
 
 
